@@ -1,0 +1,5 @@
+import sys
+
+from infero.cli import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""numpy reference ops: simple and obviously right, the oracle every CUDA kernel is tested against.
+
+Activations are float32; weights are dequantized to float32 once at load. Matrices are [out, in] row-major,
+as GGUF stores them, and multiply as x @ W.T (BLAS reads the transpose in place, no copy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from infero.checkpoint.dequantize import dequantize_tensor
+from infero.checkpoint.gguf import TensorInfo
+from infero.engine.batch import Batch
+from infero.models.rotary import Rotary
+
+
+class CpuKVCache:
+    """Per-layer K and V blocks: float32 [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.k = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * 4
+
+
+class CpuOps:
+    """The backend operations a model's forward pass is written against."""
+
+    def weight(self, tensor: TensorInfo) -> np.ndarray:
+        return dequantize_tensor(tensor)
+
+    def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        return table[token_ids]
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """Normalise over the last axis (works for [n, hidden] and per head for [n, heads, head_dim])."""
+        variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+        return (x / np.sqrt(variance + eps)) * weight
+
+    def add_rms_norm(
+        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """residual += x (residual starts as x), then return (rms_norm(residual), residual)."""
+        residual = x if residual is None else residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = x @ weight.T
+        return y if bias is None else y + bias
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return gate / (1.0 + np.exp(-gate)) * up
+
+    def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
+        """Rotate the first rope_dim dimensions of every head of x [n, heads, head_dim] by position."""
+        cos, sin = rotary.cos_sin(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        d = rotary.rope_dim
+        out = x.copy()
+        if rotary.pairing == "interleaved":
+            a, b = x[..., 0:d:2], x[..., 1:d:2]
+            out[..., 0:d:2] = a * cos - b * sin
+            out[..., 1:d:2] = b * cos + a * sin
+        else:
+            a, b = x[..., : d // 2], x[..., d // 2 : d]
+            out[..., : d // 2] = a * cos - b * sin
+            out[..., d // 2 : d] = b * cos + a * sin
+        return out
+
+    def store_kv(self, cache: CpuKVCache, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Write the new tokens' K and V [n, kv_heads, head_dim] into their cache slots."""
+        bs = cache.block_size
+        cache.k[layer][slot_mapping // bs, slot_mapping % bs] = k
+        cache.v[layer][slot_mapping // bs, slot_mapping % bs] = v
+
+    def attention(self, q: np.ndarray, cache: CpuKVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
+        """Causal grouped-query attention of q [n, heads, head_dim] over each sequence's cached K/V."""
+        out = np.empty_like(q)
+        starts = batch.query_starts
+        bs = cache.block_size
+        for s in range(batch.num_seqs):
+            lo, hi = int(starts[s]), int(starts[s + 1])
+            ctx = int(batch.context_lens[s])
+            pos = np.arange(ctx)
+            slots_block = batch.block_tables[s][pos // bs]
+            k = cache.k[layer][slots_block, pos % bs]  # [ctx, kv_heads, head_dim]
+            v = cache.v[layer][slots_block, pos % bs]
+            out[lo:hi] = _causal_gqa(q[lo:hi], k, v, scale)
+        return out
+
+
+def _causal_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Attention of n queries (the last n of ctx positions) over ctx keys, query heads grouped on KV heads."""
+    n, heads, hd = q.shape
+    ctx, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    qg = q.reshape(n, kv_heads, group, hd).transpose(1, 2, 0, 3)  # [kv, group, n, hd]
+    kt = k.transpose(1, 2, 0)  # [kv, hd, ctx]
+    scores = (qg @ kt[:, None]) * scale  # [kv, group, n, ctx]
+    query_pos = ctx - n + np.arange(n)
+    scores = np.where(np.arange(ctx)[None, :] <= query_pos[:, None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v.transpose(1, 0, 2)[:, None]  # [kv, group, n, hd]
+    return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)

@@ -1,0 +1,201 @@
+"""The command line: `infero generate | inspect | tokenize`.
+
+Errors a user can cause print one line on stderr and exit with status 2; progress and summaries go to
+stderr so stdout carries only the answer (plain text, or JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+from infero.backends import DEVICES
+from infero.errors import InferoError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=os.environ.get("INFERO_MODEL"),
+        help="GGUF file (the first part of a split model); default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--device", choices=DEVICES, default=os.environ.get("INFERO_DEVICE", "auto"),
+                   help="where to run; auto takes the GPU when there is one (default: auto)")  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infero", description="LLM inference with hand-written kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for PROMPT, streamed to stdout")
+    _add_model_args(g)
+    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
+    g.add_argument("--system", help="with --chat: a system message before PROMPT")
+    g.add_argument("--chat-template", metavar="FILE", help="a jinja chat template to use instead of the model's")
+    g.add_argument("--max-tokens", type=int, default=256)
+    # Sampling defaults follow llama.cpp's CLI, which users of a local CLI expect.
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
+    g.add_argument("--logprobs", type=int, metavar="N", help="also report the top-N alternatives of every token")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    i = sub.add_parser("inspect", help="describe a model file")
+    _add_model_args(i)
+    i.add_argument("--json", action="store_true")
+
+    t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
+    _add_model_args(t)
+    t.add_argument("text", metavar="TEXT")
+    t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS the model asks for")
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    d = bsub.add_parser("decode", help="prefill and batch-1 decode speed, and the roofline fraction")
+    _add_model_args(d)
+    d.add_argument("--prompt-tokens", type=int, default=512)
+    d.add_argument("--decode-tokens", type=int, default=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        commands = {"generate": _generate, "inspect": _inspect, "tokenize": _tokenize, "bench": _bench}
+        return commands[args.command](args)
+    except InferoError as e:
+        print(f"infero: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _generate(args) -> int:
+    from infero import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, chat_template=args.chat_template, show_progress=True)
+    print(llm.summary(), file=sys.stderr)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt = llm.encode_chat(messages)
+    else:
+        prompt = args.prompt
+    params = SamplingParams(
+        temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        logprobs=args.logprobs, stop=args.stop, ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    if args.json:
+        [out] = llm.generate([prompt], params)
+        result = {
+            "model": str(llm.path),
+            "prompt_ids": out.prompt_ids,
+            "completion_ids": out.completion_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "logprobs": None if out.logprobs is None else [
+                {"token_id": lp.token_id, "token": llm.tokenizer.decode([lp.token_id]), "logprob": lp.logprob,
+                 "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]}
+                for lp in out.logprobs
+            ],
+        }  # fmt: skip
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _inspect(args) -> int:
+    from infero.checkpoint import load_checkpoint
+    from infero.default_model import default_model_path
+    from infero.tokenizer import Tokenizer
+
+    path = args.model or default_model_path()
+    ckpt = load_checkpoint(path)
+    c = ckpt.config
+    tok = Tokenizer.from_gguf_metadata(ckpt.metadata)
+    types = Counter(t.type_name for t in ckpt.tensors.values())
+    params = sum(t.num_elements for t in ckpt.tensors.values())
+    info = {
+        "path": str(path),
+        "name": c.name,
+        "architecture": c.architecture,
+        "parameters": params,
+        "file_size_bytes": ckpt.file_size,
+        "quantization": ckpt.quantization,
+        "tensor_types": dict(types.most_common()),
+        "layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "heads": c.num_heads,
+        "kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "context_length": c.context_length,
+        "rope": {"theta": c.rope_theta, "pairing": c.rope_pairing, "scaling": c.rope_scaling.kind},
+        "tied_embeddings": c.tie_word_embeddings,
+        "vocab_size": tok.vocab_size,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "end_of_generation_tokens": sorted(tok.id_to_token(i) for i in tok.eog_token_ids),
+        "chat_template": tok.chat_template is not None,
+    }
+    if args.json:
+        print(json.dumps(info, ensure_ascii=False, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if key == "tensor_types":
+            value = ", ".join(f"{n} x{k}" for k, n in value.items())
+        elif key == "parameters":
+            value = f"{value:,} ({value / 1e6:,.1f} M)"
+        elif key == "file_size_bytes":
+            value = f"{value:,} ({value / 2**20:,.1f} MiB)"
+        print(f"{key.replace('_', ' '):<{width}}  {value}")
+    return 0
+
+
+def _tokenize(args) -> int:
+    from infero.checkpoint.gguf import GGUFModel
+    from infero.default_model import default_model_path
+    from infero.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_metadata(GGUFModel.open(args.model or default_model_path()).metadata)
+    print(json.dumps(tok.encode(args.text, add_special_tokens=not args.no_special)))
+    return 0
+
+
+def _bench(args) -> int:
+    from infero import LLM
+    from infero.bench import decode
+
+    llm = LLM(args.model, device=args.device, show_progress=True)
+    print(llm.summary(), file=sys.stderr)
+    result = decode.run(llm, args.prompt_tokens, args.decode_tokens)
+    print(decode.format_table(llm.config.name, llm.backend.name, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

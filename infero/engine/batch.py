@@ -1,0 +1,97 @@
+"""Batch: the tokens of one forward step, for several sequences, over a paged KV cache.
+
+Every sequence contributes `query_lens[i]` new tokens (a prefill chunk, or 1 for a decode) that attend to
+the `context_lens[i] - query_lens[i]` tokens already in its cache blocks and, causally, to each other.
+This is the interface the scheduler fills and every backend (numpy, CUDA) consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Batch:
+    token_ids: np.ndarray  # int32 [num_tokens]: all sequences' new tokens, sequence after sequence
+    positions: np.ndarray  # int32 [num_tokens]: position of each token in its sequence
+    query_lens: np.ndarray  # int32 [num_seqs]: new tokens per sequence
+    context_lens: np.ndarray  # int32 [num_seqs]: tokens in the sequence's cache once this step has run
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]: cache block ids per sequence, unused entries -1
+    slot_mapping: np.ndarray  # int64 [num_tokens]: cache slot (block * block_size + offset) for each new token
+    logits_indices: np.ndarray  # int32 [num_logits]: rows of num_tokens whose logits the step returns
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    @property
+    def query_starts(self) -> np.ndarray:
+        """int32 [num_seqs + 1]: where each sequence's tokens begin in the flat token arrays."""
+        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+
+    def sequence(self, i: int) -> Batch:
+        """The sub-batch holding sequence i alone, with its logits rows renumbered."""
+        starts = self.query_starts
+        lo, hi = int(starts[i]), int(starts[i + 1])
+        mine = (self.logits_indices >= lo) & (self.logits_indices < hi)
+        return Batch(
+            token_ids=self.token_ids[lo:hi],
+            positions=self.positions[lo:hi],
+            query_lens=self.query_lens[i : i + 1],
+            context_lens=self.context_lens[i : i + 1],
+            block_tables=self.block_tables[i : i + 1],
+            slot_mapping=self.slot_mapping[lo:hi],
+            logits_indices=(self.logits_indices[mine] - lo).astype(np.int32),
+        )
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """What one sequence runs in a step: its new tokens and where its cache lives."""
+
+    token_ids: list[int]
+    start_position: int  # tokens already in the cache
+    block_table: list[int]
+    logits: str = "last"  # last | all | none
+
+
+def build_batch(steps: list[SequenceStep], block_size: int) -> Batch:
+    """Flatten per-sequence steps into a Batch (positions, slot mapping, padded block tables)."""
+    token_ids, positions, slots, logits_indices = [], [], [], []
+    query_lens, context_lens = [], []
+    offset = 0
+    for step in steps:
+        n = len(step.token_ids)
+        pos = np.arange(step.start_position, step.start_position + n, dtype=np.int64)
+        table = np.asarray(step.block_table, dtype=np.int64)
+        if len(table) * block_size < step.start_position + n:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {step.start_position + n} tokens")
+        token_ids.extend(step.token_ids)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if step.logits == "all":
+            logits_indices.extend(range(offset, offset + n))
+        elif step.logits == "last" and n:
+            logits_indices.append(offset + n - 1)
+        query_lens.append(n)
+        context_lens.append(step.start_position + n)
+        offset += n
+    max_blocks = max((len(s.block_table) for s in steps), default=0)
+    tables = np.full((len(steps), max(max_blocks, 1)), -1, dtype=np.int32)
+    for i, step in enumerate(steps):
+        tables[i, : len(step.block_table)] = step.block_table
+    return Batch(
+        token_ids=np.asarray(token_ids, dtype=np.int32),
+        positions=np.concatenate(positions).astype(np.int32) if positions else np.zeros(0, np.int32),
+        query_lens=np.asarray(query_lens, dtype=np.int32),
+        context_lens=np.asarray(context_lens, dtype=np.int32),
+        block_tables=tables,
+        slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
+        logits_indices=np.asarray(logits_indices, dtype=np.int32),
+    )

@@ -1,0 +1,38 @@
+"""Stop strings, matched across token boundaries and never leaked into the streamed text."""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    """Feed text deltas in; get back the text that is safe to emit.
+
+    Up to len(longest stop) - 1 trailing characters are held back, since they may be the start of a stop
+    string that the next token completes. Once a stop string appears, the text before it is released and
+    everything from the stop string on is dropped.
+    """
+
+    def __init__(self, stop: list[str] | None):
+        self.stop = [s for s in (stop or []) if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stop:
+            return delta
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        cut = max(0, len(self.pending) - self.holdback)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        """The held-back text, when the request ends for another reason."""
+        out, self.pending = self.pending, ""
+        return out

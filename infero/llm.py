@@ -1,0 +1,140 @@
+"""The offline Python API: load a model once, generate for one or many prompts.
+
+from infero import LLM, SamplingParams
+llm = LLM()                                   # the embedded default model
+[out] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+print(out.text, out.completion_ids)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infero.backends import select_backend
+from infero.checkpoint import load_checkpoint
+from infero.default_model import default_model_path
+from infero.engine.engine import Engine, EngineConfig
+from infero.engine.request import RequestOutput, TokenLogprob
+from infero.engine.sampling import SamplingParams
+from infero.errors import ChatTemplateError
+from infero.models import load_model
+from infero.progress import Progress
+from infero.tokenizer import Tokenizer
+from infero.tokenizer.chat_template import ChatTemplate
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str = "auto",
+        chat_template: str | os.PathLike | None = None,
+        engine_config: EngineConfig | None = None,
+        show_progress: bool = False,
+    ):
+        self.path = Path(model) if model is not None else default_model_path()
+        self.checkpoint = load_checkpoint(self.path)
+        self.config = self.checkpoint.config
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
+        self.backend = select_backend(device)
+        total = sum(t.nbytes for t in self.checkpoint.tensors.values())
+        progress = Progress(f"loading {self.path.name}", total, enabled=show_progress)
+        self.model = load_model(self.checkpoint, self.backend.ops, progress)
+        progress.close()
+        self.engine = Engine(self.model, self.backend, self.tokenizer, engine_config or EngineConfig())
+        source = ChatTemplate.from_file(chat_template).source if chat_template else self.tokenizer.chat_template
+        self.chat_template = (
+            ChatTemplate(source, self.tokenizer.bos_token, self.tokenizer.eos_token) if source else None
+        )
+
+    def summary(self) -> str:
+        """One line: model, quantization, memory for weights and KV, KV tokens that fit, device."""
+        c = self.config
+        weights = self.checkpoint.file_size / 2**20
+        kv = self.engine.pool.num_blocks * self.backend.kv_block_bytes(c, self.engine.pool.block_size) / 2**20
+        return (
+            f"ready: {c.name} ({c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}) "
+            f"{self.checkpoint.quantization}, file {weights:,.0f} MiB, KV cache {kv:,.0f} MiB = "
+            f"{self.engine.kv_capacity_tokens:,} tokens, context {self.engine.max_model_len:,}, "
+            f"device {self.backend.name}"
+        )
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(f"model {self.config.name!r} has no chat template; pass --chat-template FILE")
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+        )
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        # The template writes BOS itself where the model wants one, so the tokenizer adds none (as vLLM).
+        return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each step's new tokens and text for one prompt."""
+        request_id = uuid.uuid4().hex
+        self.engine.add_request(request_id, self._ids(prompt), params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)
+
+    def generate(
+        self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Generate for every prompt in one batch; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, Completion] = {}
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                rid = uuid.uuid4().hex
+                prompt_ids = self._ids(prompt)
+                self.engine.add_request(rid, prompt_ids, p)
+                results[rid] = Completion(prompt_ids, logprobs=[] if p.logprobs is not None else None)
+                ids.append(rid)
+            remaining = set(ids)
+            while remaining:
+                for out in self.engine.step():
+                    c = results[out.request_id]
+                    c.completion_ids += out.new_token_ids
+                    c.text += out.new_text
+                    if out.logprobs is not None:
+                        c.logprobs += out.logprobs
+                    if out.finished:
+                        c.finish_reason = out.finish_reason
+                        remaining.discard(out.request_id)
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)
+        return [results[rid] for rid in ids]
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

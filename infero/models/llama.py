@@ -1,0 +1,120 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), written once against a backend's ops.
+
+x = embed(tokens)
+for each layer:
+    h = rmsnorm(x)
+    q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)          # Qwen2: biases
+    q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)       # Qwen3: q/k norms
+    q, k = rotary(q, pos), rotary(k, pos)
+    cache[slots] = k, v
+    x = x + attention(q, cache, causal) Wo                # grouped-query heads
+    x = x + (silu(rmsnorm(x) Wgate) * rmsnorm(x) Wup) Wdown
+logits = rmsnorm(x) Wout                                  # Wout = embedding when tied
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from infero.checkpoint import Checkpoint
+from infero.checkpoint.config import ModelConfig
+from infero.checkpoint.dequantize import dequantize_tensor
+from infero.engine.batch import Batch
+from infero.errors import ModelFileError
+from infero.models.rotary import Rotary, build_rotary
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, ops: Any, embedding: Any, layers: list[LayerWeights], output_norm: Any,
+                 output: Any, rotary: Rotary):  # fmt: skip
+        self.config, self.ops = config, ops
+        self.embedding, self.layers, self.output_norm, self.output = embedding, layers, output_norm, output
+        self.rotary = rotary
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> LlamaModel:
+        """Hand every tensor to the backend (which keeps or decodes it) and build the model."""
+        config, tensors = checkpoint.config, checkpoint.tensors
+
+        def weight(name: str, optional: bool = False):
+            if name not in tensors:
+                if optional:
+                    return None
+                raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
+            w = ops.weight(tensors[name])
+            if progress is not None:
+                progress(tensors[name].nbytes)
+            return w
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            layers.append(
+                LayerWeights(
+                    attn_norm=weight(p + "attn_norm.weight"),
+                    wq=weight(p + "attn_q.weight"),
+                    wk=weight(p + "attn_k.weight"),
+                    wv=weight(p + "attn_v.weight"),
+                    wo=weight(p + "attn_output.weight"),
+                    ffn_norm=weight(p + "ffn_norm.weight"),
+                    w_gate=weight(p + "ffn_gate.weight"),
+                    w_up=weight(p + "ffn_up.weight"),
+                    w_down=weight(p + "ffn_down.weight"),
+                    bq=weight(p + "attn_q.bias", optional=True),
+                    bk=weight(p + "attn_k.bias", optional=True),
+                    bv=weight(p + "attn_v.bias", optional=True),
+                    q_norm=weight(p + "attn_q_norm.weight", optional=True),
+                    k_norm=weight(p + "attn_k_norm.weight", optional=True),
+                )
+            )
+        embedding = weight("token_embd.weight")
+        output = embedding if config.tie_word_embeddings else weight("output.weight")
+        freq_factors = tensors.get("rope_freqs.weight")
+        rotary = build_rotary(config, None if freq_factors is None else dequantize_tensor(freq_factors))
+        return cls(config, ops, embedding, layers, weight("output_norm.weight"), output, rotary)
+
+    def forward(self, batch: Batch, cache: Any) -> Any:
+        """Logits [len(batch.logits_indices), vocab] for the batch; writes its K/V into the cache."""
+        ops, c = self.ops, self.config
+        n = batch.num_tokens
+        x = ops.embedding(self.embedding, batch.token_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
+            q = ops.linear(h, layer.wq, layer.bq).reshape(n, c.num_heads, c.head_dim)
+            k = ops.linear(h, layer.wk, layer.bk).reshape(n, c.num_kv_heads, c.head_dim)
+            v = ops.linear(h, layer.wv, layer.bv).reshape(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = ops.rotary(q, batch.positions, self.rotary)
+            k = ops.rotary(k, batch.positions, self.rotary)
+            ops.store_kv(cache, i, k, v, batch.slot_mapping)
+            attn = ops.attention(q, cache, i, batch, self.scale)
+            x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
+            h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
+            x = ops.linear(ops.swiglu(ops.linear(h, layer.w_gate), ops.linear(h, layer.w_up)), layer.w_down)
+        rows = batch.logits_indices
+        h, _ = ops.add_rms_norm(x[rows], residual[rows], self.output_norm, c.rms_norm_eps)
+        return ops.linear(h, self.output)

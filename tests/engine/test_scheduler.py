@@ -1,0 +1,73 @@
+"""The token-budget scheduler: decodes first, chunked prefill, admission by free blocks, preemption."""
+
+from infero.engine.kv_cache import BlockPool
+from infero.engine.request import Request, Status
+from infero.engine.sampling import SamplingParams
+from infero.engine.scheduler import Scheduler
+
+
+def request(i, prompt_len):
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(), arrival=i)
+
+
+def advance(chunks, sampled=True):
+    """Play the engine's part: mark chunks computed and append a token where the step samples."""
+    for c in chunks:
+        done = c.completes_prompt
+        c.request.num_computed_tokens += c.num_tokens
+        if done and sampled:
+            c.request.output_ids.append(7)
+
+
+def test_long_prompt_is_split_and_decodes_go_first():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    short = request(0, 5)
+    s.add(short)
+    advance(s.schedule())
+    long = request(1, 100)
+    s.add(long)
+    for _ in range(4):
+        chunks = s.schedule()
+        assert chunks[0].request is short and chunks[0].num_tokens == 1  # the decode is never starved
+        assert sum(c.num_tokens for c in chunks) <= 32
+        advance(chunks)
+    assert long.num_computed_tokens == 31 * 3 + 7  # 93 after three full chunks of 31, then the last 7
+    assert long.output_ids == [7]
+
+
+def test_admission_waits_for_free_blocks_and_sequence_limit():
+    s = Scheduler(BlockPool(4, 16), max_num_seqs=2, max_num_batched_tokens=1000)
+    a, b, c = request(0, 40), request(1, 20), request(2, 5)
+    for r in (a, b, c):
+        s.add(r)
+    chunks = s.schedule()
+    assert [ch.request for ch in chunks] == [a]  # a takes 3 blocks; b needs 2 of the 1 left
+    assert b.status is Status.WAITING and c.status is Status.WAITING
+    s.finish(a, "stop")
+    assert s.pool.num_free == 4
+    assert [ch.request for ch in s.schedule()] == [b, c]
+
+
+def test_preemption_frees_newest_and_recomputes_it():
+    s = Scheduler(BlockPool(3, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    old, new = request(0, 4), request(1, 4)
+    s.add(old)
+    s.add(new)
+    advance(s.schedule())  # 1 block each; both now hold 5 tokens and need a second block to decode
+    advance(s.schedule())  # old grows into the last free block; new must be preempted
+    assert old.status is Status.RUNNING and len(old.blocks) == 2
+    assert new.status is Status.WAITING and new.blocks == [] and new.num_computed_tokens == 0
+    assert len(new.output_ids) == 1  # its generated token is kept and recomputed with the prompt
+    s.finish(old, "stop")
+    chunks = s.schedule()
+    assert [(c.request, c.num_tokens) for c in chunks] == [(new, 5)]
+
+
+def test_finish_and_abort_return_blocks_at_once():
+    s = Scheduler(BlockPool(8, 16), max_num_batched_tokens=64)
+    r = request(0, 40)
+    s.add(r)
+    advance(s.schedule())
+    assert s.pool.num_free == 5
+    s.finish(r, "abort")
+    assert s.pool.num_free == 8 and not s.has_unfinished()
