@@ -119,15 +119,14 @@ class Engine:
         reason = None
         is_eog = token in self.tokenizer.eog_token_ids and not p.ignore_eos
         if is_eog or token in p.stop_token_ids:
-            reason = "stop"
-            text = tracked.stop.flush() if not tracked.stop.stopped else ""
+            reason, text = "stop", tracked.final_text()  # the stop token itself is not text
         else:
             text = tracked.stop.feed(tracked.detok.add(token))
             if tracked.stop.stopped:
                 reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
-                text += tracked.stop.flush()
+                text += tracked.final_text()
         logprobs = None
         if p.logprobs is not None:
             logprobs = [TokenLogprob(token, result.logprob, result.top_logprobs or [])]
@@ -142,3 +141,8 @@ class _Tracked:
     request: Request
     detok: IncrementalDetokenizer
     stop: StopChecker
+
+    def final_text(self) -> str:
+        """What is still held back when a request ends: a half character, text that might have begun a stop."""
+        text = self.stop.feed(self.detok.flush())
+        return text if self.stop.stopped else text + self.stop.flush()

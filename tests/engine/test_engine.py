@@ -95,3 +95,11 @@ def test_abort_returns_blocks(llm):
     assert engine.pool.num_free < engine.pool.num_blocks
     engine.abort("a")
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished()
+
+
+def test_text_ending_inside_a_character_is_not_lost(llm):
+    lead_byte = llm.tokenizer.token_to_id("ä")  # byte-level symbol of 0xE4, the first byte of a CJK character
+    params = SamplingParams(temperature=0, max_tokens=2, logit_bias={lead_byte: 100.0}, ignore_eos=True)
+    [out] = llm.generate(["hello"], params)
+    assert out.completion_ids == [lead_byte, lead_byte]
+    assert out.text == llm.tokenizer.decode(out.completion_ids) and out.text
