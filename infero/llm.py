@@ -34,6 +34,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # entry 0 is None: nothing predicts the first token
 
 
 class LLM:
@@ -91,50 +92,54 @@ class LLM:
         return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield each step's new tokens and text for one prompt."""
+        """Yield each step's new tokens and text for one prompt (all n choices, told apart by `index`)."""
+        params = params or SamplingParams()
         request_id = uuid.uuid4().hex
-        self.engine.add_request(request_id, self._ids(prompt), params or SamplingParams())
+        self.engine.add_request(request_id, self._ids(prompt), params)
+        running = params.n
         try:
-            while True:
+            while running:
                 for out in self.engine.step():
                     if out.request_id == request_id:
+                        running -= out.finished
                         yield out
-                        if out.finished:
-                            return
         finally:
             self.engine.abort(request_id)
 
     def generate(
         self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Generate for every prompt in one batch; results in prompt order."""
+        """Generate for every prompt in one batch; results prompt-major (each prompt's n choices in order)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        results: dict[str, Completion] = {}
-        ids = []
+        results: dict[tuple[str, int], Completion] = {}
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
                 rid = uuid.uuid4().hex
                 prompt_ids = self._ids(prompt)
                 self.engine.add_request(rid, prompt_ids, p)
-                results[rid] = Completion(prompt_ids, logprobs=[] if p.logprobs is not None else None)
                 ids.append(rid)
-            remaining = set(ids)
-            while remaining:
+                for j in range(p.n):
+                    results[rid, j] = Completion(prompt_ids, logprobs=[] if p.logprobs is not None else None)
+            running = len(results)
+            while running:
                 for out in self.engine.step():
-                    c = results[out.request_id]
+                    c = results[out.request_id, out.index]
                     c.completion_ids += out.new_token_ids
                     c.text += out.new_text
                     if out.logprobs is not None:
                         c.logprobs += out.logprobs
+                    if out.prompt_logprobs is not None:
+                        c.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         c.finish_reason = out.finish_reason
-                        remaining.discard(out.request_id)
+                        running -= 1
         finally:
             for rid in ids:
                 self.engine.abort(rid)
-        return [results[rid] for rid in ids]
+        return list(results.values())
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

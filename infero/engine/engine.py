@@ -1,10 +1,13 @@
 """The engine: add_request / step / abort over a scheduler, a model on a backend, and a sampler.
 
 One step = schedule, run one batched forward, sample, then turn new tokens into text and decide who is done.
+A request with n > 1 computes its prompt once: when the prompt's last chunk is done, the sequence forks
+into n choices that share the prompt's full KV blocks (the partly filled last block is copied).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -12,8 +15,8 @@ import numpy as np
 
 from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool
-from infero.engine.request import Request, RequestOutput, TokenLogprob
-from infero.engine.sampling import Sampler, SamplingParams
+from infero.engine.request import Request, RequestOutput, Status, TokenLogprob
+from infero.engine.sampling import Sampler, SamplingParams, raw_logprobs, top_logprobs
 from infero.engine.scheduler import ScheduledChunk, Scheduler
 from infero.engine.stop import StopChecker
 from infero.errors import InferoError, PromptTooLongError
@@ -30,8 +33,20 @@ class EngineConfig:
     seed: int | None = None  # for requests without their own seed
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_preemptions: int
+    kv_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
 class Engine:
-    def __init__(self, model, backend, tokenizer: Tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, backend, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        config = config or EngineConfig()
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         mc = model.config
         num_blocks = config.kv_cache_bytes // backend.kv_block_bytes(mc, config.block_size)
@@ -39,21 +54,22 @@ class Engine:
             raise InferoError(f"KV cache budget of {config.kv_cache_bytes} bytes holds no block")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
-        self.max_model_len = min(
-            config.max_model_len or mc.context_length, mc.context_length, num_blocks * config.block_size
-        )
+        limit = min(config.max_model_len or mc.context_length, mc.context_length)
+        self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
-        self._requests: dict[str, _Tracked] = {}
+        self._seqs: dict[tuple[str, int], _Sequence] = {}
+        self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._requests:
-            raise InferoError(f"request id {request_id!r} is already running")
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the user's error for a request that cannot run; reads only constants (thread-safe)."""
         if not prompt_ids:
             raise InferoError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -64,20 +80,41 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; this model's context holds {self.max_model_len} "
                 "including at least one generated token"
             )
+        if params.n > self.config.max_num_seqs:
+            raise InferoError(f"n={params.n} exceeds the engine's --max-num-seqs ({self.config.max_num_seqs})")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._choices:
+            raise InferoError(f"request id {request_id!r} is already running")
+        self.validate(prompt_ids, params)
         req = Request(request_id, list(prompt_ids), params, next(self._arrivals))
-        detok = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=req.prompt_ids
-        )
-        self._requests[request_id] = _Tracked(req, detok, StopChecker(params.stop))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self._track(req)
+        self._choices[request_id] = 1
         self.scheduler.add(req)
+        self.prompt_tokens_total += len(prompt_ids)
 
     def abort(self, request_id: str) -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is not None and not tracked.request.finished:
-            self.scheduler.finish(tracked.request, "abort")
+        for key in [k for k in self._seqs if k[0] == request_id]:
+            seq = self._seqs.pop(key)
+            if not seq.request.finished:
+                self.scheduler.finish(seq.request, "abort")
+        self._choices.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=1.0 - self.pool.num_free / self.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
 
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
@@ -85,26 +122,86 @@ class Engine:
             return []
         steps = [self._sequence_step(c) for c in chunks]
         logits = self.backend.forward(self.model, build_batch(steps, self.pool.block_size), self.cache)
-        sampling = [c for c in chunks if c.completes_prompt]
-        for c in chunks:
-            c.request.num_computed_tokens += c.num_tokens
+        rows, sampling, offset = [], [], 0
+        for chunk, step in zip(chunks, steps, strict=True):
+            n_rows = {"all": chunk.num_tokens, "last": 1, "none": 0}[step.logits]
+            chunk_logits = logits[offset : offset + n_rows]
+            offset += n_rows
+            req, completes = chunk.request, chunk.completes_prompt
+            if step.logits == "all":
+                self._record_prompt_logprobs(req, req.num_computed_tokens, chunk_logits)
+            req.num_computed_tokens += chunk.num_tokens
+            if completes:
+                for seq_req in self._fork(req):
+                    sampling.append(seq_req)
+                    rows.append(chunk_logits[-1])
         if not sampling:
             return []
-        reqs = [c.request for c in sampling]
         results = self.sampler.sample(
-            np.asarray(logits, dtype=np.float32),
-            [r.params for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [self._banned(r) for r in reqs],
+            np.asarray(rows, dtype=np.float32),
+            [r.params for r in sampling],
+            [r.prompt_ids for r in sampling],
+            [r.output_ids for r in sampling],
+            [self._banned(r) for r in sampling],
         )
-        return [self._append(r, res) for r, res in zip(reqs, results, strict=True)]
+        return [self._append(r, res) for r, res in zip(sampling, results, strict=True)]
+
+    def _track(self, req: Request) -> None:
+        p = req.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=req.prompt_ids
+        )
+        self._seqs[req.key] = _Sequence(req, detok, StopChecker(p.stop))
 
     def _sequence_step(self, chunk: ScheduledChunk) -> SequenceStep:
         req = chunk.request
         start = req.num_computed_tokens
         ids = req.all_ids[start : start + chunk.num_tokens]
-        return SequenceStep(ids, start, req.blocks, "last" if chunk.completes_prompt else "none")
+        wants_prompt_logprobs = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids)
+        logits = "all" if wants_prompt_logprobs else "last" if chunk.completes_prompt else "none"
+        return SequenceStep(ids, start, req.blocks, logits)
+
+    def _record_prompt_logprobs(self, req: Request, start: int, chunk_logits: np.ndarray) -> None:
+        """Row i of a prompt chunk predicts the token at start + i + 1: that token's logprob and the top-N."""
+        for i, row in enumerate(chunk_logits):
+            target = start + i + 1
+            if target != len(req.prompt_logprobs) or target >= len(req.prompt_ids):
+                continue  # already known (a recompute after preemption) or past the prompt
+            lp = raw_logprobs(row)
+            token = req.prompt_ids[target]
+            req.prompt_logprobs.append(
+                TokenLogprob(token, float(lp[token]), top_logprobs(lp, req.params.prompt_logprobs))
+            )
+
+    def _fork(self, req: Request) -> list[Request]:
+        """The sequences that sample from this request's logits row: itself, plus its n - 1 siblings the
+        first time its prompt completes."""
+        n = req.params.n
+        if n == 1 or req.index != 0 or req.output_ids or self._choices.get(req.request_id, 0) > 1:
+            return [req]
+        seqs = [req]
+        full = req.num_computed_tokens // self.pool.block_size
+        partial = len(req.blocks) > full
+        for j in range(1, n):
+            params = (
+                req.params if req.params.seed is None else dataclasses.replace(req.params, seed=req.params.seed + j)
+            )
+            child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j)
+            child.prompt_logprobs = req.prompt_logprobs
+            if not partial or self.pool.num_free > 0:
+                child.blocks = self.pool.share(req.blocks[:full])
+                if partial:
+                    child.blocks += self.pool.allocate(1)
+                    self.backend.copy_blocks(self.cache, [(req.blocks[full], child.blocks[-1])])
+                child.num_computed_tokens = req.num_computed_tokens
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+                seqs.append(child)
+            else:  # no block to copy the prompt's tail into: the sibling recomputes its prompt later
+                self.scheduler.waiting.append(child)
+            self._track(child)
+        self._choices[req.request_id] = n
+        return seqs
 
     def _banned(self, req: Request) -> set[int] | None:
         if len(req.output_ids) >= req.params.min_tokens:
@@ -112,37 +209,52 @@ class Engine:
         return set(self.tokenizer.eog_token_ids) | set(req.params.stop_token_ids)
 
     def _append(self, req: Request, result) -> RequestOutput:
-        tracked = self._requests[req.request_id]
+        seq = self._seqs[req.key]
+        first = not req.output_ids
         token = result.token_id
         req.output_ids.append(token)
+        self.generation_tokens_total += 1
         p = req.params
         reason = None
         is_eog = token in self.tokenizer.eog_token_ids and not p.ignore_eos
         if is_eog or token in p.stop_token_ids:
-            reason, text = "stop", tracked.final_text()  # the stop token itself is not text
+            reason, text = "stop", seq.final_text()  # the stop token itself is not text
         else:
-            text = tracked.stop.feed(tracked.detok.add(token))
-            if tracked.stop.stopped:
+            text = seq.stop.feed(seq.detok.add(token))
+            if seq.stop.stopped:
                 reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
-                text += tracked.final_text()
+                text += seq.final_text()
         logprobs = None
         if p.logprobs is not None:
             logprobs = [TokenLogprob(token, result.logprob, result.top_logprobs or [])]
         if reason is not None:
             self.scheduler.finish(req, reason)
-            del self._requests[req.request_id]
-        return RequestOutput(req.request_id, [token], text, reason is not None, reason, logprobs)
+            del self._seqs[req.key]
+            self._choices[req.request_id] -= 1
+            if self._choices[req.request_id] == 0:
+                del self._choices[req.request_id]
+        return RequestOutput(
+            req.request_id,
+            [token],
+            text,
+            reason is not None,
+            reason,
+            logprobs,
+            index=req.index,
+            prompt_logprobs=req.prompt_logprobs if first else None,
+            num_prompt_tokens=len(req.prompt_ids),
+        )
 
 
 @dataclass
-class _Tracked:
+class _Sequence:
     request: Request
     detok: IncrementalDetokenizer
     stop: StopChecker
 
     def final_text(self) -> str:
-        """What is still held back when a request ends: a half character, text that might have begun a stop."""
+        """What is still held back when a sequence ends: a half character, text that might have begun a stop."""
         text = self.stop.feed(self.detok.flush())
         return text if self.stop.stopped else text + self.stop.flush()

@@ -14,12 +14,14 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """A free list of `num_blocks` cache blocks of `block_size` tokens."""
+    """A free list of `num_blocks` cache blocks of `block_size` tokens, reference-counted so that the
+    sequences of an n > 1 request can share their prompt's blocks."""
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         self.num_blocks, self.block_size = num_blocks, block_size
         # Popping from the end hands out low block ids first, which keeps small runs compact and readable.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -31,9 +33,20 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
-        taken = self._free[-n:] if n else []
+        taken = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
-        return taken[::-1]
+        for b in taken:
+            self._refs[b] = 1
+        return taken
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """Another owner for blocks already allocated (their contents are read, never rewritten)."""
+        for b in blocks:
+            self._refs[b] += 1
+        return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)

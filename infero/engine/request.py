@@ -27,11 +27,17 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; the newest running request is preempted first
+    index: int = 0  # which of the request's n choices this sequence is
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is computed
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
     @property
     def all_ids(self) -> list[int]:
@@ -56,3 +62,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked for
+    num_prompt_tokens: int = 0

@@ -81,6 +81,7 @@ class SamplingParams:
     max_tokens: int = 256
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N alternatives at every prompt position (completions' echo)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -109,6 +110,12 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, or None; got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingError(
+                f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, or None; got {self.prompt_logprobs!r}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

@@ -103,3 +103,56 @@ def test_text_ending_inside_a_character_is_not_lost(llm):
     [out] = llm.generate(["hello"], params)
     assert out.completion_ids == [lead_byte, lead_byte]
     assert out.text == llm.tokenizer.decode(out.completion_ids) and out.text
+
+
+@pytest.mark.parametrize("prompt_len", [16, 21])  # a whole number of blocks, and a shared partial block
+def test_n_choices_share_the_prefill_and_equal_separate_requests(llm, prompt_len):
+    prompt = [(7 * i) % 250 + 3 for i in range(prompt_len)]
+    params = SamplingParams(temperature=1.0, seed=40, max_tokens=12, ignore_eos=True, n=3)
+    engine = llm.engine
+    computed_before = engine.prompt_tokens_total
+    outs = llm.generate([prompt], params)
+    assert engine.prompt_tokens_total - computed_before == prompt_len  # the prompt counted (and run) once
+    assert [o.completion_ids for o in outs] == [
+        llm.generate([prompt], SamplingParams(temperature=1.0, seed=40 + j, max_tokens=12, ignore_eos=True))[
+            0
+        ].completion_ids
+        for j in range(3)
+    ]
+    assert len({tuple(o.completion_ids) for o in outs}) == 3
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_forked_choices_hold_shared_blocks_once(llm):
+    engine = llm.engine
+    engine.add_request("fork", list(range(3, 35)), SamplingParams(temperature=0.5, n=4, max_tokens=5, seed=1))
+    engine.step()  # prefill of 32 tokens = 2 full blocks, then the fork
+    running = [r for r in engine.scheduler.running if r.request_id == "fork"]
+    assert len(running) == 4 and all(r.blocks[:2] == running[0].blocks[:2] for r in running)
+    assert engine.pool.num_blocks - engine.pool.num_free == 2
+    engine.abort("fork")
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_prompt_logprobs_equal_teacher_forced_log_softmax(tiny_model_path, tiny_model):
+    import numpy as np
+
+    from infero.engine.batch import SequenceStep, build_batch
+
+    prompt = [(11 * i) % 280 + 3 for i in range(37)]
+    model, backend = tiny_model
+    cache = backend.allocate_kv_cache(model.config, 3, 16)
+    logits = backend.forward(model, build_batch([SequenceStep(prompt, 0, [0, 1, 2], "all")], 16), cache)
+    ref = (
+        logits
+        - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
+        - logits.max(1, keepdims=True)
+    )
+    chunked = LLM(tiny_model_path, engine_config=EngineConfig(max_num_batched_tokens=10))
+    [out] = chunked.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    lps = out.prompt_logprobs
+    assert lps[0] is None and len(lps) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert lps[i].token_id == prompt[i]
+        assert lps[i].logprob == pytest.approx(ref[i - 1, prompt[i]], abs=1e-4)
+        assert [t for t, _ in lps[i].top] == list(np.argsort(-ref[i - 1], kind="stable")[:2])

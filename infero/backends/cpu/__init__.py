@@ -21,6 +21,12 @@ class CpuBackend:
     def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CpuKVCache:
         return CpuKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
+    def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer) from src to dst, for sequences that fork."""
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        for k, v in zip(cache.k, cache.v, strict=True):
+            k[dst], v[dst] = k[src], v[src]
+
     def forward(self, model, batch: Batch, cache: CpuKVCache) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab].
 
