@@ -1,0 +1,225 @@
+"""The CUDA driver API through `cuda.bindings`: device and context, streams, events, memory, modules, graphs.
+
+Every call's status is checked; a failure raises CudaError naming the CUDA error (CUDA_ERROR_OUT_OF_MEMORY ...)
+and the call. Nothing here knows about models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class CudaUnavailableError(CudaError):
+    """No NVIDIA driver or no GPU: the caller may fall back to the CPU."""
+
+
+def check(result):
+    """Unwrap a cuda.bindings return tuple (status, values...), raising CudaError on a bad status."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if status != cu.CUresult.CUDA_SUCCESS:
+        err, name = cu.cuGetErrorName(status)
+        label = name.decode() if err == cu.CUresult.CUDA_SUCCESS else str(status)
+        raise CudaError(f"CUDA driver call failed: {label}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    ordinal: int
+    name: str
+    arch: str  # sm_90a on Hopper (arch-specific features), sm_89, sm_80 ...
+    capability: tuple[int, int]
+    num_sms: int
+    total_memory: int
+    max_shared_per_block_optin: int
+
+
+class Context:
+    """The primary context of one GPU, made current on the calling thread."""
+
+    def __init__(self, ordinal: int = 0):
+        try:
+            check(cu.cuInit(0))
+        except CudaError as e:
+            raise CudaUnavailableError(f"no usable NVIDIA GPU: {e}") from None
+        except Exception as e:  # cuda.bindings raises when libcuda itself is missing
+            raise CudaUnavailableError(f"no NVIDIA driver found ({type(e).__name__})") from None
+        if check(cu.cuDeviceGetCount()) <= ordinal:
+            raise CudaUnavailableError("no NVIDIA GPU visible to the driver")
+        self.device = check(cu.cuDeviceGet(ordinal))
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device))
+        check(cu.cuCtxSetCurrent(self.context))
+        attr = cu.CUdevice_attribute
+
+        def get(a):
+            return check(cu.cuDeviceGetAttribute(a, self.device))
+
+        major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        name = check(cu.cuDeviceGetName(256, self.device)).split(b"\0")[0].decode()
+        # sm_90a unlocks Hopper-only instructions (wgmma, setmaxnreg); its cubin runs on sm_90 parts only.
+        arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        self.info = DeviceInfo(
+            ordinal, name, arch, (major, minor),
+            get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            check(cu.cuDeviceTotalMem(self.device)),
+            get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )  # fmt: skip
+
+    def make_current(self) -> None:
+        check(cu.cuCtxSetCurrent(self.context))
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        return check(cu.cuMemGetInfo())
+
+    def synchronize(self) -> None:
+        check(cu.cuCtxSynchronize())
+
+
+class Stream:
+    def __init__(self):
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def synchronize(self) -> None:
+        check(cu.cuStreamSynchronize(self.handle))
+
+
+class Event:
+    def __init__(self, timing: bool = True):
+        flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(cu.cuEventCreate(flags))
+
+    def record(self, stream: Stream) -> None:
+        check(cu.cuEventRecord(self.handle, stream.handle))
+
+    def synchronize(self) -> None:
+        check(cu.cuEventSynchronize(self.handle))
+
+    def elapsed_ms(self, start: Event) -> float:
+        return check(cu.cuEventElapsedTime(start.handle, self.handle))
+
+
+class DeviceMemory:
+    """One device allocation, freed when dropped."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(check(cu.cuMemAlloc(max(nbytes, 1))))
+
+    def __del__(self):
+        if getattr(self, "ptr", 0):
+            cu.cuMemFree(self.ptr)
+            self.ptr = 0
+
+
+class Arena:
+    """Carves aligned regions out of a few large allocations, so a step never allocates."""
+
+    ALIGN = 256
+
+    def __init__(self, chunk_bytes: int = 256 << 20):
+        self.chunk_bytes = chunk_bytes
+        self.chunks: list[DeviceMemory] = []
+        self._offset = 0
+        self.allocated = 0
+
+    def allocate(self, nbytes: int) -> int:
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if not self.chunks or self._offset + size > self.chunks[-1].nbytes:
+            self.chunks.append(DeviceMemory(max(size, self.chunk_bytes)))
+            self._offset = 0
+        ptr = self.chunks[-1].ptr + self._offset
+        self._offset += size
+        self.allocated += size
+        return ptr
+
+
+class PinnedBuffer:
+    """Page-locked host memory for fast, asynchronous uploads."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(check(cu.cuMemHostAlloc(max(nbytes, 1), 0)))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(self.ptr))
+
+    def __del__(self):
+        if getattr(self, "ptr", 0):
+            cu.cuMemFreeHost(self.ptr)
+            self.ptr = 0
+
+
+def copy_host_to_device(dst: int, src: np.ndarray, stream: Stream | None = None) -> None:
+    src = np.ascontiguousarray(src)
+    if stream is None:
+        check(cu.cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes))
+    else:
+        check(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream.handle))
+
+
+def copy_device_to_host(dst: np.ndarray, src: int, stream: Stream | None = None) -> None:
+    if stream is None:
+        check(cu.cuMemcpyDtoH(dst.ctypes.data, src, dst.nbytes))
+    else:
+        check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream.handle))
+
+
+def copy_device_to_device(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream.handle))
+
+
+def memset_d8(ptr: int, value: int, nbytes: int, stream: Stream) -> None:
+    check(cu.cuMemsetD8Async(ptr, value, nbytes, stream.handle))
+
+
+class Module:
+    """A loaded cubin and its kernels by name."""
+
+    def __init__(self, cubin: bytes):
+        self.handle = check(cu.cuModuleLoadData(cubin))
+        self._functions: dict[str, cu.CUfunction] = {}
+
+    def function(self, name: str) -> cu.CUfunction:
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = check(cu.cuModuleGetFunction(self.handle, name.encode()))
+        return fn
+
+
+def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    check(cu.cuFuncSetAttribute(fn, attr, nbytes))
+
+
+def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0) -> None:
+    """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p."""
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    bx, by, bz = (tuple(block) + (1, 1))[:3]
+    check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
+
+
+class Graph:
+    """A stream capture turned into an executable graph, replayed with one launch."""
+
+    def __init__(self, stream: Stream, record):
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(stream.handle, mode))
+        try:
+            record()
+        finally:
+            graph = check(cu.cuStreamEndCapture(stream.handle))
+        self.graph = graph
+        self.exec = check(cu.cuGraphInstantiate(graph, 0))
+
+    def replay(self, stream: Stream) -> None:
+        check(cu.cuGraphLaunch(self.exec, stream.handle))

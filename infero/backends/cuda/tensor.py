@@ -1,0 +1,110 @@
+"""DeviceTensor: a typed, shaped view of device memory (no ownership logic beyond keeping its owner alive)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infero.backends.cuda import driver
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    owner: object = field(default=None, repr=False, compare=False)  # keeps the backing allocation alive
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+    def reshape(self, *shape: int) -> DeviceTensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape = tuple(self.numel // known if s == -1 else s for s in shape)
+        if int(np.prod(shape)) != self.numel:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return DeviceTensor(self.ptr, tuple(shape), self.dtype, self.owner)
+
+    def rows(self, start: int, stop: int) -> DeviceTensor:
+        """Rows [start, stop) of the outermost dimension, as a view."""
+        row_bytes = self.nbytes // self.shape[0]
+        return DeviceTensor(self.ptr + start * row_bytes, (stop - start,) + self.shape[1:], self.dtype, self.owner)
+
+    def to_host(self, stream: driver.Stream | None = None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        if stream is not None:
+            stream.synchronize()
+        driver.copy_device_to_host(out, self.ptr)
+        return out
+
+    @property
+    def arg(self) -> tuple[int, type]:
+        """(value, ctypes type) for a kernel launch."""
+        return self.ptr, ctypes.c_void_p
+
+
+def empty(shape: tuple[int, ...], dtype, arena: driver.Arena | None = None) -> DeviceTensor:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if arena is not None:
+        return DeviceTensor(arena.allocate(nbytes), tuple(shape), np.dtype(dtype), arena)
+    mem = driver.DeviceMemory(nbytes)
+    return DeviceTensor(mem.ptr, tuple(shape), np.dtype(dtype), mem)
+
+
+def from_host(array: np.ndarray, arena: driver.Arena | None = None) -> DeviceTensor:
+    array = np.ascontiguousarray(array)
+    t = empty(array.shape, array.dtype, arena)
+    driver.copy_host_to_device(t.ptr, array)
+    return t
+
+
+class Workspace:
+    """A bump allocator over one preallocated buffer, reset at the start of every forward pass.
+
+    The same sequence of requests gets the same addresses every step, which is what lets a captured CUDA
+    graph be replayed.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int):
+        self.memory = driver.DeviceMemory(nbytes)
+        self.offset = 0
+        self.high_water = 0
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if self.offset + size > self.memory.nbytes:
+            raise MemoryError(f"workspace of {self.memory.nbytes:,} bytes exhausted (needs {self.offset + size:,})")
+        t = DeviceTensor(self.memory.ptr + self.offset, tuple(shape), np.dtype(dtype), self.memory)
+        self.offset += size
+        self.high_water = max(self.high_water, self.offset)
+        return t
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight matrix on the GPU exactly as GGUF stores it: rows of blocks of ggml_type, [rows, cols] logical."""
+
+    data: DeviceTensor  # uint8 [rows, row_bytes]
+    ggml_type: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes

@@ -1,0 +1,34 @@
+"""Every kernel compiles for Ampere, Ada and Hopper with no error and no warning. NVRTC needs no GPU, so this
+runs in CI."""
+
+import importlib
+import pkgutil
+
+import pytest
+
+import infero.backends.cuda as cuda_pkg
+from infero.backends.cuda import compiler, runtime
+
+KERNELS = sorted(p.name for p in compiler.KERNEL_DIR.glob("*.cu"))
+
+
+def launcher_declarations() -> dict[str, list[str]]:
+    # Importing every launcher registers the template instantiations it will ask for.
+    for module in pkgutil.iter_modules(cuda_pkg.__path__):
+        importlib.import_module(f"infero.backends.cuda.{module.name}")
+    return runtime.declared()
+
+
+def test_there_are_kernels():
+    assert KERNELS, "no .cu files found"
+
+
+@pytest.mark.parametrize("arch", compiler.ARCHES)
+@pytest.mark.parametrize("filename", KERNELS)
+def test_kernel_compiles_without_warnings(filename, arch):
+    names = launcher_declarations().get(filename, [])
+    source = (compiler.KERNEL_DIR / filename).read_text()
+    result = compiler.compile_source(source, filename, arch, names=names)
+    assert result.cubin
+    assert "warning" not in result.log.lower(), result.log
+    assert set(result.lowered) == set(names)
