@@ -16,7 +16,7 @@ import numpy as np
 from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from infero.engine.request import Request, RequestOutput, Status, TokenLogprob
-from infero.engine.sampling import Sampler, SamplingParams, raw_logprobs, top_logprobs
+from infero.engine.sampling import SamplingParams, raw_logprobs, top_logprobs
 from infero.engine.scheduler import ScheduledChunk, Scheduler
 from infero.engine.stop import StopChecker
 from infero.errors import InferoError, PromptTooLongError
@@ -57,7 +57,7 @@ class Engine:
         limit = min(config.max_model_len or mc.context_length, mc.context_length)
         self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = backend.sampler(config.seed)
         self._seqs: dict[tuple[str, int], _Sequence] = {}
         self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()
@@ -125,20 +125,21 @@ class Engine:
         rows, sampling, offset = [], [], 0
         for chunk, step in zip(chunks, steps, strict=True):
             n_rows = {"all": chunk.num_tokens, "last": 1, "none": 0}[step.logits]
-            chunk_logits = logits[offset : offset + n_rows]
-            offset += n_rows
             req, completes = chunk.request, chunk.completes_prompt
             if step.logits == "all":
-                self._record_prompt_logprobs(req, req.num_computed_tokens, chunk_logits)
+                host_rows = self.backend.to_host(logits, offset, offset + n_rows)
+                self._record_prompt_logprobs(req, req.num_computed_tokens, host_rows)
+            offset += n_rows
             req.num_computed_tokens += chunk.num_tokens
             if completes:
                 for seq_req in self._fork(req):
                     sampling.append(seq_req)
-                    rows.append(chunk_logits[-1])
+                    rows.append(offset - 1)
         if not sampling:
             return []
         results = self.sampler.sample(
-            np.asarray(rows, dtype=np.float32),
+            logits,
+            rows,
             [r.params for r in sampling],
             [r.prompt_ids for r in sampling],
             [r.output_ids for r in sampling],

@@ -108,13 +108,12 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = ops.rotary(q, batch.positions, self.rotary)
-            k = ops.rotary(k, batch.positions, self.rotary)
-            ops.store_kv(cache, i, k, v, batch.slot_mapping)
+            q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
             attn = ops.attention(q, cache, i, batch, self.scale)
             x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
             h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
             x = ops.linear(ops.swiglu(ops.linear(h, layer.w_gate), ops.linear(h, layer.w_up)), layer.w_down)
         rows = batch.logits_indices
-        h, _ = ops.add_rms_norm(x[rows], residual[rows], self.output_norm, c.rms_norm_eps)
+        x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
+        h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)
         return ops.linear(h, self.output)

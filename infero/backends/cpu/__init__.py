@@ -7,6 +7,7 @@ import numpy as np
 from infero.backends.cpu.ops import CpuKVCache, CpuOps
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch
+from infero.engine.sampling import Sampler, SampleResult, SamplingParams
 
 
 class CpuBackend:
@@ -20,6 +21,12 @@ class CpuBackend:
 
     def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CpuKVCache:
         return CpuKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+
+    def sampler(self, seed: int | None) -> RowSampler:
+        return RowSampler(seed)
+
+    def to_host(self, logits: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return logits[start:stop]
 
     def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer) from src to dst, for sequences that fork."""
@@ -37,3 +44,14 @@ class CpuBackend:
             return model.forward(batch, cache)
         parts = [model.forward(batch.sequence(i), cache) for i in range(batch.num_seqs)]
         return np.concatenate(parts, axis=0)
+
+
+class RowSampler:
+    """The numpy Sampler applied to chosen rows of a step's logits (a row may be sampled by several sequences)."""
+
+    def __init__(self, seed: int | None):
+        self.sampler = Sampler(seed)
+
+    def sample(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
+               banned_token_ids=None) -> list[SampleResult]:  # fmt: skip
+        return self.sampler.sample(logits[rows], params, prompt_ids, output_ids, banned_token_ids)

@@ -72,11 +72,16 @@ class CpuOps:
             out[..., d // 2 : d] = b * cos + a * sin
         return out
 
-    def store_kv(self, cache: CpuKVCache, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Write the new tokens' K and V [n, kv_heads, head_dim] into their cache slots."""
+    def rotary_store_kv(self, q, k, v, positions, rotary: Rotary, cache: CpuKVCache, layer: int, slot_mapping):
+        """Rotate q and k by position, write k and v [n, kv_heads, head_dim] into their cache slots; return q."""
+        k = self.rotary(k, positions, rotary)
         bs = cache.block_size
         cache.k[layer][slot_mapping // bs, slot_mapping % bs] = k
         cache.v[layer][slot_mapping // bs, slot_mapping % bs] = v
+        return self.rotary(q, positions, rotary)
+
+    def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return x[rows]
 
     def attention(self, q: np.ndarray, cache: CpuKVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
         """Causal grouped-query attention of q [n, heads, head_dim] over each sequence's cached K/V."""
