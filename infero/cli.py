@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     d.add_argument("--prompt-tokens", type=int, default=512)
     d.add_argument("--decode-tokens", type=int, default=64)
+    from infero.bench import serve as bench_serve
+
+    bench_serve.add_arguments(
+        bsub.add_parser("serve", help="load an OpenAI-compatible endpoint with N streaming clients")
+    )
     return parser
 
 
@@ -187,6 +192,10 @@ def _tokenize(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.bench == "serve":
+        from infero.bench import serve as bench_serve
+
+        return bench_serve.main(args)
     from infero import LLM
     from infero.bench import decode
 
