@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import sys
+
 from infero.errors import InferoError
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def select_backend(device: str = "auto"):
-    """The backend for --device; `auto` takes the GPU when infero can drive one, else the CPU."""
+    """The backend for --device; `auto` takes the GPU when infero can drive one, else the CPU (with a note)."""
     if device not in DEVICES:
         raise InferoError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
-    if device == "cuda":
-        raise InferoError("--device cuda: this build of infero has no CUDA backend yet; use --device cpu")
+    if device in ("auto", "cuda"):
+        try:
+            from infero.backends.cuda import CudaBackend
+
+            return CudaBackend()
+        except Exception as e:  # no driver, no GPU, or no cuda-bindings: only fatal when the GPU was asked for
+            if device == "cuda":
+                raise InferoError(f"--device cuda: {e}") from None
+            print(f"infero: no usable GPU ({e}); running on the CPU", file=sys.stderr)
     from infero.backends.cpu import CpuBackend
 
     return CpuBackend()

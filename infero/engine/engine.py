@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int = 1 << 30  # CPU backend: the KV pool's byte budget
+    gpu_memory_utilization: float = 0.90  # CUDA backend: the share of GPU memory weights, workspace and KV may use
     seed: int | None = None  # for requests without their own seed
 
 
@@ -49,9 +50,10 @@ class Engine:
         config = config or EngineConfig()
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         mc = model.config
-        num_blocks = config.kv_cache_bytes // backend.kv_block_bytes(mc, config.block_size)
+        backend.prepare(mc, config)
+        num_blocks = backend.kv_cache_bytes(config) // backend.kv_block_bytes(mc, config.block_size)
         if num_blocks < 1:
-            raise InferoError(f"KV cache budget of {config.kv_cache_bytes} bytes holds no block")
+            raise InferoError("no memory is left for the KV cache: lower the model size or raise the memory budget")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
         limit = min(config.max_model_len or mc.context_length, mc.context_length)
@@ -63,6 +65,15 @@ class Engine:
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._grammars = None  # built on the first constrained request (~0.1 s for a 50k vocabulary)
+
+    @property
+    def grammars(self):
+        if self._grammars is None:
+            from infero.engine.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -82,6 +93,8 @@ class Engine:
             )
         if params.n > self.config.max_num_seqs:
             raise InferoError(f"n={params.n} exceeds the engine's --max-num-seqs ({self.config.max_num_seqs})")
+        if params.structured is not None:
+            self.grammars.compile_grammar(params.structured)  # an invalid schema or regex fails here, not in a step
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._choices:
@@ -144,6 +157,7 @@ class Engine:
             [r.prompt_ids for r in sampling],
             [r.output_ids for r in sampling],
             [self._banned(r) for r in sampling],
+            self._allowed_masks(sampling),
         )
         return [self._append(r, res) for r, res in zip(sampling, results, strict=True)]
 
@@ -152,7 +166,8 @@ class Engine:
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=req.prompt_ids
         )
-        self._seqs[req.key] = _Sequence(req, detok, StopChecker(p.stop))
+        matcher = self.grammars.compile(p.structured) if p.structured is not None else None
+        self._seqs[req.key] = _Sequence(req, detok, StopChecker(p.stop), matcher)
 
     def _sequence_step(self, chunk: ScheduledChunk) -> SequenceStep:
         req = chunk.request
@@ -207,7 +222,18 @@ class Engine:
     def _banned(self, req: Request) -> set[int] | None:
         if len(req.output_ids) >= req.params.min_tokens:
             return None
+        matcher = self._seqs[req.key].matcher
+        if matcher is not None and matcher.is_accepting():
+            return None  # the grammar may be complete: end-of-generation can be its only allowed token
         return set(self.tokenizer.eog_token_ids) | set(req.params.stop_token_ids)
+
+    def _allowed_masks(self, sampling: list[Request]) -> list[np.ndarray | None] | None:
+        matchers = [self._seqs[r.key].matcher for r in sampling]
+        if not any(m is not None for m in matchers):
+            return None
+        masks = np.zeros((len(sampling), self.model.config.vocab_size), dtype=bool)
+        self.grammars.fill_masks(matchers, masks)
+        return [masks[i] if m is not None else None for i, m in enumerate(matchers)]
 
     def _append(self, req: Request, result) -> RequestOutput:
         seq = self._seqs[req.key]
@@ -222,8 +248,13 @@ class Engine:
             reason, text = "stop", seq.final_text()  # the stop token itself is not text
         else:
             text = seq.stop.feed(seq.detok.add(token))
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             if seq.stop.stopped:
                 reason = "stop"
+            elif seq.matcher is not None and seq.matcher.is_finished():
+                reason = "stop"  # the grammar is complete: no step is spent sampling the end token
+                text += seq.final_text()
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
                 text += seq.final_text()
@@ -254,6 +285,7 @@ class _Sequence:
     request: Request
     detok: IncrementalDetokenizer
     stop: StopChecker
+    matcher: object | None = None  # infero.engine.structured.Matcher for a constrained sequence
 
     def final_text(self) -> str:
         """What is still held back when a sequence ends: a half character, text that might have begun a stop."""

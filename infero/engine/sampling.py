@@ -6,7 +6,11 @@ Per row, in this order (vLLM v1: `vllm/v1/sample/sampler.py`, and the same order
 
  0. logprobs, if asked: log_softmax (in float64) of the model's raw logits, before any step below (vLLM's
     default `raw_logprobs`), for the chosen token and the top-N alternatives (highest first, lower id on ties).
- 1. The logits are widened to float64 (the reference computes everything after this in float64).
+ 1. The logits are widened to float64 (the reference computes everything after this in float64). A constrained
+    row (structured output: its entry of `allowed_masks`, a bool array over the vocabulary, True = allowed) then
+    gets z[t] = -inf for every token its mask disallows, before any step below, so neither logit_bias nor a
+    penalty can bring one back and greedy rows take the argmax over allowed tokens only (vLLM applies the
+    grammar bitmask to the logits before its sampler too). The logprobs of step 0 stay the raw model's.
  2. `logit_bias`: z[t] += bias[t].
  3. Banned ids (the caller's `banned_token_ids`: eos/stop ids while fewer than `min_tokens` are generated):
     z[t] = -inf. Ids outside the vocabulary are ignored (they can never be sampled anyway).
@@ -42,10 +46,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from infero.errors import InferoError
+
+if TYPE_CHECKING:
+    from infero.engine.structured import StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -87,6 +95,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredOutput | None = None  # constrain the output to a JSON schema, regex, choice or grammar
 
     def __post_init__(self):
         self._check_number("temperature", self.temperature, 0.0, math.inf, "0 for greedy, 1.0 for the model's own")
@@ -163,6 +172,16 @@ class SampleResult:
 
 
 # ---- the steps, each on one row (float64, modified in place and returned) ----
+
+
+def apply_allowed_mask(z: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Step 1, for a constrained row: tokens the mask disallows (False) can't be sampled."""
+    if allowed is not None:
+        allowed = np.asarray(allowed)
+        if allowed.dtype != np.bool_ or allowed.shape != z.shape:
+            raise ValueError(f"an allowed mask must be bool of shape {z.shape}; got {allowed.dtype} {allowed.shape}")
+        z[~allowed] = -np.inf
+    return z
 
 
 def apply_logit_bias(z: np.ndarray, logit_bias: dict[int, float] | None) -> np.ndarray:
@@ -292,22 +311,33 @@ class Sampler:
         prompt_ids: list[list[int]] | list[np.ndarray],
         output_ids: list[list[int]],
         banned_token_ids: list[set[int] | None] | None = None,
+        allowed_masks: list[np.ndarray | None] | None = None,
     ) -> list[SampleResult]:
-        """One token per row of `logits` [num_seqs, vocab]; row i belongs to params[i], prompt_ids[i], ..."""
+        """One token per row of `logits` [num_seqs, vocab]; row i belongs to params[i], prompt_ids[i], ...
+
+        `allowed_masks[i]`, when not None, is row i's grammar mask (bool [vocab], True = allowed; step 1).
+        """
         if logits.ndim != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {logits.shape}")
         num_seqs = logits.shape[0]
         if banned_token_ids is None:
             banned_token_ids = [None] * num_seqs
+        if allowed_masks is None:
+            allowed_masks = [None] * num_seqs
         if not len(params) == len(prompt_ids) == len(output_ids) == len(banned_token_ids) == num_seqs:
             raise ValueError(f"{num_seqs} rows of logits need as many params, prompt_ids, output_ids and bans")
+        if len(allowed_masks) != num_seqs:
+            raise ValueError(f"{num_seqs} rows of logits need as many allowed masks (None for an unconstrained row)")
         return [
-            self._sample_row(logits[row], params[row], prompt_ids[row], output_ids[row], banned_token_ids[row])
+            self._sample_row(
+                logits[row], params[row], prompt_ids[row], output_ids[row], banned_token_ids[row], allowed_masks[row]
+            )
             for row in range(num_seqs)
         ]
 
-    def _sample_row(self, logits, params, prompt_ids, output_ids, banned) -> SampleResult:
+    def _sample_row(self, logits, params, prompt_ids, output_ids, banned, allowed=None) -> SampleResult:
         z = logits.astype(np.float64)
+        z = apply_allowed_mask(z, allowed)
         z = apply_logit_bias(z, params.logit_bias)
         z = apply_banned(z, banned)
         z = apply_penalties(z, params, prompt_ids, output_ids)

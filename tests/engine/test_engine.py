@@ -156,3 +156,40 @@ def test_prompt_logprobs_equal_teacher_forced_log_softmax(tiny_model_path, tiny_
         assert lps[i].token_id == prompt[i]
         assert lps[i].logprob == pytest.approx(ref[i - 1, prompt[i]], abs=1e-4)
         assert [t for t, _ in lps[i].top] == list(np.argsort(-ref[i - 1], kind="stable")[:2])
+
+
+def test_structured_output_is_well_formed_for_every_choice(llm):
+    import json
+
+    import jsonschema
+
+    from infero.engine.structured import StructuredOutput
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=100, n=3, structured=StructuredOutput.json_schema(schema)
+    )
+    for out in llm.generate(["hello"], params):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    [choice] = llm.generate(
+        ["hello"], SamplingParams(temperature=1.0, seed=4, structured=StructuredOutput.choice(["yes", "no"]))
+    )
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+
+
+def test_invalid_schema_is_rejected_when_the_request_arrives(llm):
+    from infero.engine.structured import StructuredOutput
+    from infero.errors import InferoError
+
+    with pytest.raises(InferoError):
+        llm.engine.add_request("bad", [5, 6], SamplingParams(structured=StructuredOutput.regex("(unclosed")))
+    assert not llm.engine.has_unfinished()

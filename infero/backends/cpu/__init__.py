@@ -19,6 +19,12 @@ class CpuBackend:
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:
         return CpuKVCache.bytes_per_block(config.num_layers, block_size, config.num_kv_heads, config.head_dim)
 
+    def prepare(self, config: ModelConfig, engine_config) -> None:
+        """Nothing to preallocate: numpy allocates per op."""
+
+    def kv_cache_bytes(self, engine_config) -> int:
+        return engine_config.kv_cache_bytes
+
     def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CpuKVCache:
         return CpuKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
@@ -53,5 +59,5 @@ class RowSampler:
         self.sampler = Sampler(seed)
 
     def sample(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
-               banned_token_ids=None) -> list[SampleResult]:  # fmt: skip
-        return self.sampler.sample(logits[rows], params, prompt_ids, output_ids, banned_token_ids)
+               banned_token_ids=None, allowed_masks=None) -> list[SampleResult]:  # fmt: skip
+        return self.sampler.sample(logits[rows], params, prompt_ids, output_ids, banned_token_ids, allowed_masks)
