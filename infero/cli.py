@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(t)
     t.add_argument("text", metavar="TEXT")
     t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS the model asks for")
+    from infero.checkpoint.synthetic import QUANTS, SHAPES
+
+    sy = sub.add_parser("synth", help="write a GGUF of a real model's shape with random weights")
+    sy.add_argument("shape", choices=sorted(SHAPES))
+    sy.add_argument("--quant", choices=QUANTS, default="Q4_K_M")
+    sy.add_argument("-o", "--output", required=True, metavar="FILE")
+    sy.add_argument("--seed", type=int, default=0)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     d = bsub.add_parser("decode", help="prefill and batch-1 decode speed, and the roofline fraction")
@@ -79,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        commands = {"generate": _generate, "inspect": _inspect, "tokenize": _tokenize, "bench": _bench}
+        commands = {"generate": _generate, "inspect": _inspect, "tokenize": _tokenize, "bench": _bench, "synth": _synth}
         return commands[args.command](args)
     except InferoError as e:
         print(f"infero: error: {e}", file=sys.stderr)
@@ -188,6 +196,23 @@ def _tokenize(args) -> int:
 
     tok = Tokenizer.from_gguf_metadata(GGUFModel.open(args.model or default_model_path()).metadata)
     print(json.dumps(tok.encode(args.text, add_special_tokens=not args.no_special)))
+    return 0
+
+
+def _synth(args) -> int:
+    from pathlib import Path
+
+    from infero.checkpoint.synthetic import SHAPES, write_synthetic
+    from infero.progress import Progress
+
+    shape = SHAPES[args.shape]
+    progress = Progress(f"writing {args.output}", 3 + 9 * shape.layers + 2, unit="tensors")
+    path = write_synthetic(args.shape, args.quant, Path(args.output), args.seed, progress)
+    progress.close()
+    print(
+        f"wrote {path} ({path.stat().st_size / 2**20:,.0f} MiB): {args.shape} {args.quant}, random weights",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -12,14 +12,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
 
-# Byte offsets of the fp16 scale fields inside one block of each type (ggml's block structs).
-FP16_FIELDS = {
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-    Q.IQ4_NL: [0], Q.IQ4_XS: [0],
-}  # fmt: skip
+from infero.checkpoint import synthetic
+
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]  # fmt: skip
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -44,55 +39,12 @@ class TinyShape:
 
 
 def byte_level_vocab(extra_words: list[str]) -> tuple[list[str], list[str], list[int]]:
-    """A GPT-2 byte-level BPE vocabulary: special tokens, 256 byte symbols, merges building extra_words."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_syms = [chr(c) for c in cs]
-    tokens = SPECIAL_TOKENS + byte_syms
-    merges = []
-    for word in extra_words:
-        cur = word[0]
-        for ch in word[1:]:
-            if cur + ch not in tokens:
-                merges.append(f"{cur} {ch}")
-                tokens.append(cur + ch)
-            cur += ch
-    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
-    return tokens, merges, types
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndarray:
-    """uint8 [rows, bytes per row] of valid blocks whose decoded values have standard deviation ~std."""
-    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    nblocks = rows * cols // block_elems
-    raw = rng.integers(0, 256, size=(nblocks, block_bytes), dtype=np.uint8)
-    for off in FP16_FIELDS.get(qtype, []):
-        raw[:, off : off + 2] = rng.uniform(0.5, 1.0, size=nblocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    raw = raw.reshape(rows, -1)
-    if qtype not in FP16_FIELDS:  # a type infero does not run: its bytes only need the right size
-        return raw
-    spread = float(dequantize(raw, qtype).std())
-    for off in FP16_FIELDS[qtype]:
-        blocks = raw.reshape(nblocks, block_bytes)
-        scaled = blocks[:, off : off + 2].copy().view(np.float16).astype(np.float32) * (std / spread)
-        blocks[:, off : off + 2] = scaled.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw
+    tokens, merges = synthetic.byte_level_vocab(SPECIAL_TOKENS, extra_words)
+    return tokens, merges, [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
 
 
 def encode_weight(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
-    """(data, type) to store for a float32 weight: quantized where gguf can, random valid blocks otherwise."""
-    if qtype == Q.F32:
-        return w.astype(np.float32), qtype
-    if qtype == Q.F16:
-        return w.astype(np.float16), qtype
-    if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
-        return quantize(w, qtype), qtype
-    return random_blocks(qtype, w.shape[0], w.shape[1], rng, float(w.std())), qtype
+    return synthetic.encode_weight(w, int(qtype), rng), qtype
 
 
 def write_tiny_model(

@@ -1,0 +1,259 @@
+"""Synthetic models: GGUF files of a real model's shape with random weights, for benchmarks with no download.
+
+K-quant and IQ tensors are random but valid blocks (random bits, finite fp16 scales chosen so the decoded
+weights have a fixed spread); legacy 32-element types are quantized from random floats with the `gguf`
+package. Decode speed does not depend on the values when end-of-generation is ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from infero.errors import InferoError
+
+# Byte offsets of the fp16 scale fields inside one block of each type (ggml's block structs).
+FP16_FIELDS = {
+    2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0],  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0
+    10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208],  # Q2_K Q3_K Q4_K Q5_K Q6_K
+    20: [0], 23: [0],  # IQ4_NL IQ4_XS
+}  # fmt: skip
+
+
+def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndarray:
+    """uint8 [rows, bytes per row] of valid blocks of ggml type `qtype` whose decoded values have spread ~std."""
+    import gguf
+    from gguf.quants import dequantize
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    nblocks = rows * cols // block_elems
+    raw = rng.integers(0, 256, size=(nblocks, block_bytes), dtype=np.uint8)
+    fields = FP16_FIELDS.get(qtype)
+    if fields is None:  # a type infero does not run: its bytes only need the right size
+        return raw.reshape(rows, -1)
+    # One scale for every fp16 field, fitted on a sample so the decoded spread is `std`.
+    sample = raw[: min(nblocks, 256)].copy()
+    for off in fields:
+        sample[:, off : off + 2] = np.array([1.0], np.float16).view(np.uint8)
+    spread = float(dequantize(sample, gguf.GGMLQuantizationType(qtype)).std()) or 1.0
+    scales = rng.uniform(0.5, 1.0, size=(nblocks, len(fields))) * (std / spread / 0.75)
+    for j, off in enumerate(fields):
+        raw[:, off : off + 2] = scales[:, j].astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def encode_weight(w: np.ndarray, qtype: int, rng: np.random.Generator) -> np.ndarray:
+    """The bytes (or float array) to store for float32 weights in type qtype."""
+    import gguf
+    from gguf.quants import quantize
+
+    if qtype == 0:
+        return w.astype(np.float32)
+    if qtype == 1:
+        return w.astype(np.float16)
+    if qtype in (30, 8, 2, 3, 6, 7):  # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the gguf package quantizes these
+        return quantize(w, gguf.GGMLQuantizationType(qtype))
+    return random_blocks(qtype, w.shape[0], w.shape[1], rng, float(w.std()))
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    rope_theta: float
+    context: int
+    tied: bool
+    head_dim: int = 0  # 0: hidden / heads
+    llama3_rope: bool = False  # Llama 3.1 rope_freqs (factor 8, low 1, high 4, original context 8192)
+
+
+SHAPES = {
+    "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0, 8192, True),
+    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, 32768, True),
+    "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, 152064, 1000000.0, 32768, False),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, False, llama3_rope=True),
+}
+
+TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+         "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}  # fmt: skip
+QUANTS = sorted(TYPES) + ["Q4_K_M"]
+
+
+def tensor_type(quant: str, name: str, layer: int, num_layers: int, cols: int) -> int:
+    """The type llama.cpp's quantizer would pick for a tensor (Q4_K_M's mixture; others uniform)."""
+    if quant == "Q4_K_M":
+        # llama.cpp: attn_v and ffn_down get Q6_K on the first and last eighth and every third layer between.
+        more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+        if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down") and more_bits):
+            t = TYPES["Q6_K"]
+        else:
+            t = TYPES["Q4_K"]
+    else:
+        t = TYPES[quant]
+    if t in (10, 11, 12, 13, 14, 23) and cols % 256:
+        # Rows that are not a whole number of 256-element super-blocks fall back as llama.cpp does.
+        t = TYPES["Q8_0"] if t == TYPES["Q6_K"] else TYPES["Q5_0"]
+    return t
+
+
+def write_synthetic(shape_name: str, quant: str, path: Path, seed: int = 0, progress=None) -> Path:
+    """Write a GGUF of the named shape with random weights and a working byte-level tokenizer."""
+    import gguf
+
+    if shape_name not in SHAPES:
+        raise InferoError(f"unknown shape {shape_name!r} (choose from {', '.join(SHAPES)})")
+    if quant not in QUANTS:
+        raise InferoError(f"unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
+    s, rng = SHAPES[shape_name], np.random.default_rng(seed)
+    head_dim = s.head_dim or s.hidden // s.heads
+    w = gguf.GGUFWriter(str(path), s.arch)
+    w.add_name(f"synthetic {shape_name} {quant}")
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_block_count(s.layers)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6 if s.arch == "qwen2" else 1e-5)
+    _add_tokenizer(w, s)
+
+    plan: list[tuple[str, tuple[int, ...], int]] = []  # name, numpy shape, type
+    plan.append(
+        ("token_embd.weight", (s.vocab, s.hidden), tensor_type(quant, "token_embd.weight", 0, s.layers, s.hidden))
+    )
+    if s.llama3_rope:
+        plan.append(("rope_freqs.weight", (head_dim // 2,), 0))
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        plan.append((p + "attn_norm.weight", (s.hidden,), 0))
+        q, kv = s.heads * head_dim, s.kv_heads * head_dim
+        matrices = [("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
+                    ("attn_output", s.hidden, q), ("ffn_gate", s.ffn, s.hidden), ("ffn_up", s.ffn, s.hidden),
+                    ("ffn_down", s.hidden, s.ffn)]  # fmt: skip
+        for name, rows, cols in matrices:
+            plan.append(
+                (p + name + ".weight", (rows, cols), tensor_type(quant, p + name + ".weight", i, s.layers, cols))
+            )
+            if s.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                plan.append((p + name + ".bias", (rows,), 0))
+        plan.append((p + "ffn_norm.weight", (s.hidden,), 0))
+    plan.append(("output_norm.weight", (s.hidden,), 0))
+    if not s.tied:
+        plan.append(("output.weight", (s.vocab, s.hidden), tensor_type(quant, "output.weight", 0, s.layers, s.hidden)))
+
+    for name, shp, t in plan:
+        qt = gguf.GGMLQuantizationType(t)
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qt]
+        if t == 0:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        else:  # the writer takes quantized shapes in bytes per row
+            byte_shape = (*shp[:-1], shp[-1] // block_elems * block_bytes)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shp, t in plan:
+        w.write_tensor_data(_make_tensor(name, shp, t, rng, s))
+        if progress is not None:
+            progress(1)
+    w.close()
+    return path
+
+
+def _make_tensor(name: str, shape: tuple[int, ...], t: int, rng: np.random.Generator, s: Shape) -> np.ndarray:
+    if len(shape) == 1:
+        if name == "rope_freqs.weight":
+            return _llama3_freq_factors(shape[0] * 2, s.rope_theta)
+        if name.endswith(".bias"):
+            return rng.normal(0, 0.02, size=shape).astype(np.float32)
+        return (1.0 + rng.normal(0, 0.05, size=shape)).astype(np.float32)
+    rows, cols = shape
+    std = 1.0 if name == "token_embd.weight" else 0.5 / np.sqrt(cols)
+    if t in FP16_FIELDS and t not in (2, 3, 6, 7, 8):  # K and IQ types: random valid blocks, no float detour
+        return random_blocks(t, rows, cols, rng, std)
+    chunk = []
+    for start in range(0, rows, 8192):  # quantize in row chunks to bound memory
+        n = min(8192, rows - start)
+        chunk.append(encode_weight(rng.normal(0, std, size=(n, cols)).astype(np.float32), t, rng))
+    return np.concatenate(chunk)
+
+
+def _llama3_freq_factors(head_dim: int, base: float) -> np.ndarray:
+    """Llama 3.1's rope_freqs: wavelength-dependent divisors (factor 8, low 1, high 4, original context 8192)."""
+    factor, low, high, orig = 8.0, 1.0, 4.0, 8192
+    freqs = base ** (-np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (orig / wavelen - low) / (high - low)
+    out = np.where(
+        wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, 1.0 / ((1 - smooth) / factor + smooth))
+    )
+    return out.astype(np.float32)
+
+
+def _add_tokenizer(w, s: Shape) -> None:
+    """A byte-level BPE vocabulary (special tokens, 256 byte symbols, merges of common English pieces) padded
+    with unused tokens to the model's vocabulary size, and the family's chat template."""
+    words = ["the", " the", "ing", " and", " of", " to", "tion", " in", " is", " a", "er", "ed", " that", " for",
+             " it", " with", " as", " was", " on", " be", "hello", " world", " GPU", " model"]  # fmt: skip
+    if s.arch == "llama":
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        bos, eos, pre = 0, 4, "llama-bpe"
+        template = (
+            "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+            " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+            "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+        )
+    else:
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        bos, eos, pre = 0, 2, "qwen2"
+        template = (
+            "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        )
+    tokens, merges = byte_level_vocab(specials, words)
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    pad = s.vocab - len(tokens)
+    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
+    types += [5] * pad  # unused
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(s.arch == "llama")
+    w.add_chat_template(template)
+
+
+def byte_level_vocab(specials: list[str], words: list[str]) -> tuple[list[str], list[str]]:
+    """Special tokens, GPT-2's 256 byte symbols, and merges that build each of `words` left to right."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_symbol = {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+    tokens = list(specials) + [byte_symbol[b] for b in range(256)]
+    known, merges = set(tokens), []
+    for word in words:
+        symbols = [byte_symbol[b] for b in word.encode()]
+        cur = symbols[0]
+        for sym in symbols[1:]:
+            if cur + sym not in known:
+                merges.append(f"{cur} {sym}")
+                tokens.append(cur + sym)
+                known.add(cur + sym)
+            cur += sym
+    return tokens, merges

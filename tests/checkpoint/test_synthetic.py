@@ -1,0 +1,51 @@
+"""`infero synth`: real shapes, llama.cpp's Q4_K_M type mixture, a working tokenizer, a model that runs."""
+
+import pytest
+
+from infero import LLM, SamplingParams
+from infero.checkpoint import load_checkpoint
+from infero.checkpoint.synthetic import SHAPES, tensor_type, write_synthetic
+from infero.cli import main
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4km(tmp_path_factory):
+    path = tmp_path_factory.mktemp("synth") / "smollm2-q4km.gguf"
+    assert main(["synth", "smollm2-135m", "--quant", "Q4_K_M", "-o", str(path)]) == 0
+    return path
+
+
+def test_shape_and_type_mixture(smollm2_q4km):
+    ckpt = load_checkpoint(smollm2_q4km)
+    c, s = ckpt.config, SHAPES["smollm2-135m"]
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size) == (
+        s.layers, s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab)  # fmt: skip
+    types = {name: t.type_name for name, t in ckpt.tensors.items()}
+    # 576 columns are not whole 256-blocks: K types fall back to Q5_0 (Q6_K to Q8_0), as llama.cpp does.
+    assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.0.attn_v.weight"] == "Q8_0"
+    assert types["blk.4.attn_v.weight"] == "Q5_0"  # a middle layer without the extra bits
+    assert types["blk.0.ffn_down.weight"] == "Q6_K" and types["blk.4.ffn_down.weight"] == "Q4_K"  # 1536 columns
+    assert "output.weight" not in types  # tied
+
+
+def test_llama_8b_plan_matches_llama_cpp_q4_k_m():
+    n = SHAPES["llama-3.1-8b"].layers
+    v_types = [tensor_type("Q4_K_M", f"blk.{i}.attn_v.weight", i, n, 4096) for i in range(n)]
+    assert v_types.count(14) == 16 and v_types.count(12) == 16  # half the layers in Q6_K
+    assert tensor_type("Q4_K_M", "output.weight", 0, n, 4096) == 14
+    assert tensor_type("Q4_K_M", "blk.0.attn_q.weight", 0, n, 4096) == 12
+
+
+def test_synthetic_model_runs_with_its_tokenizer(smollm2_q4km):
+    llm = LLM(smollm2_q4km)
+    assert llm.tokenizer.vocab_size == SHAPES["smollm2-135m"].vocab
+    assert llm.tokenizer.decode(llm.tokenizer.encode("hello GPU world", add_special_tokens=False)) == "hello GPU world"
+    [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.completion_ids) == 4
+
+
+def test_unknown_shape_is_a_clear_error(tmp_path):
+    from infero.errors import InferoError
+
+    with pytest.raises(InferoError, match="unknown shape"):
+        write_synthetic("gpt-5", "Q8_0", tmp_path / "x.gguf")
