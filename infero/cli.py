@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     d.add_argument("--prompt-tokens", type=int, default=512)
     d.add_argument("--decode-tokens", type=int, default=64)
+    d.add_argument("--profile", action="store_true", help="also time each op of a decode step (GPU, graphs off)")
     from infero.bench import serve as bench_serve
 
     bench_serve.add_arguments(
@@ -228,6 +229,9 @@ def _bench(args) -> int:
     print(llm.summary(), file=sys.stderr)
     result = decode.run(llm, args.prompt_tokens, args.decode_tokens)
     print(decode.format_table(llm.config.name, llm.backend.name, result))
+    if args.profile:
+        print()
+        print(decode.format_profile(decode.profile(llm, args.prompt_tokens)))
     return 0
 
 

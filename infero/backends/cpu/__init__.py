@@ -34,6 +34,19 @@ class CpuBackend:
     def to_host(self, logits: np.ndarray, start: int, stop: int) -> np.ndarray:
         return logits[start:stop]
 
+    def copy_bandwidth(self, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+        """Host memory bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats)."""
+        import time
+
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t)
+        return 2 * nbytes / float(np.median(times))
+
     def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer) from src to dst, for sequences that fork."""
         src, dst = [s for s, _ in pairs], [d for _, d in pairs]
