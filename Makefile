@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo serve test lint format clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/infero generate --chat --max-tokens 128 "Write a haiku about a GPU."
+
+# The OpenAI-compatible server on the default model at http://127.0.0.1:8080 (INFERO_PORT, INFERO_MODEL, ... override).
+serve: setup
+	$(BIN)/infero serve
 
 test: setup
 	$(BIN)/ruff check .

@@ -82,13 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(
         bsub.add_parser("serve", help="load an OpenAI-compatible endpoint with N streaming clients")
     )
+    from infero.server import serve
+
+    serve.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        from infero.server.serve import main as _serve
+
         commands = {"generate": _generate, "inspect": _inspect, "tokenize": _tokenize, "bench": _bench, "synth": _synth}
+        commands["serve"] = _serve
         return commands[args.command](args)
     except InferoError as e:
         print(f"infero: error: {e}", file=sys.stderr)

@@ -1,0 +1,552 @@
+"""The HTTP face of the engine: an OpenAI-compatible FastAPI app.
+
+    GET  /health                200 when the model is loaded, 503 while it loads or the server stops
+    GET  /metrics               Prometheus text (open, like /health)
+    GET  /v1/models             the one served model
+    POST /v1/chat/completions   chat, streamed (SSE) or not
+    POST /v1/completions        text completion: a string, token ids, or a list of either
+    POST /tokenize, /detokenize vLLM's shapes
+
+The model loads in a thread started by the app's lifespan, so the server answers (503) while it loads. Every
+request body is read here with a size limit and validated strictly before anything runs; admission is bounded by
+the number of requests waiting for their first token. The server never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
+
+import infero
+from infero.engine.async_engine import AsyncEngine
+from infero.engine.sampling import SamplingParams
+from infero.engine.structured import StructuredOutputError
+from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
+from infero.server import metrics as metrics_module
+from infero.server import protocol
+from infero.server.errors import APIError, bad_request, from_validation_error, install_error_handlers, unavailable
+from infero.server.reasoning import choose_reasoning_parser, get_reasoning_parser
+from infero.server.streaming import (
+    ChatStreamContext,
+    CompletionStreamContext,
+    Generation,
+    OutputParsers,
+    SSEResponse,
+    chat_stream,
+    completion_piece,
+    completion_stream,
+)
+from infero.server.tool_parsers import choose_tool_parser, forced, get_tool_parser
+
+log = logging.getLogger("infero.server")
+
+MAX_BODY_BYTES = 32 << 20
+# A body over the limit is still read (and dropped) up to this size, so the client gets its 413 instead of a reset
+# connection; beyond it we answer at once and close.
+MAX_DRAIN_BYTES = 128 << 20
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt"}
+
+RequestModel = TypeVar("RequestModel", bound=pydantic.BaseModel)
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int = 512
+    max_body_bytes: int = MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+
+
+class ServerState:
+    """What the routes share: the settings, the loaded model (None while loading), metrics, the admission count."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.metrics = metrics_module.Metrics(settings.served_model_name)
+        self.llm: Any = None  # infero.llm.LLM once loaded
+        self.engine: AsyncEngine | None = None
+        self.status = "loading"  # loading | ready | failed | stopping
+        self.load_error: BaseException | None = None
+        self.num_queued = 0  # admitted prompts still waiting for their first output
+        self.created = protocol.now()
+        self.fingerprint = "fp_infero"
+        self.reasoning_parser: Any = None  # from the chat template, when the model is loaded
+        self.tool_parser: Any = None
+
+    def begin_shutdown(self) -> None:
+        """From now on new requests get 503; running ones go on until the engine's shutdown."""
+        self.status = "stopping"
+
+    def require_ready(self) -> AsyncEngine:
+        if self.status == "ready" and self.engine is not None:
+            return self.engine
+        if self.status == "loading":
+            raise unavailable("the model is still loading; retry shortly (GET /health says 200 when ready)", "loading")
+        if self.status == "failed":
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+        raise unavailable("the server is shutting down", "shutting_down")
+
+    def admit(self, num_prompts: int) -> Callable[[], None]:
+        """Take `num_prompts` places in the waiting queue or answer 503; returns the release for one place."""
+        engine = self.require_ready()
+        waiting = max(self.num_queued, engine.stats().num_waiting)
+        if waiting + num_prompts > self.settings.max_waiting_requests:
+            raise unavailable(
+                f"the server is overloaded: {waiting} requests are waiting "
+                f"(--max-waiting-requests {self.settings.max_waiting_requests}); retry later",
+                "queue_full",
+            )
+        self.num_queued += num_prompts
+
+        def release() -> None:
+            self.num_queued -= 1
+
+        return release
+
+    def loaded(self, llm) -> None:
+        self.llm = llm
+        digest = hashlib.sha256(f"{infero.__version__}:{llm.path.name}:{llm.config.name}".encode()).hexdigest()
+        self.fingerprint = f"fp_{digest[:10]}"
+        source = llm.chat_template.source if llm.chat_template is not None else None
+        reasoning, tools = choose_reasoning_parser(source), choose_tool_parser(source)
+        self.reasoning_parser = get_reasoning_parser(reasoning) if reasoning else None
+        self.tool_parser = get_tool_parser(tools) if tools else None
+
+
+def create_app(
+    load: Callable[[], Any],
+    settings: ServerSettings,
+    on_ready: Callable[[Any], None] | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app. `load()` returns an `infero.LLM`; it runs in a thread once the app starts, and the engine starts
+    when it returns; `on_ready(llm)` / `on_load_error(exc)` are then called on the event loop."""
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(state, load, on_ready, on_load_error))
+        try:
+            yield
+        finally:
+            state.begin_shutdown()
+            if not loading.done():
+                loading.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown(settings.shutdown_timeout)
+
+    app = FastAPI(title="infero", version=infero.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.infero = state
+    install_error_handlers(app)
+    app.include_router(_open_routes(state))
+    app.include_router(_api_routes(state), dependencies=[Depends(_auth_guard(state))])
+    return app
+
+
+async def _load(state: ServerState, load, on_ready, on_load_error) -> None:
+    """Run `load` in a daemon thread (so a stop while loading does not wait for it), then start the engine."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        try:
+            llm = load()
+        except BaseException as e:  # noqa: BLE001 (reported to the loop, which decides)
+            loop.call_soon_threadsafe(_settle, result, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, result, llm, None)
+
+    threading.Thread(target=run, name="infero-load", daemon=True).start()
+    try:
+        llm = await result
+        engine = AsyncEngine(llm.engine)
+        await engine.start()
+    except Exception as e:
+        if state.status != "stopping":
+            state.status, state.load_error = "failed", e
+        if on_load_error is None or not isinstance(e, InferoError):  # a user's error is the callback's one line
+            log.error("loading the model failed: %s", e, exc_info=not isinstance(e, InferoError))
+        if on_load_error is not None:
+            on_load_error(e)
+        return
+    state.loaded(llm)
+    state.engine = engine
+    if state.status == "loading":
+        state.status = "ready"
+    if on_ready is not None:
+        on_ready(llm)
+
+
+def _settle(future: asyncio.Future, value, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def _auth_guard(state: ServerState):
+    expected = state.settings.api_key.encode() if state.settings.api_key else None
+
+    async def guard(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    return guard
+
+
+# ---- routes ---------------------------------------------------------------------------------------------------
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        state.require_ready()
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        stats = state.engine.stats() if state.engine is not None else None
+        return PlainTextResponse(state.metrics.render(stats), media_type=metrics_module.CONTENT_TYPE)
+
+    return router
+
+
+def _api_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    settings = state.settings
+
+    @router.get("/v1/models")
+    async def models() -> JSONResponse:
+        engine = state.require_ready()
+        card = {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "infero",
+                "root": settings.served_model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.require_ready()
+        req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
+        protocol.check_model(req.model, settings.served_model_name)
+        engine = state.require_ready()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = [m.to_template() for m in req.messages]
+        prompt_ids, prompt_text = await asyncio.to_thread(
+            _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, True, False
+        )
+        room = _room(engine, prompt_ids, "messages")
+        params = protocol.sampling_params(
+            req, vocab_size=_vocab_size(engine), max_tokens=req.max_completion_tokens or req.max_tokens or room,
+            logprobs=req.num_logprobs,
+        )  # fmt: skip
+        params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
+        await _validate(engine, prompt_ids, params, "messages")
+        ctx = ChatStreamContext(
+            protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
+            engine.tokenizer, req.logprobs, req.include_usage, parsers,
+        )  # fmt: skip
+        gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1))
+        if req.stream:
+            return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
+        try:
+            return JSONResponse(await _until_disconnect(request, _collect_chat(gen, ctx)))
+        finally:
+            gen.close()
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.require_ready()
+        req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
+        protocol.check_model(req.model, settings.served_model_name)
+        engine = state.require_ready()
+        prompts, texts = await asyncio.to_thread(_encode_prompts, engine, req.prompt)
+        rooms = [_room(engine, ids, "prompt") for ids in prompts]
+        score_only = req.echo and req.max_tokens == 0
+        max_tokens = 1 if score_only else req.max_tokens or min(rooms)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = protocol.sampling_params(
+            req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
+        for ids in prompts:
+            await _validate(engine, ids, params, "prompt")
+        ctx = CompletionStreamContext(
+            protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
+            engine.tokenizer, req.logprobs is not None, req.include_usage, texts if req.echo else None, score_only,
+        )  # fmt: skip
+        gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)))
+        if req.stream:
+            return SSEResponse(completion_stream(gen, ctx), on_close=gen.close)
+        try:
+            return JSONResponse(await _until_disconnect(request, _collect_completion(gen, ctx)))
+        finally:
+            gen.close()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        state.require_ready()
+        req = await _parse(request, protocol.TokenizeRequest, settings.max_body_bytes)
+        protocol.check_model(req.model, settings.served_model_name)
+        engine = state.require_ready()
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            messages = [m.to_template() for m in req.messages]
+            special = bool(req.add_special_tokens)
+            ids, _ = await asyncio.to_thread(_encode_chat, state, messages, tools, req.chat_template_kwargs or {},
+                                             req.add_generation_prompt, special)  # fmt: skip
+        else:
+            special = req.add_special_tokens is not False
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, special)
+        strs = [protocol.token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})  # fmt: skip
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        state.require_ready()
+        req = await _parse(request, protocol.DetokenizeRequest, settings.max_body_bytes)
+        protocol.check_model(req.model, settings.served_model_name)
+        engine = state.require_ready()
+        _check_token_ids(engine, req.tokens, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    return router
+
+
+# ---- request bodies -------------------------------------------------------------------------------------------
+
+
+async def _parse(request: Request, model: type[RequestModel], limit: int) -> RequestModel:
+    body = await _read_body(request, limit)
+    try:
+        return model.model_validate_json(body, strict=True)
+    except pydantic.ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes `limit` (by its Content-Length or by counting what arrives)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request(f"invalid Content-Length header {declared!r}")
+        if int(declared) > limit:
+            if int(declared) <= MAX_DRAIN_BYTES:
+                await _drain(request)
+            raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request, size)
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, size: int = 0) -> None:
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_DRAIN_BYTES:
+            return
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit // 2**20} MiB", code="request_too_large")
+
+
+# ---- prompts --------------------------------------------------------------------------------------------------
+
+
+def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_generation_prompt, special):
+    """The conversation rendered with the model's chat template, as (token ids, text); the template writes BOS."""
+    template = state.llm.chat_template
+    if template is None:
+        raise ChatTemplateError(
+            f"model {state.settings.served_model_name!r} has no chat template; restart the server with "
+            "--chat-template FILE, or use /v1/completions"
+        )
+    reserved = RESERVED_TEMPLATE_KWARGS & set(template_kwargs)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
+    return state.llm.tokenizer.encode(text, add_special_tokens=special), text
+
+
+def _encode_prompts(engine: AsyncEngine, prompt) -> tuple[list[list[int]], list[str]]:
+    """A completion's prompts as token ids, with the text that `echo` repeats."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    ids, texts = [], []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            ids.append(engine.tokenizer.encode(p))
+            texts.append(p)
+        else:
+            _check_token_ids(engine, p, f"prompt.{i}" if len(prompt) > 1 else "prompt")
+            ids.append(list(p))
+            texts.append(engine.tokenizer.decode(p))
+    return ids, texts
+
+
+def _vocab_size(engine: AsyncEngine) -> int:
+    return min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+
+
+def _check_token_ids(engine: AsyncEngine, ids: list[int], param: str) -> None:
+    vocab = _vocab_size(engine)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+
+def _room(engine: AsyncEngine, prompt_ids: list[int], param: str) -> int:
+    """Tokens left in the context after the prompt; a 400 context_length_exceeded when there are none."""
+    room = engine.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise bad_request(
+            f"this model's context holds {engine.max_model_len} tokens and the {param} has {len(prompt_ids)}; "
+            "shorten it to leave room for at least one generated token",
+            param, "context_length_exceeded",
+        )  # fmt: skip
+    return room
+
+
+async def _validate(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    """The engine's own checks, as 400s; a grammar (response_format) compiles here, off the event loop."""
+    try:
+        if params.structured is None:
+            engine.validate(prompt_ids, params)
+        else:
+            await asyncio.to_thread(engine.validate, prompt_ids, params)
+    except PromptTooLongError as e:
+        raise bad_request(str(e), param, "context_length_exceeded") from e
+    except StructuredOutputError as e:
+        raise bad_request(str(e), "response_format") from e
+    except InferoError as e:
+        raise bad_request(str(e)) from e
+
+
+# ---- reasoning and tool calls ----------------------------------------------------------------------------------
+
+
+def _forced_tool_calls(req: protocol.ChatCompletionRequest, params: SamplingParams):
+    """For tool_choice "required" or a named function: (params constrained to the call's JSON grammar, parsers
+    that turn that JSON into tool calls); None otherwise. The grammar guarantees a well-formed call from any model,
+    whether or not its template knows tools (as vLLM does)."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        spec, parser = forced.required_calls_schema(tools), forced.RequiredToolParser()
+    else:
+        name = choice.function.name
+        tool = next(t for t in req.tools if t.function.name == name)
+        spec, parser = forced.named_call_schema(tool.function.parameters), forced.NamedToolParser(name)
+    if params.structured is not None:
+        raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
+    return dataclasses.replace(params, structured=spec), OutputParsers(None, parser, False)
+
+
+def _output_parsers(state: ServerState, req: protocol.ChatCompletionRequest, prompt: str) -> OutputParsers | None:
+    """The parsers a chat choice's text goes through: reasoning when the model thinks in tags, tool calls when the
+    request offers tools (and does not say tool_choice "none") and the template teaches a format we read."""
+    reasoning = state.reasoning_parser
+    tools = state.tool_parser if req.tools and req.tool_choice != "none" else None
+    if reasoning is None and tools is None:
+        return None
+    starts = reasoning is not None and reasoning.prompt_opens_reasoning(prompt)
+    return OutputParsers(reasoning, tools, starts)
+
+
+# ---- non-streaming responses ----------------------------------------------------------------------------------
+
+
+async def _until_disconnect(request: Request, work) -> dict:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
+    n = gen.num_choices
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    async with aclosing(gen.outputs()) as outputs:
+        async for index, _, out in outputs:
+            texts[index].append(out.new_text)
+            logprobs[index] += out.logprobs or []
+            if out.finished:
+                finish[index] = out.finish_reason
+    choices = []
+    for i in range(n):
+        text = "".join(texts[i])
+        message = {"role": "assistant", **(ctx.parsers.message(text) if ctx.parsers else {"content": text})}
+        choice = {"index": i, "message": message, "logprobs": None,
+                  "finish_reason": "tool_calls" if message.get("tool_calls") else finish[i]}  # fmt: skip
+        if ctx.logprobs:
+            choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i])}
+        choices.append(choice)
+    return {"id": ctx.response_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+            "system_fingerprint": ctx.fingerprint, "choices": choices,
+            "usage": protocol.usage(gen.num_prompt_tokens, gen.num_generated)}  # fmt: skip
+
+
+async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> dict:
+    n = gen.num_choices
+    pieces: list[list[dict]] = [[] for _ in range(n)]
+    async with aclosing(gen.outputs()) as outputs:
+        async for index, p, out in outputs:
+            pieces[index].append(completion_piece(index, p, out, gen, ctx))
+    choices = []
+    for i in range(n):
+        logprobs = None
+        if ctx.logprobs:
+            logprobs = {key: [v for piece in pieces[i] for v in piece["logprobs"][key]]
+                        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+        choices.append({"index": i, "text": "".join(piece["text"] for piece in pieces[i]), "logprobs": logprobs,
+                        "finish_reason": pieces[i][-1]["finish_reason"] if pieces[i] else None})  # fmt: skip
+    completion_tokens = 0 if ctx.score_only else gen.num_generated
+    return {"id": ctx.response_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+            "system_fingerprint": ctx.fingerprint, "choices": choices,
+            "usage": protocol.usage(gen.num_prompt_tokens, completion_tokens)}  # fmt: skip

@@ -1,0 +1,373 @@
+"""OpenAI's request and response shapes: pydantic models that validate what clients send, and builders of the
+JSON we answer with (plain dicts: the exact keys OpenAI's API reference and vLLM's `protocol.py` use).
+
+Bodies are parsed with `model_validate_json(body, strict=True)`: a string where a number belongs is a 400, not a
+silent conversion. Fields we do not know are ignored (clients send `store`, `metadata`, `service_tier`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from infero.engine.request import TokenLogprob
+from infero.engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from infero.engine.structured import StructuredOutput, StructuredOutputError
+from infero.server.errors import APIError, bad_request
+from infero.tokenizer import Tokenizer
+
+MAX_N = 128  # choices per request; the engine also caps n at its --max-num-seqs
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class _Open(BaseModel):
+    """Objects whose extra keys we pass on (a message's custom keys reach the chat template, as in vLLM)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- chat messages and tools ------------------------------------------------------------------------------------
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # the wire form is a JSON string; the template wants a dict
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: OpenAI's keys, None values dropped; `developer` is the
+        newer name of `system`, which is what templates know."""
+        message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        return message
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+        return self
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's; accepted, not implemented
+
+
+# ---- requests -----------------------------------------------------------------------------------------------------
+
+
+class _SamplingFields(_Model):
+    """What chat and completion requests share: the model name and the sampler's parameters."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the tool parser decides how many calls it finds
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice is not None and self.tool_choice != "none" and self.tool_choice != "auto":
+            if not self.tools:
+                raise ValueError("tool_choice 'required' or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice):
+                name = self.tool_choice.function.name
+                if name not in {t.function.name for t in self.tools}:
+                    raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 with echo scores the prompt
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported (infero has no fill-in-the-middle models)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 only makes sense with echo: true (to score the prompt)")
+        return self
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give exactly one of "prompt" and "messages"')
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- requests -> engine parameters ------------------------------------------------------------------------------
+
+
+def sampling_params(
+    req: _SamplingFields,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's parameters for a request; a 400 naming the field when one is out of range."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    for token_id in req.stop_token_ids or []:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+            )
+    values = dict(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+    )
+    try:
+        params = SamplingParams(
+            **{name: value for name, value in values.items() if value is not None},
+            logit_bias=_logit_bias(req.logit_bias, vocab_size),
+            seed=req.seed,
+            n=req.n,
+            max_tokens=max_tokens,
+            min_tokens=min(req.min_tokens, max_tokens),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingError as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), param=name if name in type(req).model_fields else None) from e
+    return with_structured_output(params, req.response_format)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids; got {key!r}", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
+        result[token_id] = value
+    return result
+
+
+def with_structured_output(params: SamplingParams, response_format: ResponseFormat | None) -> SamplingParams:
+    """Constrain decoding to `response_format`: any JSON object, or JSON matching a schema."""
+    if response_format is None or response_format.type == "text":
+        return params
+    try:
+        spec = StructuredOutput.from_response_format(response_format.model_dump(by_alias=True, exclude_none=True))
+    except StructuredOutputError as e:
+        raise bad_request(str(e), "response_format") from e
+    return dataclasses.replace(params, structured=spec)
+
+
+# ---- responses --------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token as logprobs show it: its own text (a half UTF-8 character as U+FFFD) and its exact bytes."""
+    if tokenizer.pieces is not None and 0 <= token_id < len(tokenizer.pieces):
+        data = tokenizer.pieces[token_id]
+        return data.decode("utf-8", "replace"), data
+    text = tokenizer.decode([token_id])
+    return text, text.encode("utf-8")
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """`choices[i].logprobs.content` of a chat completion: one entry per generated token."""
+    content = []
+    for entry in entries:
+        text, data = token_text(tokenizer, entry.token_id)
+        top = []
+        for token_id, logprob in entry.top:
+            top_text, top_data = token_text(tokenizer, token_id)
+            top.append({"token": top_text, "logprob": _finite(logprob), "bytes": list(top_data)})
+        content.append({"token": text, "logprob": _finite(entry.logprob), "bytes": list(data), "top_logprobs": top})
+    return content
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprob | None], token_ids: list[int], offset: int
+) -> dict[str, list]:
+    """The legacy `logprobs` of a completion choice for `token_ids` (an entry of None, the first prompt token's,
+    gives null); `offset` is where the first token's text starts in the choice's text."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text, _ = token_text(tokenizer, token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_finite(entry.logprob))
+        top = {token_text(tokenizer, t)[0]: _finite(lp) for t, lp in entry.top}
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}  # fmt: skip
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; OpenAI clamps to -9999.0 (a token the sampler could never take)
+    return max(float(logprob), -9999.0)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 unless the request names the served model (or none)."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")  # fmt: skip

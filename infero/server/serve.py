@@ -1,0 +1,197 @@
+"""`infero serve`: the OpenAI-compatible HTTP server on uvicorn.
+
+Every flag can also come from an environment variable, `INFERO_` plus the flag's name in capitals
+(`--port` <- INFERO_PORT, `--api-key` <- INFERO_API_KEY, ...); a flag on the command line wins.
+The server listens at once and loads the model in the background: `GET /health` answers 503 until it is ready,
+then the engine's one-line summary and the URL go to stderr. SIGTERM or Ctrl-C stops admitting (503), lets
+running requests finish (up to 30 s, then aborts them), stops the engine and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from infero.backends import DEVICES
+
+SHUTDOWN_TIMEOUT_S = 30.0
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: "2GiB", "512 MiB", "1.5G", "3gb" or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or a number of bytes")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
+    return value
+
+
+def _int_at_least(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range (must be {bound})")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (must be > 0 and <= 1)")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `infero serve`, each defaulting to its INFERO_* environment variable."""
+
+    def flag(name: str, default=None, **kwargs) -> None:
+        env = "INFERO_" + name.lstrip("-").upper().replace("-", "_")
+        kwargs["help"] = f"{kwargs.get('help', '')} [env {env}]".strip()
+        # argparse runs `type` on a string default, so a bad environment value fails like a bad flag
+        parser.add_argument(name, default=os.environ.get(env, default), **kwargs)
+
+    flag("--model", metavar="FILE", help="GGUF file (the first part of a split model); default: SmolLM2-135M-Instruct")
+    flag("--host", "127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    flag("--port", "8080", type=_int_at_least(0, 65535), help="port to listen on (default: 8080)")
+    flag("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API route")
+    flag("--served-model-name", metavar="NAME", help="the model's name in the API (default: the GGUF file's stem)")
+    flag("--max-model-len", type=_int_at_least(2), metavar="N", help="context length (default: the model's)")
+    flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N", help="sequences per batch (default: 64)")
+    flag("--max-num-batched-tokens", "2048", type=_int_at_least(1), metavar="N",
+         help="tokens per engine step (default: 2048)")  # fmt: skip
+    flag("--max-waiting-requests", "512", type=_int_at_least(0), metavar="N",
+         help="requests allowed to wait for their first token before new ones get 503 (default: 512)")  # fmt: skip
+    flag("--gpu-memory-utilization", "0.90", type=_fraction, metavar="F",
+         help="share of GPU memory for weights, workspace and KV cache (default: 0.90)")  # fmt: skip
+    flag("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
+         help='KV cache budget on the CPU backend, e.g. "2GiB" (default: 1GiB)')  # fmt: skip
+    flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
+
+
+def served_name(path: Path) -> str:
+    """The model's default API name: the file's stem, without a split file's "-00001-of-00003"."""
+    return re.sub(r"-\d{5}-of-\d{5}$", "", path.stem)
+
+
+def engine_config(args: argparse.Namespace):
+    from infero.engine.engine import EngineConfig
+
+    values = {
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_bytes": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in values.items() if v is not None and k in known})
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 after a clean stop, 2 when the model cannot be loaded."""
+    import uvicorn
+
+    from infero.default_model import default_model_path
+    from infero.errors import ModelFileError
+    from infero.llm import LLM
+    from infero.server.app import ServerSettings, create_app
+
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.is_file():
+        raise ModelFileError(f"model file {path} does not exist; pass --model FILE.gguf (or set INFERO_MODEL)")
+    name = args.served_model_name or served_name(path)
+    config = engine_config(args)
+    settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
+                              shutdown_timeout=SHUTDOWN_TIMEOUT_S)  # fmt: skip
+    url = f"http://{_url_host(args.host)}:{args.port}"
+    exit_code = 0
+
+    def load():
+        return LLM(path, device=args.device, chat_template=args.chat_template, engine_config=config,
+                   show_progress=True)  # fmt: skip
+
+    def on_ready(llm) -> None:
+        print(llm.summary(), file=sys.stderr)
+        print(f"serving {name!r} at {url}/v1 (OpenAI API); {url}/health, {url}/metrics", file=sys.stderr, flush=True)
+
+    def on_load_error(error: BaseException) -> None:
+        nonlocal exit_code
+        print(f"infero: error: {error}", file=sys.stderr, flush=True)
+        exit_code = 2
+        server.should_exit = True
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
+    app = create_app(load, settings, on_ready=on_ready, on_load_error=on_load_error)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on")  # fmt: skip
+    server = graceful_server(uv_config, app.state.infero)
+    sock = listen_socket(args.host, args.port)
+    print(f"infero: listening on {url}, loading {path.name} ...", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return exit_code
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn. Made with proto=IPPROTO_TCP, which is what makes asyncio set TCP_NODELAY on
+    the connections it accepts: uvicorn's own socket (proto 0) leaves Nagle on, and a small SSE chunk written
+    after an unacknowledged one then waits ~40 ms for the client's delayed ACK."""
+    from infero.errors import InferoError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise InferoError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def graceful_server(config, state):
+    """uvicorn's server, with a stop that first makes new requests 503 and ends with status 0.
+
+    uvicorn re-raises a caught signal after its graceful shutdown (so SIGTERM would end the process as if
+    killed); we stop the same way but return normally, since stopping was what was asked for.
+    """
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            state.begin_shutdown()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop without waiting
+            else:
+                self.should_exit = True
+
+    return GracefulServer(config)

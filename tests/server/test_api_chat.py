@@ -1,0 +1,222 @@
+"""POST /v1/chat/completions through the official OpenAI SDK, against the tiny model served live."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def test_streaming_chat_gives_the_same_text_as_non_streaming_at_temperature_zero(server):
+    client = server.client()
+    full = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=24, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-") and full.system_fingerprint
+    assert full.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    server.wait_idle()
+
+
+def test_usage_counts_the_rendered_prompt_and_every_generated_token(server, tiny_llm):
+    messages = [{"role": "system", "content": "be brief"}, *HELLO]
+    r = server.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.prompt_tokens == len(tiny_llm.encode_chat(messages))
+    assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 9
+
+
+def test_content_parts_render_like_a_string_and_tool_turns_are_accepted(server, tiny_llm):
+    client = server.client()
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    a = client.chat.completions.create(model="tiny", messages=as_parts, max_tokens=4, temperature=0)
+    assert a.usage.prompt_tokens == len(tiny_llm.encode_chat([{"role": "user", "content": "hel\nlo"}]))
+    tool_turns = [
+        *HELLO,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(model="tiny", messages=tool_turns, tools=tools, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_logprobs_come_in_the_chat_shape(server):
+    r = server.client().chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and isinstance(entry.bytes, list) and len(entry.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    # the tokens' bytes, joined, are the text (a token may hold half a character)
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == r.choices[0].message.content
+
+
+def test_seeded_sampling_repeats_and_n_choices_differ(server):
+    client = server.client()
+
+    def sample():
+        r = client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=12, temperature=1.0, seed=1234, n=3,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        return [c.message.content for c in r.choices]
+
+    first = sample()
+    assert sample() == first
+    assert len(set(first)) == 3
+
+
+def test_n_choices_stream_interleaved_with_their_indexes(server):
+    chunks = list(
+        server.client().chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=6, n=2, seed=3, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    by_index = {0: [], 1: []}
+    for c in chunks:
+        by_index[c.choices[0].index].append(c.choices[0])
+    for choices in by_index.values():
+        assert choices[0].delta.role == "assistant"
+        assert [c.finish_reason for c in choices if c.finish_reason] == ["length"]
+    full = server.client().chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=6, n=2, seed=3, extra_body={"ignore_eos": True}
+    )
+    for i, choices in by_index.items():
+        assert "".join(c.delta.content or "" for c in choices) == full.choices[i].message.content
+    server.wait_idle()
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    base = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = base.choices[0].message.content
+    stop = text[5:8]
+    assert len(stop) == 3 and text.find(stop) >= 1
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=20, temperature=0, stop=[stop, "never appears"], stream=stream
+        )
+        if stream:
+            chunks = list(r)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            got, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert got == text[: text.find(stop)] and reason == "stop"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    r = server.client().chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=10, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3
+
+
+def test_sampling_extensions_reach_the_engine(server, tiny_llm):
+    client = server.client()
+    [h] = tiny_llm.tokenizer.encode("h", add_special_tokens=False)
+    # A logit bias of +100 on one token makes it the only choice
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, temperature=0,
+                                       logit_bias={str(h): 100})  # fmt: skip
+    assert r.choices[0].message.content == "hhhh"
+    r = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=8, temperature=0.7, top_p=0.9, presence_penalty=0.5,
+        frequency_penalty=0.5, user="someone",
+        extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 8, "stop_token_ids": [2],
+                    "skip_special_tokens": False, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert r.usage.completion_tokens == 8
+
+
+def test_response_format_and_tools_are_validated(server):
+    http = server.http()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}}).status_code == 200
+    bad = [
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "yaml"}},
+        {"tool_choice": "required"},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                               "function": {"name": "g"}}},
+        {"tools": [{"type": "retrieval"}]},
+        {"chat_template_kwargs": {"messages": []}},
+    ]  # fmt: skip
+    for extra in bad:
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_chat_message_with_an_image_part_is_a_400(server):
+    with pytest.raises(openai.BadRequestError, match="text only"):
+        server.client().chat.completions.create(
+            model="tiny", max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        )  # fmt: skip
+
+
+def test_a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(fresh_server):
+    live = fresh_server(step_delay=0.01)
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert live.stats().kv_usage > 0
+    live.wait_idle(timeout=2.0)
+    text = live.http().get("/metrics").text
+    assert 'infero:request_success_total{model_name="tiny",finished_reason="abort"} 1' in text
+
+
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_blocks(fresh_server):
+    live = fresh_server(step_delay=0.01)
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.3)
+    live.wait_idle(timeout=2.0)
+
+
+def test_response_format_json_schema_constrains_the_answer(server):
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["answer", "n"],
+        "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    client = server.client()
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=50, seed=seed,
+                                           response_format=response_format)  # fmt: skip
+        reply = json.loads(r.choices[0].message.content)
+        assert reply["answer"] in ("yes", "no") and 0 <= reply["n"] <= 9 and r.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=HELLO, response_format=bad)
+    assert e.value.param == "response_format"

@@ -1,0 +1,119 @@
+"""POST /v1/completions through the official OpenAI SDK, against the tiny model served live."""
+
+import openai
+import pytest
+
+from infero.engine.sampling import SamplingParams
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(server, tiny_llm):
+    prompt = "hello the world"
+    prompt_ids = tiny_llm.tokenizer.encode(prompt)
+    r = server.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=2, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(prompt_ids) + 4
+    assert "".join(lp.tokens[: len(prompt_ids)]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == 4
+
+
+def test_echo_with_zero_max_tokens_only_scores_the_prompt(server, tiny_llm):
+    prompt = "hello world and the"
+    r = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = r.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(tiny_llm.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 0
+    server.wait_idle()
+
+
+def test_prompt_logprobs_agree_with_the_logprobs_of_generated_tokens(server, tiny_llm):
+    prompt_ids = tiny_llm.tokenizer.encode("hello")
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=0, ignore_eos=True)
+    [generated] = tiny_llm.generate([prompt_ids], params)
+    scored = server.client().completions.create(
+        model="tiny", prompt=prompt_ids + generated.completion_ids, max_tokens=0, echo=True, logprobs=0
+    )
+    # a prompt position is scored from the same prefix the generated token was sampled from
+    got = scored.choices[0].logprobs.token_logprobs[-2:]
+    assert got == pytest.approx([lp.logprob for lp in generated.logprobs], abs=1e-4)
+
+
+def test_a_list_of_prompts_gives_choices_prompt_major(server):
+    r = server.client().completions.create(
+        model="tiny", prompt=["hello", "the world"], n=2, max_tokens=3, echo=True, seed=9,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith("hello") for c in r.choices] == [True, True, False, False]
+    assert all(c.text.startswith("the world") for c in r.choices[2:])
+    assert r.usage.completion_tokens == 12
+
+
+def test_token_id_prompts_work_like_text(server, tiny_llm):
+    client = server.client()
+    ids = tiny_llm.tokenizer.encode("hello world")
+    a = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0)
+    b = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    c = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert a.choices[0].text == b.choices[0].text == c.choices[0].text == c.choices[1].text
+    assert b.usage.prompt_tokens == len(ids) and c.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_streaming_completion_matches_non_streaming(server):
+    client = server.client()
+    kwargs = dict(model="tiny", prompt=["hello", "the"], max_tokens=10, temperature=0, echo=True, logprobs=1)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == full.choices[i].text
+        assert [t for c in mine for t in c.logprobs.tokens] == full.choices[i].logprobs.tokens
+        assert [o for c in mine for o in c.logprobs.text_offset] == full.choices[i].logprobs.text_offset
+        assert mine[-1].finish_reason == full.choices[i].finish_reason
+    assert chunks[-1].usage == full.usage and chunks[-1].choices == []
+
+
+def test_seeds_repeat_and_stop_token_ids_stop(server, tiny_llm):
+    client = server.client()
+    a = client.completions.create(model="tiny", prompt="hello", max_tokens=8, seed=42, temperature=1.0)
+    b = client.completions.create(model="tiny", prompt="hello", max_tokens=8, seed=42, temperature=1.0)
+    assert a.choices[0].text == b.choices[0].text
+    [h] = tiny_llm.tokenizer.encode("h", add_special_tokens=False)
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0, logit_bias={str(h): 100},
+                                  extra_body={"stop_token_ids": [h]})  # fmt: skip
+    # the stop token ends the text and is not part of it
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": [[1, 2], "x"]}, "prompt"),
+        ({"prompt": [10**9]}, "outside the vocabulary"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 0}, "echo"),
+        ({"max_tokens": -1}, "max_tokens"),
+    ],
+)
+def test_invalid_completion_requests_are_400(server, extra, match):
+    r = server.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello", **extra})
+    assert r.status_code == 400, r.text
+    assert match in r.json()["error"]["message"]
+
+
+def test_an_unknown_model_is_404_in_the_sdk(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().completions.create(model="gpt-4", prompt="hello", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"

@@ -1,0 +1,83 @@
+"""GET /v1/models, /health, /metrics; POST /tokenize and /detokenize."""
+
+import re
+
+from infero.server.metrics import Histogram
+
+HELLO = [{"role": "user", "content": "hello"}]
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {name{labels}: value}; fails on any line that is not a comment or a sample."""
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+            continue
+        if line.startswith("# HELP ") or not line:
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        name, labels, value = match.groups()
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert family in types, f"{name} has no TYPE line"
+        samples[name + (labels or "")] = float(value)
+    return samples
+
+
+def test_models_lists_the_served_model(server):
+    [model] = server.client().models.list().data
+    assert model.id == "tiny" and model.object == "model" and model.owned_by == "infero"
+    assert model.model_extra["max_model_len"] == 256
+
+
+def test_health_says_ok(server):
+    r = server.http().get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_tokenize_and_detokenize_round_trip(server, tiny_llm):
+    http = server.http()
+    r = http.post("/tokenize", json={"model": "tiny", "prompt": "hello world"}).json()
+    assert r["tokens"] == tiny_llm.tokenizer.encode("hello world")
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert http.post("/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json() == {"prompt": "hello world"}
+    chat = http.post("/tokenize", json={"messages": HELLO, "return_token_strs": True}).json()
+    assert chat["tokens"] == tiny_llm.encode_chat(HELLO)
+    assert "".join(chat["token_strs"]) == tiny_llm.render_chat(HELLO)
+    r = http.post("/tokenize", json={"messages": HELLO, "add_generation_prompt": False}).json()
+    assert r["tokens"] == tiny_llm.encode_chat(HELLO, add_generation_prompt=False)
+    assert http.post("/detokenize", json={"tokens": [5, -1]}).status_code == 400
+    assert http.post("/tokenize", json={"prompt": "x", "messages": HELLO}).status_code == 400
+
+
+def test_metrics_parse_and_count_what_was_served(server):
+    http = server.http()
+    before = parse_metrics(http.get("/metrics").text)
+    label = '{model_name="tiny"}'
+    server.client().chat.completions.create(model="tiny", messages=HELLO, max_tokens=5, n=2,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    after = parse_metrics(r.text)
+    assert after["infero:generation_tokens_total" + label] - before["infero:generation_tokens_total" + label] == 10
+    assert after["infero:prompt_tokens_total" + label] > before["infero:prompt_tokens_total" + label]
+    length = 'infero:request_success_total{model_name="tiny",finished_reason="length"}'
+    assert after[length] - before[length] == 2
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"infero:{name}_count{label}"] - before[f"infero:{name}_count{label}"] == 2
+        inf = f'infero:{name}_bucket{{model_name="tiny",le="+Inf"}}'
+        assert after[inf] == after[f"infero:{name}_count{label}"]
+    itl = "infero:inter_token_latency_seconds_count" + label
+    assert after[itl] - before[itl] == 8
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
+        assert f"infero:{gauge}{label}" in after
+
+
+def test_histogram_buckets_are_cumulative_in_the_text():
+    hist = Histogram((0.1, 1.0))
+    for value in (0.05, 0.5, 0.7, 5.0):
+        hist.observe(value)
+    assert hist.counts == [1, 2] and hist.count == 4 and hist.sum == 6.25

@@ -1,0 +1,142 @@
+"""`infero serve`: flags and their INFERO_* variables, and the real command from start to SIGTERM."""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infero.server.serve import add_arguments, engine_config, parse_bytes, served_name
+
+
+@pytest.fixture(autouse=True)
+def no_infero_environment(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("INFERO_")]:
+        monkeypatch.delenv(name)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_flag_defaults_to_its_environment_variable_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("INFERO_PORT", "9001")
+    monkeypatch.setenv("INFERO_API_KEY", "k")
+    monkeypatch.setenv("INFERO_KV_CACHE_MEMORY", "2GiB")
+    monkeypatch.setenv("INFERO_MAX_WAITING_REQUESTS", "0")
+    monkeypatch.setenv("INFERO_SERVED_MODEL_NAME", "m")
+    args = parse([])
+    assert (args.port, args.api_key, args.kv_cache_memory, args.max_waiting_requests) == (9001, "k", 2 << 30, 0)
+    assert args.served_model_name == "m" and args.host == "127.0.0.1" and args.gpu_memory_utilization == 0.9
+    assert parse(["--port", "8000"]).port == 8000
+    monkeypatch.setenv("INFERO_PORT", "eighty")
+    with pytest.raises(SystemExit):
+        parse([])
+
+
+def test_defaults_and_engine_config():
+    args = parse(["--max-model-len", "128", "--max-num-seqs", "8"])
+    assert (args.port, args.max_waiting_requests, args.device) == (8080, 512, "auto")
+    config = engine_config(args)
+    assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens) == (128, 8, 2048)
+    for bad in (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+def test_sizes_and_served_names():
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512 MiB") == 512 << 20 and parse_bytes("1.5G") == 3 << 29
+    assert parse_bytes("3gb") == 3 * 10**9 and parse_bytes("4096") == 4096
+    for bad in ("lots", "2 XB", "-1", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    assert served_name(Path("/m/Qwen2.5-7B-Q4_K_M.gguf")) == "Qwen2.5-7B-Q4_K_M"
+    assert served_name(Path("/m/big-00001-of-00003.gguf")) == "big"
+
+
+def test_a_missing_or_broken_model_is_one_line_and_status_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "infero", "serve", "--model", str(tmp_path / "none.gguf")],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("infero: error:") and "none.gguf" in r.stderr
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a model at all")
+    r = subprocess.run([sys.executable, "-m", "infero", "serve", "--model", str(broken), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    # it listened first, then the load failed in the background: one error line, and the server stopped
+    assert r.returncode == 2 and "infero: error:" in r.stderr and "broken.gguf" in r.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
+    port = free_port()
+    env = {**os.environ, "INFERO_PORT": str(port), "INFERO_KV_CACHE_MEMORY": "16MiB", "INFERO_API_KEY": "key"}
+    proc = subprocess.Popen([sys.executable, "-m", "infero", "serve", "--model", str(tiny_model_path),
+                             "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        headers = {"Authorization": "Bearer key"}
+        [model] = httpx.get(url + "/v1/models", headers=headers).json()["data"]
+        assert model["id"] == "tiny-llama"  # the file's stem
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3}
+        assert httpx.post(url + "/v1/completions", json=body, headers=headers).json()["usage"]["completion_tokens"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert "ready: " in stderr and f"serving 'tiny-llama' at http://127.0.0.1:{port}/v1" in stderr
+
+
+def test_the_listening_socket_makes_connections_without_nagle_delays():
+    import asyncio
+
+    from infero.errors import InferoError
+    from infero.server.serve import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+
+    async def accept_one() -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        nodelay = await accepted
+        writer.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) != 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(InferoError, match="cannot listen"):
+            listen_socket("127.0.0.1", taken.getsockname()[1])

@@ -1,0 +1,94 @@
+"""Reasoning and tool calls in chat answers, streamed and not, from a "model" that writes a scripted text.
+
+The tiny model's sampler is replaced by one that emits a fixed token sequence, so the whole server path (template,
+engine, detokenizer, parsers, SSE) runs on an output we know.
+"""
+
+import inspect
+import json
+
+import pytest
+from conftest import TINY_ENGINE
+
+from infero.engine.sampling import SampleResult
+from infero.llm import LLM
+
+# A ChatML template that teaches Hermes-style tool calls and <think> reasoning, so the server picks both parsers.
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nThink in <think></think>, then call tools as "
+    '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}{% endif %}'
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SCRIPT = '<think>\nI should add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+ASK = [{"role": "user", "content": "1 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_path, tmp_path_factory):
+    from conftest import start_server
+
+    from infero.server.app import ServerSettings
+
+    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
+    template.write_text(TEMPLATE)
+
+    def load() -> LLM:
+        llm = LLM(tiny_model_path, device="cpu", chat_template=template, engine_config=TINY_ENGINE)
+        script = llm.tokenizer.encode(SCRIPT, add_special_tokens=False)
+        eos = llm.tokenizer.eos_token_id
+
+        signature = inspect.signature(llm.engine.sampler.sample)
+
+        def sample(*args, **kwargs):
+            output_ids = signature.bind(*args, **kwargs).arguments["output_ids"]
+            return [SampleResult(script[len(out)] if len(out) < len(script) else eos, None, None) for out in output_ids]
+
+        llm.engine.sampler.sample = sample
+        return llm
+
+    live = start_server(load, ServerSettings("tiny"))
+    yield live
+    live.stop()
+
+
+def test_tool_calls_and_reasoning_are_split_out_of_the_text(scripted):
+    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "I should add."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+
+
+def test_streamed_tool_calls_add_up_to_the_same_message(scripted):
+    full = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
+    chunks = list(scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
+                                                            stream=True))  # fmt: skip
+    reasoning, content, calls = "", "", {}
+    for c in chunks:
+        delta = c.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = entry["id"] or call.id
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert reasoning == full.choices[0].message.model_extra["reasoning_content"] and content == ""
+    [call] = full.choices[0].message.tool_calls
+    assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+    assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("tool_choice", [None, "none"])
+def test_without_tools_on_offer_a_tool_call_stays_content(scripted, tool_choice):
+    tools = {} if tool_choice is None else {"tools": TOOLS, "tool_choice": tool_choice}
+    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=200, **tools)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == SCRIPT[SCRIPT.index("<tool_call>") :]
+    assert choice.message.model_extra["reasoning_content"] == "I should add."
