@@ -1,4 +1,4 @@
-"""The numpy backend: reference ops, float32 KV blocks in host memory, one sequence at a time."""
+"""The numpy backend: reference ops, float32 KV blocks in host memory."""
 
 from __future__ import annotations
 
@@ -56,13 +56,11 @@ class CpuBackend:
     def forward(self, model, batch: Batch, cache: CpuKVCache) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab].
 
-        Each sequence runs as its own forward pass, so the matrix shapes (and BLAS's summation order) a sequence
-        sees never depend on which other sequences share the step: batch invariance by construction.
+        One pass for the whole batch, so a step reads each weight once however many sequences it holds. Every op
+        computes a row the same way whatever the other rows are (see CpuOps.linear; attention runs per
+        sequence), so a sequence's numbers never depend on which others share its step: tests pin this.
         """
-        if batch.num_seqs == 1:
-            return model.forward(batch, cache)
-        parts = [model.forward(batch.sequence(i), cache) for i in range(batch.num_seqs)]
-        return np.concatenate(parts, axis=0)
+        return model.forward(batch, cache)
 
 
 class RowSampler:
