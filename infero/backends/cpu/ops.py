@@ -13,7 +13,6 @@ from infero.checkpoint.gguf import TensorInfo
 from infero.engine.batch import Batch
 from infero.models.rotary import Rotary
 
-
 ROW_GROUP = 4  # rows per matrix product in `linear`: see there
 
 
