@@ -20,7 +20,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     set -- $spec
     f=/tmp/synth-$1-$2.gguf
     [ -f "$f" ] || python3 -m infero synth "$1" --quant "$2" -o "$f"
-    python3 -m infero bench decode --model "$f" --device cuda 2>&1 | tee "$out/bench-$1-$2.txt"
+    python3 -m infero bench decode --model "$f" --device cuda --profile 2>&1 | tee "$out/bench-$1-$2.txt"
   done
   [ -n "${INFERO_SMOLLM2:-}" ] && python3 -m infero bench decode --model "$INFERO_SMOLLM2" --device cuda 2>&1 | tee "$out/bench-smollm2.txt"
 fi

@@ -51,12 +51,14 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         mc = model.config
         backend.prepare(mc, config)
-        num_blocks = backend.kv_cache_bytes(config) // backend.kv_block_bytes(mc, config.block_size)
+        limit = min(config.max_model_len or mc.context_length, mc.context_length)
+        # Never more blocks than max_num_seqs sequences of the full context could hold: the rest would idle.
+        useful = config.max_num_seqs * -(-limit // config.block_size)
+        num_blocks = min(useful, backend.kv_cache_bytes(config) // backend.kv_block_bytes(mc, config.block_size))
         if num_blocks < 1:
             raise InferoError("no memory is left for the KV cache: lower the model size or raise the memory budget")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
-        limit = min(config.max_model_len or mc.context_length, mc.context_length)
         self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = backend.sampler(config.seed)

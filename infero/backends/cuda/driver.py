@@ -118,7 +118,7 @@ class DeviceMemory:
         self.ptr = int(check(cu.cuMemAlloc(max(nbytes, 1))))
 
     def __del__(self):
-        if getattr(self, "ptr", 0):
+        if getattr(self, "ptr", 0) and cu is not None:  # at interpreter exit the module may be gone
             cu.cuMemFree(self.ptr)
             self.ptr = 0
 
@@ -154,7 +154,7 @@ class PinnedBuffer:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(self.ptr))
 
     def __del__(self):
-        if getattr(self, "ptr", 0):
+        if getattr(self, "ptr", 0) and cu is not None:
             cu.cuMemFreeHost(self.ptr)
             self.ptr = 0
 

@@ -1,0 +1,226 @@
+"""The CUDA backend: weights in their GGUF encoding on the GPU, fp16 paged KV cache, our kernels, CUDA graphs.
+
+A step uploads the batch's integer arrays in one copy into fixed device buffers, resets the workspace and
+runs the model's forward pass. Decode steps (every sequence adds one token) are captured once per padded
+batch size into a CUDA graph and replayed; mixed and prefill steps run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.ops import CudaKVCache, CudaOps
+from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
+from infero.checkpoint.config import ModelConfig
+from infero.engine.batch import Batch
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class DeviceBatch:
+    """A Batch whose arrays live on the GPU, plus the host-side sizes kernels are launched with."""
+
+    token_ids: DeviceTensor
+    positions: DeviceTensor
+    slot_mapping: DeviceTensor
+    logits_indices: DeviceTensor
+    block_tables: DeviceTensor
+    context_lens: DeviceTensor
+    query_starts: DeviceTensor
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    max_context_len: int
+    num_decode_seqs: int  # sequences with exactly one new token
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self):
+        self.ctx = runtime.context()
+        self.stream = runtime.stream()
+        self.weights_arena = driver.Arena()
+        self.ops = CudaOps(self)
+        self.workspace: Workspace | None = None
+        self.use_graphs = True
+        self._graphs: dict[int, tuple[driver.Graph, DeviceTensor]] = {}
+
+    # --- sizing -------------------------------------------------------------------------------------------
+    def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * 2  # fp16
+
+    def prepare(self, config: ModelConfig, engine_config) -> None:
+        """Allocate the step's fixed buffers: workspace and batch arrays, sized for the largest step."""
+        t = engine_config.max_num_batched_tokens
+        s = max(engine_config.max_num_seqs, GRAPH_BUCKETS[0])
+        # Every activation of a forward pass is carved afresh (the workspace resets per step, not per layer), so
+        # the budget is the sum over layers; plus the logits (prompt logprobs may want every row of a chunk) and
+        # kernels' scratch (fp16/int8 copies of activations, attention split partials).
+        widest = max(config.hidden_size, config.q_size, config.intermediate_size)
+        per_layer = 4 * (4 * config.hidden_size + 2 * config.q_size + 2 * config.kv_size + 3 * config.intermediate_size)
+        activations = t * (per_layer * config.num_layers + 8 * config.hidden_size + 2 * widest)
+        logits = 4 * t * config.vocab_size
+        self.workspace = Workspace(activations + logits + (256 << 20))
+        max_len = engine_config.max_model_len or config.context_length
+        self.max_blocks_per_seq = -(-min(max_len, config.context_length) // engine_config.block_size) + 1
+        self.max_seqs, self.max_tokens = max(s, max(b for b in GRAPH_BUCKETS if b <= max(s, 1))), max(t, s)
+        self._layout = _BatchLayout(self.max_tokens, self.max_seqs + 1, self.max_blocks_per_seq)
+        self._batch_memory = empty((self._layout.nbytes,), np.uint8)
+        self._staging = driver.PinnedBuffer(self._layout.nbytes)
+
+    def kv_cache_bytes(self, engine_config) -> int:
+        free, total = self.ctx.memory_info()
+        reserve = total * (1.0 - engine_config.gpu_memory_utilization)
+        return max(0, int(free - reserve))
+
+    def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CudaKVCache:
+        # One extra block at the end: padded rows of a graph-replayed decode step write there.
+        shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        k = [empty(shape, np.float16) for _ in range(config.num_layers)]
+        v = [empty(shape, np.float16) for _ in range(config.num_layers)]
+        for t in k + v:
+            driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
+        self._graphs.clear()
+        return CudaKVCache(k, v, block_size, num_blocks)
+
+    # --- a step ---------------------------------------------------------------------------------------
+    def forward(self, model, batch: Batch, cache: CudaKVCache) -> DeviceTensor:
+        decode = (
+            batch.num_seqs > 0 and batch.num_tokens == batch.num_seqs and len(batch.logits_indices) == batch.num_seqs
+        )
+        bucket = next((b for b in GRAPH_BUCKETS if b >= batch.num_seqs), None)
+        if self.use_graphs and decode and bucket is not None and bucket <= self.max_seqs:
+            return self._replay(model, batch, cache, bucket)
+        device_batch = self._upload(batch, cache, pad_to=None)
+        self.workspace.reset()
+        return model.forward(device_batch, cache)
+
+    def _replay(self, model, batch: Batch, cache: CudaKVCache, bucket: int) -> DeviceTensor:
+        device_batch = self._upload(batch, cache, pad_to=bucket)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            self.workspace.reset()
+            model.forward(device_batch, cache)  # warm-up: compiles and loads every kernel outside the capture
+            self.workspace.reset()
+            holder = {}
+            graph = driver.Graph(self.stream, lambda: holder.setdefault("logits", model.forward(device_batch, cache)))
+            entry = self._graphs[bucket] = (graph, holder["logits"])
+        graph, logits = entry
+        graph.replay(self.stream)
+        return logits.rows(0, batch.num_seqs)
+
+    def _upload(self, batch: Batch, cache: CudaKVCache, pad_to: int | None) -> DeviceBatch:
+        """Pack the batch's arrays into pinned memory and copy them to the device in one transfer."""
+        n, s = batch.num_tokens, batch.num_seqs
+        rows = pad_to or s
+        tokens = pad_to or n
+        dummy_block = cache.num_blocks  # the extra block allocate_kv_cache reserved
+        lay, host = self._layout, self._staging.array
+        tables = np.full((rows, lay.max_blocks), dummy_block, np.int32)
+        used = batch.block_tables.shape[1]
+        tables[:s, :used] = np.where(batch.block_tables >= 0, batch.block_tables, dummy_block)
+        fields = {
+            "token_ids": _padded(batch.token_ids, tokens, 0, np.int32),
+            "positions": _padded(batch.positions, tokens, 0, np.int32),
+            "slot_mapping": _padded(batch.slot_mapping, tokens, dummy_block * cache.block_size, np.int64),
+            "logits_indices": _padded(batch.logits_indices, rows if pad_to else len(batch.logits_indices),
+                                      0, np.int32, fill_range=True),
+            "context_lens": _padded(batch.context_lens, rows, 1, np.int32),
+            "query_starts": np.concatenate([batch.query_starts, np.arange(n + 1, n + 1 + rows - s)]).astype(np.int32),
+            "block_tables": tables,
+        }  # fmt: skip
+        views = {}
+        for name, array in fields.items():
+            offset = lay.offsets[name]
+            host[offset : offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+            views[name] = DeviceTensor(self._batch_memory.ptr + offset, array.shape, array.dtype, self._batch_memory)
+        driver.copy_host_to_device(self._batch_memory.ptr, host[: lay.nbytes], self.stream)
+        max_context = int(batch.context_lens.max()) if s else 0
+        return DeviceBatch(
+            **views,
+            num_tokens=tokens,
+            num_seqs=rows,
+            max_query_len=int(batch.query_lens.max()) if s else 0,
+            # A graph is replayed for any context length: launch its attention for the longest possible one.
+            max_context_len=(self.max_blocks_per_seq - 1) * cache.block_size if pad_to else max_context,
+            num_decode_seqs=int(np.sum(batch.query_lens == 1)) + rows - s,
+        )
+
+    # --- after the step -------------------------------------------------------------------------------
+    def sampler(self, seed: int | None):
+        from infero.backends.cuda.sampler import CudaRowSampler
+
+        return CudaRowSampler(self, seed)
+
+    def to_host(self, logits: DeviceTensor, start: int, stop: int) -> np.ndarray:
+        return logits.rows(start, stop).to_host(self.stream)
+
+    def copy_bandwidth(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+        """Device-to-device copy bandwidth in bytes/s, bytes read plus written (median of repeats, events)."""
+        src, dst = empty((nbytes,), np.uint8), empty((nbytes,), np.uint8)
+        start, end = driver.Event(), driver.Event()
+        times = []
+        for _ in range(repeats + 1):
+            start.record(self.stream)
+            driver.copy_device_to_device(dst.ptr, src.ptr, nbytes, self.stream)
+            end.record(self.stream)
+            end.synchronize()
+            times.append(end.elapsed_ms(start) / 1e3)
+        return 2 * nbytes / float(np.median(times[1:]))
+
+    def event_timer(self) -> EventTimer:
+        return EventTimer(self.stream)
+
+    def copy_blocks(self, cache: CudaKVCache, pairs: list[tuple[int, int]]) -> None:
+        for layer_k, layer_v in zip(cache.k, cache.v, strict=True):
+            block_bytes = layer_k.nbytes // layer_k.shape[0]
+            for src, dst in pairs:
+                for t in (layer_k, layer_v):
+                    driver.copy_device_to_device(t.ptr + dst * block_bytes, t.ptr + src * block_bytes, block_bytes,
+                                                 self.stream)  # fmt: skip
+
+
+def _padded(values: np.ndarray, length: int, fill, dtype, fill_range: bool = False) -> np.ndarray:
+    out = np.arange(length, dtype=dtype) if fill_range else np.full(length, fill, dtype=dtype)
+    out[: len(values)] = values
+    return out
+
+
+class _BatchLayout:
+    """Byte offsets of the batch arrays inside one device buffer (8-byte aligned)."""
+
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
+        self.max_blocks = max_blocks
+        sizes = {
+            "token_ids": 4 * max_tokens, "positions": 4 * max_tokens, "slot_mapping": 8 * max_tokens,
+            "logits_indices": 4 * max_tokens, "context_lens": 4 * max_rows, "query_starts": 4 * (max_rows + 1),
+            "block_tables": 4 * max_rows * max_blocks,
+        }  # fmt: skip
+        self.offsets, offset = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = offset
+            offset += -(-size // 256) * 256
+        self.nbytes = offset
+
+
+class EventTimer:
+    """CUDA events recorded on the compute stream, for per-op profiles (eager execution only)."""
+
+    def __init__(self, stream: driver.Stream):
+        self.stream, self.pool = stream, []
+
+    def mark(self) -> driver.Event:
+        event = self.pool.pop() if self.pool else driver.Event()
+        event.record(self.stream)
+        return event
+
+    def elapsed_us(self, start: driver.Event, end: driver.Event) -> float:
+        end.synchronize()
+        us = end.elapsed_ms(start) * 1e3
+        self.pool += [start, end]
+        return us

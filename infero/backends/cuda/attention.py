@@ -1,0 +1,158 @@
+"""Paged causal grouped-query attention over the fp16 KV cache (kernels/attention.cu).
+
+Decode sequences (one new token) go to a split-KV kernel: all query heads of a kv group together on tensor cores,
+one split of the context at a time, then a second kernel merges the splits (log-sum-exp). A sequence's splits
+depend on its own context length alone (256 keys each, at most 32 splits), so its bits never depend on the batch;
+how many CTAs share a sequence's splits is chosen from the batch to fill the GPU, which moves work, not results.
+Prefill chunks (two or more new tokens) go to a flash-attention kernel. A mixed batch launches both; each kernel
+skips the other's sequences, so a decode sequence gets the same bits in a mixed batch as in a decode batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor, Workspace
+
+FILE = "attention.cu"
+HEAD_DIMS = (64, 128)
+# Decode splits (mirrors decode_splits in the kernel): DECODE_MIN_PARTITION keys each until a sequence has
+# DECODE_MAX_SPLITS, then longer ones. Never derived from the batch.
+DECODE_MIN_PARTITION = 256
+DECODE_MAX_SPLITS = 32
+DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64)
+_BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
+_ROWS_PREFILL, _ROWS_DECODE = 64, 16
+
+runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
+
+_ATTENTION_TYPES = (ctypes.c_void_p,) * 9 + (ctypes.c_int,) * 5 + (ctypes.c_float,)
+_MERGE_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 2
+_LOG2E = 1.4426950408889634
+_functions: dict[tuple[str, int], object] = {}
+_num_sms: list[int] = []
+
+
+def tile_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the two attention kernels: K and V tiles, two stages, rows padded by 8 halves."""
+    return _STAGES * 2 * _BLOCK_N * (head_dim + 8) * 2
+
+
+def decode_grid_splits(max_context_len: int) -> int:
+    """Split slots per sequence of a decode launch: the most splits any context up to max_context_len takes."""
+    return max(1, min(-(-max_context_len // DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+
+
+def decode_workspace_bytes(num_seqs: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
+    """Workspace a decode call borrows for its split partials (released when it returns; 0 with one split)."""
+    splits = decode_grid_splits(max_context_len)
+    if splits <= 1:
+        return 0
+    slots = num_seqs * num_heads * splits
+    return sum(-(-nbytes // Workspace.ALIGN) * Workspace.ALIGN for nbytes in (slots * head_dim * 4, slots * 8))
+
+
+def paged_attention(
+    out: DeviceTensor,
+    q: DeviceTensor,
+    k_cache: DeviceTensor,
+    v_cache: DeviceTensor,
+    block_tables: DeviceTensor,
+    context_lens: DeviceTensor,
+    query_starts: DeviceTensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    stream: driver.Stream,
+    workspace: Workspace,
+    num_decode_seqs: int | None = None,
+) -> None:
+    """out[t, h] = softmax(scale * q[t, h] . K) V over each sequence's cached keys up to the token's position.
+
+    q, out: float32 [num_tokens, num_heads, head_dim]; k_cache, v_cache: float16 [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs] (this
+    step's tokens included, already written to the cache); query_starts int32 [num_seqs + 1].
+    max_query_len, max_context_len: bounds over the batch that size the grids (CTAs past a sequence's own
+    lengths exit at once). max_context_len must be >= every context length (a decode sequence past it gets
+    NaN); a captured graph may pass a fixed bound: past 8,192 it no longer grows the grid.
+    num_decode_seqs: how many sequences have exactly one new token, or None if unknown; 0 with
+    max_query_len > 1 skips the decode launch. Borrows decode_workspace_bytes of workspace for the decode
+    splits and hands it back before returning (stream order makes the reuse safe); never synchronizes.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    _check(out, q, k_cache, v_cache, block_tables, context_lens, query_starts)
+    if head_dim not in HEAD_DIMS or kv_dim != head_dim:
+        raise ValueError(f"attention supports head_dim {HEAD_DIMS}; got q {head_dim}, cache {kv_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads} kv heads")
+    if num_seqs == 0 or num_tokens == 0 or max_query_len < 1:
+        return
+    group = num_heads // num_kv_heads
+    args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0,
+            num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E]  # fmt: skip
+    smem = tile_shared_bytes(head_dim)
+
+    if max_query_len > 1:
+        grid = (-(-max_query_len * group // _ROWS_PREFILL), num_kv_heads, num_seqs)
+        driver.launch(_function("prefill", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem)
+        if num_decode_seqs == 0:
+            return
+
+    max_splits = decode_grid_splits(max_context_len)
+    row_tiles = -(-group // _ROWS_DECODE)
+    mark = workspace.offset
+    if max_splits > 1:
+        part_out = workspace.empty((num_seqs, num_heads, max_splits, head_dim), np.float32)
+        part_ml = workspace.empty((num_seqs, num_heads, max_splits, 2), np.float32)
+        args[7], args[8] = part_out.ptr, part_ml.ptr
+    args[13] = max_splits
+    # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
+    ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
+    grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
+    driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem)
+    if max_splits > 1:
+        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits)
+        driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
+                      _MERGE_TYPES, stream)  # fmt: skip
+    workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
+
+
+def _function(kind: str, head_dim: int):
+    fn = _functions.get((kind, head_dim))
+    if fn is None:
+        fn = runtime.kernel(FILE, f"attention_{kind}<{head_dim}>")
+        if kind != "merge_splits":
+            driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
+        _functions[(kind, head_dim)] = fn
+    return fn
+
+
+def _sm_count() -> int:
+    if not _num_sms:
+        _num_sms.append(runtime.context().info.num_sms)
+    return _num_sms[0]
+
+
+def _check(out, q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
+    f32, f16, i32 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32)
+    expected = (("out", out, f32, 3), ("q", q, f32, 3), ("k_cache", k_cache, f16, 4), ("v_cache", v_cache, f16, 4),
+                ("block_tables", block_tables, i32, 2), ("context_lens", context_lens, i32, 1),
+                ("query_starts", query_starts, i32, 1))  # fmt: skip
+    for name, t, dtype, ndim in expected:
+        if t.dtype != dtype or len(t.shape) != ndim:
+            raise ValueError(f"attention: {name} must be {dtype} with {ndim} dims, got {t.dtype} {t.shape}")
+    if out.shape != q.shape:
+        raise ValueError(f"attention: out {out.shape} must match q {q.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"attention: v_cache {v_cache.shape} must match k_cache {k_cache.shape}")
+    num_seqs = block_tables.shape[0]
+    if context_lens.shape != (num_seqs,) or query_starts.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"attention: {num_seqs} block tables need context_lens [{num_seqs}] and query_starts [{num_seqs + 1}], "
+            f"got {context_lens.shape} and {query_starts.shape}"
+        )

@@ -1,0 +1,166 @@
+"""Launchers for kernels/elementwise.cu: add + RMSNorm, RMSNorm, fused rotary + KV-cache write, SwiGLU, row gather.
+
+Each launcher checks shapes and dtypes, allocates nothing and launches one kernel on `stream`. The kernel variant
+is chosen from the row length alone (never from the number of rows), so results are batch invariant.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor
+
+SOURCE = "elementwise.cu"
+NORM_VPT = (1, 2, 4, 8, 16)  # float4 per thread, row per block of 256: dim <= 1024 * VPT
+ROW_VPT = (1, 2, 4)  # float4 per lane, row per warp: dim <= 128 * VPT
+MAX_ROW_PER_WARP_DIM = 128 * ROW_VPT[-1]
+_WORDS = {16: "uint4", 4: "unsigned int", 1: "unsigned char"}
+
+runtime.declare(
+    SOURCE,
+    [f"add_rms_norm<{v}, {str(add).lower()}>" for v in NORM_VPT for add in (False, True)]
+    + [f"rms_norm_rows<{v}>" for v in ROW_VPT]
+    + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false>", "swiglu<true>"]
+    + [f"gather_rows<{w}>" for w in _WORDS.values()],
+)
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+_functions: dict[str, object] = {}
+
+
+def _kernel(expression: str):
+    fn = _functions.get(expression)
+    if fn is None:
+        fn = _functions[expression] = runtime.kernel(SOURCE, expression)
+    return fn
+
+
+def _require(cond: bool, message) -> None:
+    """Raise ValueError(message()) unless cond; the message is only formatted on failure (launchers run per step)."""
+    if not cond:
+        raise ValueError(message())
+
+
+def _f32(name: str, t: DeviceTensor) -> None:
+    _require(t.dtype == np.float32, lambda: f"{name} must be float32, got {t.dtype}")
+
+
+def _norm_vpt(dim: int) -> int:
+    _require(dim % 4 == 0, lambda: f"RMSNorm needs a row length divisible by 4, got {dim}")
+    for v in NORM_VPT:
+        if dim <= 1024 * v:
+            return v
+    raise ValueError(f"RMSNorm rows longer than {1024 * NORM_VPT[-1]} are not compiled (got {dim})")
+
+
+def add_rms_norm(out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor | None, weight: DeviceTensor,
+                 eps: float, stream: driver.Stream) -> None:  # fmt: skip
+    """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight."""
+    dim = residual.shape[-1]
+    rows = residual.numel // dim if dim else 0
+    for name, t in (("out", out), ("residual", residual), ("weight", weight)) + ((("x", x),) if x is not None else ()):
+        _f32(name, t)
+    _require(out.shape == residual.shape, lambda: f"out {out.shape} must have the shape of residual {residual.shape}")
+    _require(x is None or x.shape == residual.shape, lambda: f"x {x and x.shape} must have the shape of residual")
+    _require(weight.numel == dim, lambda: f"weight has {weight.numel} elements, rows have {dim}")
+    if rows == 0:
+        return
+    add = x is not None
+    fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {str(add).lower()}>")
+    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps)
+    driver.launch(fn, (rows,), (256,), args, (_P, _P, _P, _P, _I, _F), stream)
+
+
+def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
+    """out = x / rms(x) * weight over the last dim, for any leading shape (per head: x [n, heads, head_dim])."""
+    dim = x.shape[-1]
+    rows = x.numel // dim if dim else 0
+    for name, t in (("out", out), ("x", x), ("weight", weight)):
+        _f32(name, t)
+    _require(out.shape == x.shape, lambda: f"out {out.shape} must have the shape of x {x.shape}")
+    _require(weight.numel == dim, lambda: f"weight has {weight.numel} elements, rows have {dim}")
+    if rows == 0:
+        return
+    _require(dim % 4 == 0, lambda: f"RMSNorm needs a row length divisible by 4, got {dim}")
+    if dim <= MAX_ROW_PER_WARP_DIM:
+        vpt = next(v for v in ROW_VPT if dim <= 128 * v)
+        args = (out.ptr, x.ptr, weight.ptr, rows, dim, eps)
+        driver.launch(
+            _kernel(f"rms_norm_rows<{vpt}>"), (-(-rows // 8),), (256,), args, (_P, _P, _P, _I, _I, _F), stream
+        )
+    else:
+        # The row-per-block kernel without the add only reads its `residual` argument.
+        fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false>")
+        driver.launch(fn, (rows,), (256,), (out.ptr, x.ptr, 0, weight.ptr, dim, eps), (_P, _P, _P, _P, _I, _F), stream)
+
+
+def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
+                    inv_freq: DeviceTensor, mscale: float, pairing: str, rope_dim: int, k_cache: DeviceTensor,
+                    v_cache: DeviceTensor, slot_mapping: DeviceTensor, stream: driver.Stream) -> None:  # fmt: skip
+    """Rotate q [n, heads, head_dim] and k [n, kv_heads, head_dim] in place by position (fp32 angles), and
+    write k and v as fp16 into their cache slots (negative slots are skipped)."""
+    _require(
+        len(q.shape) == 3 and len(k.shape) == 3, lambda: f"q {q.shape} and k {k.shape} must be [n, heads, head_dim]"
+    )
+    n, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    for name, t in (("q", q), ("k", k), ("v", v), ("inv_freq", inv_freq)):
+        _f32(name, t)
+    _require(k.shape == (n, kv_heads, head_dim) and v.shape == k.shape,
+             f"k {k.shape} and v {v.shape} must be [{n}, kv_heads, {head_dim}]")  # fmt: skip
+    _require(pairing in ("interleaved", "neox"), lambda: f"pairing must be 'interleaved' or 'neox', got {pairing!r}")
+    _require(head_dim % 2 == 0 and head_dim <= 512, lambda: f"head_dim must be even and <= 512, got {head_dim}")
+    _require(
+        rope_dim % 2 == 0 and 0 <= rope_dim <= head_dim, lambda: f"rope_dim {rope_dim} must be even, <= {head_dim}"
+    )
+    _require(
+        inv_freq.numel == rope_dim // 2, lambda: f"inv_freq has {inv_freq.numel} entries, rope_dim/2 is {rope_dim // 2}"
+    )
+    _require(positions.dtype == np.int32 and positions.numel == n, lambda: f"positions must be int32 [{n}]")
+    _require(slot_mapping.dtype == np.int64 and slot_mapping.numel == n, lambda: f"slot_mapping must be int64 [{n}]")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (cache.dtype == np.float16 and len(cache.shape) == 4 and cache.shape[2:] == (kv_heads, head_dim)):
+            raise ValueError(f"{name} must be fp16 [blocks, block_size, {kv_heads}, {head_dim}], got {cache.dtype} "
+                             f"{cache.shape}")  # fmt: skip
+    if n == 0:
+        return
+    fn = _kernel(f"rotary_store_kv<{'true' if pairing == 'neox' else 'false'}>")
+    args = (q.ptr, k.ptr, v.ptr, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2, heads, kv_heads, head_dim,
+            k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
+    driver.launch(fn, (n,), (256,), args, types, stream)
+
+
+def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driver.Stream) -> None:
+    """out = silu(gate) * up, elementwise (out may be gate or up)."""
+    for name, t in (("out", out), ("gate", gate), ("up", up)):
+        _f32(name, t)
+    _require(
+        gate.shape == up.shape == out.shape, lambda: f"gate {gate.shape}, up {up.shape}, out {out.shape} must match"
+    )
+    n = gate.numel
+    if n == 0:
+        return
+    vec = n % 4 == 0 and all(t.ptr % 16 == 0 for t in (out, gate, up))
+    items = n // 4 if vec else n
+    fn = _kernel(f"swiglu<{'true' if vec else 'false'}>")
+    driver.launch(fn, (-(-items // 256),), (256,), (out.ptr, gate.ptr, up.ptr, n), (_P, _P, _P, _L), stream)
+
+
+def gather_rows(out: DeviceTensor, x: DeviceTensor, indices: DeviceTensor, stream: driver.Stream) -> None:
+    """out[i] = x[indices[i]] over the first dim (indices int32, any row dtype)."""
+    _require(indices.dtype == np.int32, lambda: f"indices must be int32, got {indices.dtype}")
+    rows = indices.numel
+    _require(out.dtype == x.dtype and out.shape == (rows,) + tuple(x.shape[1:]),
+             f"out {out.dtype} {out.shape} must be {x.dtype} {(rows,) + tuple(x.shape[1:])}")  # fmt: skip
+    if rows == 0 or x.numel == 0:
+        return
+    row_bytes = x.nbytes // x.shape[0]
+    size = next(s for s in _WORDS if row_bytes % s == 0 and x.ptr % s == 0 and out.ptr % s == 0)
+    words = row_bytes // size
+    fn = _kernel(f"gather_rows<{_WORDS[size]}>")
+    col_blocks = min(-(-words // 256), 65535)
+    driver.launch(fn, (rows, col_blocks), (256,), (out.ptr, x.ptr, indices.ptr, words), (_P, _P, _P, _L), stream)

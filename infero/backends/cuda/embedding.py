@@ -1,0 +1,64 @@
+"""Launcher for kernels/embedding.cu: out[i] = dequant(table)[token_ids[i]] for every GGML type infero runs.
+
+Values are bitwise gguf's dequantized values (the kernel decodes with dequant8 from quant.cuh). A token id
+outside the table writes a row of NaN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
+
+SOURCE = "embedding.cu"
+TYPES = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)
+BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+         20: (32, 18), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+         23: (256, 136)}  # fmt: skip
+THREADS = 256
+
+runtime.declare(SOURCE, [f"embedding<{t}>" for t in TYPES])
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_ARGS = (_P, _P, _P, _I, _I, _I, _L, _I)
+_functions: dict[int, object] = {}
+
+
+def embedding(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor, stream: driver.Stream) -> None:
+    """out [n, hidden] float32 = rows token_ids (int32 [n]) of weight [vocab, hidden]."""
+    error = _check(out, weight, token_ids)
+    if error:
+        raise ValueError(f"embedding: {error}")
+    n, hidden = out.shape
+    if n == 0 or hidden == 0:
+        return
+    t = weight.ggml_type
+    fn = _functions.get(t)
+    if fn is None:
+        fn = _functions[t] = runtime.kernel(SOURCE, f"embedding<{t}>")
+    total = n * (-(-hidden // 8))
+    vec = int(out.ptr % 16 == 0 and hidden % 4 == 0)
+    args = (out.ptr, weight.data.ptr, token_ids.ptr, n, weight.rows, hidden, weight.data.shape[1], vec)
+    driver.launch(fn, (-(-total // THREADS),), (THREADS,), args, _ARGS, stream)
+
+
+def _check(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor) -> str | None:
+    """What is wrong with these arguments, or None (messages are built only on failure)."""
+    t, rows, cols = weight.ggml_type, weight.rows, weight.cols
+    if t not in BLOCK:
+        return f"GGML type {t} is not supported"
+    elems, nbytes = BLOCK[t]
+    if cols % elems:
+        return f"type {t} needs a row length divisible by {elems}, got {cols}"
+    if weight.data.shape != (rows, cols // elems * nbytes) or weight.data.dtype != np.uint8:
+        return f"table data {weight.data.dtype} {weight.data.shape} does not hold [{rows}, {cols}] of type {t}"
+    if weight.data.ptr % 16:
+        return "table data must be 16-byte aligned"
+    if token_ids.dtype != np.int32 or len(token_ids.shape) != 1:
+        return f"token_ids must be int32 [n], got {token_ids.dtype} {token_ids.shape}"
+    if out.dtype != np.float32 or out.shape != (token_ids.shape[0], cols):
+        return f"out {out.dtype} {out.shape} must be float32 [{token_ids.shape[0]}, {cols}]"
+    return None

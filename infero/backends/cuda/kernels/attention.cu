@@ -1,0 +1,446 @@
+// Paged causal grouped-query attention over an fp16 KV cache: a split-KV decode kernel, a tensor-core
+// flash kernel for prefill chunks, and the pass that merges decode splits.
+//
+// Layouts (per layer):
+//   q            float32 [num_tokens, num_heads, HD]     sequences back to back (query_starts)
+//   out          float32 [num_tokens, num_heads, HD]
+//   k/v_cache    fp16    [num_blocks, block_size, num_kv_heads, HD]   any block_size (16, 32 ...)
+//   block_tables int32   [num_seqs, max_blocks]          physical block of each logical block
+//   context_lens int32   [num_seqs]   tokens in the cache, this step's new ones included
+//   query_starts int32   [num_seqs + 1]
+// Query token j of a sequence with q_len new tokens sits at position ctx - q_len + j and sees cache
+// positions 0..that position. Query head h reads kv head h / (num_heads / num_kv_heads).
+//
+// Both attention kernels share one body (attention_tile). A CTA holds ROWS "rows" of one sequence and one kv
+// head: row r is query token r / group, head r % group of the kv group, so a GQA group's K/V is read once.
+// Q is scaled by scale*log2(e), rounded to fp16 and kept in registers as mma A fragments. K/V come in
+// 64-key tiles from the paged blocks into shared memory (cp.async, two stages; keys past the range are
+// zero-filled, never read). S = Q K^T and O += P V run on mma.sync.m16n8k16 (fp16 in, fp32 accumulate);
+// the softmax is online in fp32 (running max and sum per row, base-2 exponentials).
+//   attention_prefill: 4 warps x 16 rows, each warp sees every key. Sequences with q_len >= 2 only.
+//   attention_decode:  1 row tile of 16 rows (the group's heads; more tiles on blockIdx.z when group > 16)
+//                      x 4 warps that split each 64-key tile 16 keys apiece, merged through shared
+//                      memory at the end. Sequences with q_len == 1 only. A sequence's splits depend on
+//                      its own context length only (decode_splits): 256 keys each up to 32 splits, longer
+//                      contexts get longer splits (multiples of 64). CTA (x, kv head, sequence) computes
+//                      splits x, x + gridDim.x, ...: the launcher picks gridDim.x from the batch to fill
+//                      the GPU (one CTA per split at batch 1: context 5,000 gives 20 x num_kv_heads busy
+//                      CTAs; one CTA per sequence and kv head at large batches), which changes who
+//                      computes a split, never what it computes.
+//   attention_merge_splits: for decode sequences with more than one split, the log-sum-exp merge of the
+//                      splits' normalised partial outputs (written to workspace) into out.
+// A mixed batch launches both attention kernels; each skips the sequences the other one owns.
+//
+// Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
+// on its own sequence (its q_len and context length): key tiles in ascending order, within a tile the
+// mma's fixed k order, the decode kernel's 4 warps merged in warp order, splits (a function of the
+// context length alone, never of the batch) merged in split order. Tiles a row cannot see (past its
+// causal limit) add exact zeros. So a sequence's output is bitwise the same alone or in any batch; a
+// decode sequence gets the same bits in a pure decode batch and in a mixed one. Grid sizes
+// (max_query_len, max_context_len) and the decode CTAs per sequence only add CTAs that exit at once or
+// move splits between CTAs.
+//
+// Numerics: q and the probabilities are rounded to fp16 for the tensor cores (relative 2^-11 each); K/V
+// are fp16 already. Scores, running max/sum and outputs are fp32.
+//
+// measured: to be measured on the H200.
+
+#include <cuda_fp16.h>
+
+namespace {
+
+constexpr int BLOCK_N = 64;                // keys per shared-memory tile
+constexpr int STAGES = 2;                  // cp.async double buffering
+constexpr int DECODE_MIN_PARTITION = 256;  // keys per decode split, until...
+constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
+
+// How a decode sequence of ctx keys is split: the same for a given ctx in every batch.
+__device__ __forceinline__ int decode_splits(int ctx, int& partition) {
+  const int n = max(min((ctx + DECODE_MIN_PARTITION - 1) / DECODE_MIN_PARTITION, DECODE_MAX_SPLITS), 1);
+  partition = max(((ctx + n - 1) / n + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
+  return (ctx + partition - 1) / partition;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b for one 16x8x16 tile: fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as an fp16 pair, lo in the low 16 bits (the element with the lower column index).
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Shared memory the attention kernels ask for: K and V tiles, STAGES deep, rows padded by 16 bytes so that
+// ldmatrix's eight row addresses fall in distinct banks. The launcher computes the same number.
+template <int HD>
+constexpr int tile_smem_bytes() {
+  return STAGES * 2 * BLOCK_N * (HD + 8) * 2;
+}
+
+// One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
+// keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
+template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
+__device__ __forceinline__ void attention_tile(
+    float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
+    const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+    const int* __restrict__ query_starts, float* __restrict__ part_out, float2* __restrict__ part_ml, int num_heads,
+    int num_kv_heads, int block_size, int max_blocks, int max_splits, float scale_log2) {
+  constexpr int NT = 32 * WARPS_M * WARPS_N;
+  constexpr int ROWS = 16 * WARPS_M;
+  constexpr int NW = BLOCK_N / WARPS_N;  // keys of a tile one warp handles
+  constexpr int SK = HD + 8;             // shared row stride in halves
+  constexpr int KC = HD / 16;            // k-chunks of the head dim (S = Q K^T)
+  constexpr int DT = HD / 8;             // 8-wide tiles of the head dim (O)
+  constexpr int NS = NW / 8;             // 8-key tiles of S per warp
+  static_assert(HD % 16 == 0 && NW % 16 == 0, "tile shapes");
+  static_assert(WARPS_N == 1 || WARPS_N * ROWS * (HD + 2) * 4 <= tile_smem_bytes<HD>(), "merge fits");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* ks = reinterpret_cast<__half*>(smem);  // [STAGES][BLOCK_N][SK]
+  __half* vs = ks + STAGES * BLOCK_N * SK;        // [STAGES][BLOCK_N][SK]
+
+  const int group = num_heads / num_kv_heads;
+  const int kvh = blockIdx.y;
+  int seq, row_tile;
+  if (DECODE) {
+    const int row_tiles = (group + ROWS - 1) / ROWS;
+    seq = blockIdx.z / row_tiles;
+    row_tile = blockIdx.z % row_tiles;
+  } else {
+    seq = blockIdx.z;
+    row_tile = blockIdx.x;
+  }
+  const int q_start = query_starts[seq];
+  const int q_len = query_starts[seq + 1] - q_start;
+  const int ctx = context_lens[seq];
+  if (DECODE ? q_len != 1 : q_len < 2) return;  // the other kernel owns this sequence
+  const int num_rows = q_len * group;
+  const int row_base = row_tile * ROWS;
+  if (row_base >= num_rows) return;
+
+  // Prefill: the CTA's last row bounds the keys it needs; its first row bounds the tiles that need no mask.
+  const int prefill_end = ctx - q_len + (min(row_base + ROWS, num_rows) - 1) / group + 1;
+  const int first_qpos = ctx - q_len + row_base / group;
+  int partition = 0, num_splits = 1;
+  if (DECODE) {
+    num_splits = decode_splits(ctx, partition);
+    if (num_splits > max_splits) {
+      // The caller's max_context_len is below this context: make the breach visible, not plausible.
+      if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
+          const int r = row_base + e / HD;
+          if (r < num_rows)
+            out[((size_t)q_start * num_heads + kvh * group + r) * HD + e % HD] = __int_as_float(0x7fc00000);
+        }
+      return;
+    }
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  // Q fragments (A operand, row-major 16 x 16 per k-chunk): this lane holds rows gid and gid + 8.
+  unsigned qa[KC][4];
+  int qpos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row_base + wm * 16 + gid + 8 * h;
+    const bool valid = r < num_rows;
+    const int j = r / group, g = r % group;
+    qpos[h] = valid ? ctx - q_len + j : ctx - 1;  // a row past the chunk is never written
+    const float* qrow = q + ((size_t)(q_start + j) * num_heads + kvh * group + g) * HD;
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+      if (valid) {
+        lo = *reinterpret_cast<const float2*>(qrow + kc * 16 + tig * 2);
+        hi = *reinterpret_cast<const float2*>(qrow + kc * 16 + 8 + tig * 2);
+      }
+      qa[kc][h] = pack_half2(lo.x * scale_log2, lo.y * scale_log2);
+      qa[kc][h + 2] = pack_half2(hi.x * scale_log2, hi.y * scale_log2);
+    }
+  }
+
+  const int* table = block_tables + (size_t)seq * max_blocks;
+  // Prefill: one pass over [0, prefill_end). Decode: this CTA's splits, each on its own.
+  for (int split = DECODE ? blockIdx.x : 0; split < num_splits; split += DECODE ? gridDim.x : 1) {
+    const int kv_begin = DECODE ? split * partition : 0;
+    const int kv_end = DECODE ? min(ctx, kv_begin + partition) : prefill_end;
+    float o[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()};
+    float row_sum[2] = {0.f, 0.f};  // this lane's share; the quad's shares are added at the end
+    const int num_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
+
+    // Each thread copies one 16-byte chunk of ROWS_PER_PASS key rows per pass, K and V alike.
+    constexpr int CPR = HD / 8;
+    constexpr int ROWS_PER_PASS = NT / CPR;
+    static_assert(BLOCK_N % ROWS_PER_PASS == 0, "tile copy");
+    auto load_tile = [&](int tile, int stage) {
+      const int tile_base = kv_begin + tile * BLOCK_N;
+      const int chunk = threadIdx.x % CPR;
+#pragma unroll
+      for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
+        const int rr = pass * ROWS_PER_PASS + threadIdx.x / CPR;
+        const int pos = tile_base + rr;
+        const bool valid = pos < kv_end;
+        size_t offset = 0;
+        if (valid) {
+          const size_t block = (size_t)table[pos / block_size];
+          offset = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * HD + chunk * 8;
+        }
+        const int dst = (stage * BLOCK_N + rr) * SK + chunk * 8;
+        cp_async_16(smem_u32(ks + dst), k_cache + offset, valid);
+        cp_async_16(smem_u32(vs + dst), v_cache + offset, valid);
+      }
+    };
+
+    load_tile(0, 0);
+    cp_async_commit();
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int stage = tile % STAGES;
+      if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % STAGES);
+      cp_async_commit();
+      cp_async_wait<1>();  // this tile's group is complete
+      __syncthreads();
+
+      const __half* kt = ks + stage * BLOCK_N * SK + wn * NW * SK;
+      const __half* vt = vs + stage * BLOCK_N * SK + wn * NW * SK;
+      const int tile_base = kv_begin + tile * BLOCK_N;
+      const int key0 = tile_base + wn * NW;
+
+      // S = Q K^T: K rows are the B operand's columns, so plain (non-transposed) ldmatrix gives them.
+      float s[NS][4];
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+          unsigned b[4];
+          const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int col = kc * 16 + (((lane >> 3) & 1) << 3);
+          ldmatrix_x4(b, smem_u32(kt + key * SK + col));
+          mma_16816(s[2 * np], qa[kc], b[0], b[1]);
+          mma_16816(s[2 * np + 1], qa[kc], b[2], b[3]);
+        }
+      }
+
+      // Keys past the range, and (prefill) past a row's own position, score -inf.
+      const bool need_mask = tile_base + BLOCK_N > kv_end || (!DECODE && tile_base + BLOCK_N - 1 > first_qpos);
+      if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int pos = key0 + nt * 8 + tig * 2 + (e & 1);
+            if (pos >= kv_end || pos > qpos[e >> 1]) s[nt][e] = neg_inf();
+          }
+      }
+
+      // Online softmax, per row: the quad of lanes sharing a row agrees on its max.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_max = fmaxf(row_max[h], mx);
+        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet stays all zero
+        const float alpha = exp2f(row_max[h] - base);
+        row_max[h] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt) {
+          s[nt][2 * h] = exp2f(s[nt][2 * h] - base);
+          s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - base);
+          sum += s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+        row_sum[h] = row_sum[h] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[dt][2 * h] *= alpha;
+          o[dt][2 * h + 1] *= alpha;
+        }
+      }
+
+      // O += P V: the S accumulators of two adjacent 8-key tiles are exactly one 16-key A fragment; V rows
+      // are the B operand's k dimension, so ldmatrix.trans gives them.
+#pragma unroll
+      for (int kc = 0; kc < NW / 16; ++kc) {
+        unsigned pa[4];
+        pa[0] = pack_half2(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = pack_half2(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = pack_half2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = pack_half2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+          unsigned b[4];
+          const int key = kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int col = dp * 16 + ((lane >> 4) << 3);
+          ldmatrix_x4_trans(b, smem_u32(vt + key * SK + col));
+          mma_16816(o[2 * dp], pa, b[0], b[1]);
+          mma_16816(o[2 * dp + 1], pa, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // the next iteration's copy overwrites this stage
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+    }
+
+    if constexpr (WARPS_N == 1) {
+      // Every row saw at least its own position's key, so its sum is >= 1.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + wm * 16 + gid + 8 * h;
+        if (r >= num_rows) continue;
+        const float inv = 1.f / row_sum[h];
+        float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<float2*>(orow + dt * 8 + tig * 2) =
+              make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+      }
+    } else {
+      // Merge the warps' shares of the keys, in warp order, through the (now idle) tile memory.
+      float* red_o = reinterpret_cast<float*>(smem);  // [WARPS_N][ROWS][HD]
+      float* red_m = red_o + WARPS_N * ROWS * HD;      // [WARPS_N][ROWS]
+      float* red_l = red_m + WARPS_N * ROWS;           // [WARPS_N][ROWS]
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wm * 16 + gid + 8 * h;
+        if (tig == 0) {
+          red_m[wn * ROWS + row] = row_max[h];
+          red_l[wn * ROWS + row] = row_sum[h];
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<float2*>(red_o + (wn * ROWS + row) * HD + dt * 8 + tig * 2) =
+              make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
+        const int row = e / HD, d = e % HD;
+        const int r = row_base + row;
+        if (r >= num_rows) break;  // rows grow with e
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, red_m[w * ROWS + row]);
+        const float base = m == neg_inf() ? 0.f : m;
+        float l = 0.f, acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) {
+          const float f = exp2f(red_m[w * ROWS + row] - base);
+          l += red_l[w * ROWS + row] * f;
+          acc += red_o[(w * ROWS + row) * HD + d] * f;
+        }
+        const int head = kvh * group + r % group;
+        if (num_splits == 1) {
+          out[((size_t)(q_start + r / group) * num_heads + head) * HD + d] = acc / l;
+        } else {
+          const size_t slot = ((size_t)seq * num_heads + head) * max_splits + split;
+          part_out[slot * HD + d] = acc / l;
+          if (d == 0) part_ml[slot] = make_float2(m, l);
+        }
+      }
+    }
+    __syncthreads();  // the merge memory is the next split's tile memory
+  }
+}
+
+}  // namespace
+
+#define ATTENTION_PARAMS                                                                                       \
+  float *__restrict__ out, const float *__restrict__ q, const __half *__restrict__ k_cache,                     \
+      const __half *__restrict__ v_cache, const int *__restrict__ block_tables,                                 \
+      const int *__restrict__ context_lens, const int *__restrict__ query_starts, float *__restrict__ part_out, \
+      float2 *__restrict__ part_ml, int num_heads, int num_kv_heads, int block_size, int max_blocks,            \
+      int max_splits, float scale_log2
+#define ATTENTION_ARGS                                                                                       \
+  out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, num_heads, num_kv_heads, \
+      block_size, max_blocks, max_splits, scale_log2
+
+// __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
+// Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 114 / 158; no spills on sm_80/89/90a.
+
+// grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128, tile_smem_bytes<HD>() dynamic.
+template <int HD>
+__global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
+  attention_tile<HD, 4, 1, false>(ATTENTION_ARGS);
+}
+
+// grid (CTAs per sequence <= max_splits, num_kv_heads, num_seqs * ceil(group / 16)), block 128,
+// tile_smem_bytes<HD>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
+template <int HD>
+__global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
+  attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
+}
+
+// grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
+// splits in order. Only decode sequences (q_len == 1) with more than one split.
+template <int HD>
+__global__ void __launch_bounds__(HD)
+    attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
+                           const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
+                           const int* __restrict__ query_starts, int num_heads, int max_splits) {
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int q_start = query_starts[seq];
+  if (query_starts[seq + 1] - q_start != 1) return;
+  int partition;
+  const int num_splits = decode_splits(context_lens[seq], partition);
+  if (num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
+  const size_t first = ((size_t)seq * num_heads + head) * max_splits;
+  float m = neg_inf();
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[first + s].x);
+  float l = 0.f, acc = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float2 ml = part_ml[first + s];
+    const float w = ml.y * exp2f(ml.x - m);
+    l += w;
+    acc += w * part_out[(first + s) * HD + threadIdx.x];
+  }
+  out[((size_t)q_start * num_heads + head) * HD + threadIdx.x] = acc / l;
+}

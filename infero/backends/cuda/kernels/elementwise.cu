@@ -1,0 +1,229 @@
+// Row-wise and elementwise kernels of the decoder layer: residual add + RMSNorm, RMSNorm over any last dim,
+// fused rotary + KV-cache write, SwiGLU, row gather.
+//
+// Layouts. Activations are float32, row-major, contiguous. RMSNorm rows have `dim` elements (dim % 4 == 0,
+// rows 16-byte aligned). q [n, heads, head_dim], k and v [n, kv_heads, head_dim] float32; the KV cache of one
+// layer is K and V as separate fp16 tensors [num_blocks, block_size, kv_heads, head_dim], addressed by the
+// int64 slot (block * block_size + offset) of each token: element (slot, h, d) is at (slot * kv_heads + h) *
+// head_dim + d, so the kernel never needs block_size. positions int32 [n]; a negative slot skips the token.
+//
+// Reduction order (batch invariance). A row's sum of squares is the same fixed tree whatever the number of
+// rows: each thread adds its own elements in increasing index order (fma), then a butterfly over the 32
+// lanes of its warp, then (row-per-block kernels) warp 0 adds the warps' sums with another butterfly. The
+// kernel variant (row per warp or per block, VPT) is chosen from `dim` alone, never from n.
+//
+// Numerics. All math is fp32, IEEE division and square root (no fast math): out = r * (1 / sqrt(mean(r^2) +
+// eps)) * w differs from numpy's (r / sqrt(...)) * w by a few ulp. Rotary angles are fp32(position * inv_freq)
+// (one correctly rounded fp32 product, as Hugging Face and vLLM build their cos/sin tables) with the accurate
+// sincosf (full range reduction); see rotary_store_kv for the error against numpy's float64 angles.
+//
+// Speed on the H200: to be measured (memory-bound; each kernel reads and writes every element once).
+
+#include <cuda_fp16.h>
+
+namespace ew {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// Sum over the block in a fixed tree: lanes, then warps (by warp 0). Every thread gets the total.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    constexpr int WARPS = THREADS / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < WARPS ? scratch[lane] : 0.0f;
+        w = warp_sum(w);
+        if (lane == 0) scratch[WARPS] = w;
+    }
+    __syncthreads();
+    return scratch[WARPS];
+}
+
+__device__ __forceinline__ float sum_squares(float4 a, float acc) {
+    acc = fmaf(a.x, a.x, acc);
+    acc = fmaf(a.y, a.y, acc);
+    acc = fmaf(a.z, a.z, acc);
+    return fmaf(a.w, a.w, acc);
+}
+
+__device__ __forceinline__ float4 scale_mul(float4 r, float s, float4 w) {
+    return make_float4(r.x * s * w.x, r.y * s * w.y, r.z * s * w.z, r.w * s * w.w);
+}
+
+}  // namespace ew
+
+// One row per block of 256 threads; the row stays in registers (VPT float4 per thread) from the load to the
+// store, so it is read from memory once (an earlier engine: 19.4 us with three reads, 8.9 us with one).
+// ADD: residual += x, written back, then normalised; otherwise the residual (the input) is only normalised.
+template <int VPT, bool ADD>
+__global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, float* __restrict__ residual,
+                                                   const float* __restrict__ x, const float* __restrict__ weight,
+                                                   int dim, float eps) {
+    __shared__ float scratch[9];
+    const int vecs = dim / 4;
+    const size_t row = blockIdx.x;
+    float4* res4 = reinterpret_cast<float4*>(residual + row * dim);
+    const float4* x4 = reinterpret_cast<const float4*>(x + (ADD ? row * dim : 0));
+    float4 r[VPT];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = threadIdx.x + j * 256;
+        r[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (v < vecs) {
+            r[j] = res4[v];
+            if (ADD) {
+                const float4 a = x4[v];
+                r[j] = make_float4(r[j].x + a.x, r[j].y + a.y, r[j].z + a.z, r[j].w + a.w);
+                res4[v] = r[j];
+            }
+        }
+        ss = ew::sum_squares(r[j], ss);
+    }
+    const float total = ew::block_sum<256>(ss, scratch);
+    const float inv = 1.0f / sqrtf(total / (float)dim + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    float4* out4 = reinterpret_cast<float4*>(out + row * dim);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = threadIdx.x + j * 256;
+        if (v < vecs) out4[v] = ew::scale_mul(r[j], inv, w4[v]);
+    }
+}
+
+// One row per warp, 8 rows per block of 256 threads: for short rows (per-head q/k norms, dim <= 512).
+template <int VPT>
+__global__ void __launch_bounds__(256) rms_norm_rows(float* __restrict__ out, const float* __restrict__ x,
+                                                    const float* __restrict__ weight, int rows, int dim, float eps) {
+    const int lane = threadIdx.x % 32;
+    const size_t row = (size_t)blockIdx.x * 8 + threadIdx.x / 32;
+    if (row >= (size_t)rows) return;
+    const int vecs = dim / 4;
+    const float4* x4 = reinterpret_cast<const float4*>(x + row * dim);
+    float4 r[VPT];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = lane + j * 32;
+        r[j] = v < vecs ? x4[v] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        ss = ew::sum_squares(r[j], ss);
+    }
+    const float total = ew::warp_sum(ss);
+    const float inv = 1.0f / sqrtf(total / (float)dim + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    float4* out4 = reinterpret_cast<float4*>(out + row * dim);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = lane + j * 32;
+        if (v < vecs) out4[v] = ew::scale_mul(r[j], inv, w4[v]);
+    }
+}
+
+// Rotary on q (in place) and k (in place), then k and v rounded to fp16 into their cache slots. One block per
+// token. Work item (h, j), j < head_dim / 2, covers the element pair
+//   j <  rope_dim / 2:  interleaved (2j, 2j + 1), neox (j, j + rope_dim / 2), rotated by angle j
+//   j >= rope_dim / 2:  (2j, 2j + 1) unrotated (the tail of a partial rotary passes through)
+// so every element of a head is touched exactly once.
+//
+// Angle error against numpy's float64 angles: fp32(pos * fp32(inv_freq)) is off by at most
+// |pos * inv_freq| * 2^-23 (two roundings of 2^-24), i.e. 3.9e-3 rad at position 32768 with inv_freq = 1 (the
+// first pair; pairs with smaller inv_freq proportionally less), and sincosf adds <= 2 ulp. A rotated pair thus
+// differs from the float64 reference by at most |angle error| * mscale * |(a, b)| plus fp32 rounding; against a
+// reference that uses the same fp32 angles it agrees to fp32 rounding (~1e-7 relative).
+template <bool NEOX>
+__global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, float* __restrict__ k,
+                                                      const float* __restrict__ v, const int* __restrict__ positions,
+                                                      const float* __restrict__ inv_freq, float mscale,
+                                                      int rope_half, int heads, int kv_heads, int head_dim,
+                                                      __half* __restrict__ k_cache, __half* __restrict__ v_cache,
+                                                      const long long* __restrict__ slots) {
+    __shared__ float cos_s[256], sin_s[256];  // rope_half <= 256 (head_dim <= 512)
+    const size_t token = blockIdx.x;
+    const float pos = (float)positions[token];
+    for (int i = threadIdx.x; i < rope_half; i += blockDim.x) {
+        float s, c;
+        sincosf(__fmul_rn(pos, inv_freq[i]), &s, &c);
+        cos_s[i] = c * mscale;
+        sin_s[i] = s * mscale;
+    }
+    __syncthreads();
+    const int half_dim = head_dim / 2;
+    const long long slot = slots[token];
+    // q: only the rotated pairs change.
+    float* qt = q + token * heads * head_dim;
+    for (int item = threadIdx.x; item < heads * rope_half; item += blockDim.x) {
+        const int h = item / rope_half, j = item % rope_half;
+        const int i0 = NEOX ? j : 2 * j, i1 = NEOX ? j + rope_half : 2 * j + 1;
+        float* p = qt + h * head_dim;
+        const float a = p[i0], b = p[i1], c = cos_s[j], s = sin_s[j];
+        p[i0] = a * c - b * s;
+        p[i1] = b * c + a * s;
+    }
+    // k: rotate in place, then every element to the cache; v: every element to the cache.
+    float* kt = k + token * kv_heads * head_dim;
+    const float* vt = v + token * kv_heads * head_dim;
+    const size_t cache_base = (size_t)(slot < 0 ? 0 : slot) * kv_heads * head_dim;
+    for (int item = threadIdx.x; item < kv_heads * half_dim; item += blockDim.x) {
+        const int h = item / half_dim, j = item % half_dim;
+        const bool rotated = j < rope_half;
+        const int i0 = (rotated && NEOX) ? j : 2 * j, i1 = (rotated && NEOX) ? j + rope_half : 2 * j + 1;
+        float* p = kt + h * head_dim;
+        float a = p[i0], b = p[i1];
+        if (rotated) {
+            const float c = cos_s[j], s = sin_s[j];
+            const float ra = a * c - b * s, rb = b * c + a * s;
+            a = ra;
+            b = rb;
+            p[i0] = a;
+            p[i1] = b;
+        }
+        if (slot >= 0) {
+            __half* kc = k_cache + cache_base + h * head_dim;
+            __half* vc = v_cache + cache_base + h * head_dim;
+            const float* vp = vt + h * head_dim;
+            kc[i0] = __float2half_rn(a);
+            kc[i1] = __float2half_rn(b);
+            vc[2 * j] = __float2half_rn(vp[2 * j]);
+            vc[2 * j + 1] = __float2half_rn(vp[2 * j + 1]);
+        }
+    }
+}
+
+// out = silu(gate) * up = gate / (1 + exp(-gate)) * up, four elements per thread (VEC) or one.
+template <bool VEC>
+__global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const float* __restrict__ gate,
+                                             const float* __restrict__ up, long long n) {
+    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (VEC) {
+        if (i >= n / 4) return;
+        const float4 g = reinterpret_cast<const float4*>(gate)[i], u = reinterpret_cast<const float4*>(up)[i];
+        float4 r;
+        r.x = g.x / (1.0f + expf(-g.x)) * u.x;
+        r.y = g.y / (1.0f + expf(-g.y)) * u.y;
+        r.z = g.z / (1.0f + expf(-g.z)) * u.z;
+        r.w = g.w / (1.0f + expf(-g.w)) * u.w;
+        reinterpret_cast<float4*>(out)[i] = r;
+    } else {
+        if (i >= n) return;
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// out[i, :] = x[indices[i], :]; rows are `words` words of type W (uint4, unsigned, or unsigned char).
+template <typename W>
+__global__ void __launch_bounds__(256) gather_rows(W* __restrict__ out, const W* __restrict__ x,
+                                                  const int* __restrict__ indices, long long words) {
+    const size_t row = blockIdx.x;
+    const W* src = x + (size_t)indices[row] * words;
+    W* dst = out + row * words;
+    for (long long i = (long long)blockIdx.y * 256 + threadIdx.x; i < words; i += (long long)gridDim.y * 256)
+        dst[i] = src[i];
+}

@@ -1,0 +1,782 @@
+// Mat-vec for decode and small batches: out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias), n <= 16,
+// streaming each weight byte once for all n tokens.
+//
+// Layouts. W: GGUF blocks of type T, [rows, row_bytes] row-major exactly as the file stores them (tensor base
+// 16-byte aligned). x: float32 [n, cols] row-major. bias: float32 [rows] or null. out: float32 [n, rows].
+//
+// Block formats go through integers. matvec_quantize_x first writes each activation row as int8 in 32-element
+// groups (xq int8 [n, cols]; xs [n, cols / 32] of {d = amax / 127 as float, the int sums of the group's two
+// 16-element halves packed lo | hi << 16}; q = rint(x / d), 0 where d = 0; a NaN/Inf input makes d NaN). matvec_q then dots the packed
+// weights against xq with __dp4a (4 weights x 4 activations per instruction); no float weight is ever formed.
+// Weight offsets (Q4_0's -8 ...) and minimums (Q4_1's m, the K-quants' dmin * m) are applied through the
+// activation sums, scales through one float expression per (unit, token).
+// F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA.
+//
+// Threads. One warp computes RPW consecutive rows for all N tokens; blocks hold 1, 2 or 4 warps (the launcher
+// picks the most that still gives a grid of at least 2 blocks per SM). Lane l walks the row in units
+// l, l + 32, ... (a unit: one 32-element block for the 32-element formats and IQ4_XS; 16 bytes of the quant
+// array for the K-quants: 32 elements for Q4_K/Q5_K/Q6_K, 64 for Q2_K/Q3_K; 8 elements for float weights), so
+// a warp's loads of one unit cover a contiguous stretch of the row. Per unit a lane loads the unit's bytes of
+// each of its RPW rows with the widest loads the block alignment allows (16-byte loads for Q4_K/Q5_K, 8-byte
+// for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 16-byte aligned chunks holding the bytes, shifted into
+// place in registers), then each token's activation (16 bytes per 16-element run + its group scale) once for
+// all RPW rows. For N <= 4 the weight loads are software-pipelined (a ring of raw bytes: at N = 1 the next two
+// units per row are in flight while this unit's dot products run, one for Q3_K/Q6_K and for N = 2..4); from
+// N = 8 on the kernel is bound by __dp4a issue, not memory, and loads as it goes. The float kernel does the same
+// with 16-byte weight loads.
+// The copies of the 16-byte chunks around a block may read up to 14 bytes outside the tensor's bytes, never
+// outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still report them).
+//
+// Reduction order (batch invariance). For each (row, token): every lane sums the float contributions of its
+// units in increasing unit order (one __fadd_rn per unit; a unit's contribution is a fixed expression of exact
+// integer dot products and the fp16/fp32 scales, written with _rn intrinsics so no FMA contraction can differ
+// between instantiations), then the 32 lane sums are combined by a fixed xor butterfly (offsets 16, 8, 4, 2,
+// 1), then bias is added once. Nothing depends on n, N, RPW or the block size: a row's result is bitwise the
+// same for every batch width and position in the batch. The activation quantization is per token.
+//
+// Numerics. The integer dots are exact; a unit's scale products and the sums are fp32. The int8 activation is the
+// error: rounding to d = amax / 127 leaves rms d / sqrt(12) per element, ~0.54% of a Gaussian row's rms (amax of
+// 32 samples ~2.35 sigma), and the output carries about that relative error against x @ dequant(W)^T (0.5-0.6%
+// measured on every format; the tests bound it at 1.5%). Against the same math in float64 (x replaced by its
+// int8 image) the kernel agrees to ~1e-7.
+//
+// Speed on the H200: to be measured.
+
+#include "quant.cuh"
+
+struct ActScale {
+  float d;   // activation scale of a 32-element group
+  int sums;  // sum of q over elements 0..15 (low 16 bits, signed) and 16..31 (high 16 bits, signed)
+};
+
+namespace mv {
+
+__device__ __forceinline__ int half_sum(int sums, int half) { return half ? (sums >> 16) : ((sums << 16) >> 16); }
+
+__device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))); }
+__device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+__device__ __forceinline__ uint32_t byte_of(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
+
+__device__ __forceinline__ uint32_t ldg_u16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+__device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+
+// NW little-endian words starting at byte p (p aligned to ALIGN), in two steps so that loads can be issued long
+// before their use: fetch() only loads, get() shifts into place. Exactly aligned ranges load exactly; otherwise
+// the 16-byte aligned chunks holding the bytes are loaded (a chunk only when it holds one of them, so nothing
+// outside the 16-byte chunks of the requested bytes is read).
+template <int NW, int ALIGN>
+struct Win {
+  static constexpr int MODE = (ALIGN >= 16 && NW % 4 == 0) ? 16 : (ALIGN >= 8 && NW % 2 == 0) ? 8
+                              : (ALIGN >= 4 && NW == 1) ? 4 : 0;
+  static constexpr int L = (4 * NW + 16 - ALIGN + 15) / 16;  // chunks needed at the worst offset (MODE 0)
+  static constexpr int WORDS = MODE ? NW : 4 * L;
+  uint32_t w[WORDS];
+
+  __device__ __forceinline__ void fetch(const uint8_t* p) {
+    if constexpr (MODE == 16) {
+#pragma unroll
+      for (int i = 0; i < NW / 4; ++i) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+      }
+    } else if constexpr (MODE == 8) {
+#pragma unroll
+      for (int i = 0; i < NW / 2; ++i) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + i);
+        w[2 * i] = v.x; w[2 * i + 1] = v.y;
+      }
+    } else if constexpr (MODE == 4) {
+      w[0] = ldg_u32(p);
+    } else {
+      const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+      const uint4* base = reinterpret_cast<const uint4*>(a & ~15ull);
+      const int o = (int)(a & 15);
+#pragma unroll
+      for (int c = 0; c < L; ++c) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (c == 0 || 16 * c < o + 4 * NW) v = __ldg(base + c);
+        w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void get(const uint8_t* p, uint32_t (&out)[NW]) const {
+    if constexpr (MODE != 0) {
+#pragma unroll
+      for (int i = 0; i < NW; ++i) out[i] = w[i];
+    } else {
+      const int o = (int)(reinterpret_cast<unsigned long long>(p) & 15);
+      const int k = o >> 2;  // whole words to drop: 0..3, as two conditional shifts (no dynamic indexing)
+      uint32_t v[4 * L];
+#pragma unroll
+      for (int i = 0; i < 4 * L; ++i) v[i] = w[i];
+#pragma unroll
+      for (int i = 0; i + 2 < 4 * L; ++i) v[i] = (k & 2) ? v[i + 2] : v[i];
+#pragma unroll
+      for (int i = 0; i + 1 < 4 * L; ++i) v[i] = (k & 1) ? v[i + 1] : v[i];
+      if constexpr (ALIGN >= 4) {
+#pragma unroll
+        for (int i = 0; i < NW; ++i) out[i] = v[i];
+      } else {
+        const int sh = (o & 3) * 8;  // 0 or 16
+#pragma unroll
+        for (int i = 0; i < NW; ++i) out[i] = __funnelshift_r(v[i], v[i + 1], sh);
+      }
+    }
+  }
+};
+
+template <bool B, class A, class C> struct Pick { using type = A; };
+template <class A, class C> struct Pick<false, A, C> { using type = C; };
+
+// Integer dot of 16 weights (4 words) with 16 activations.
+__device__ __forceinline__ int dot16(const int (&q)[4], const int (&x)[4]) {
+  int s = __dp4a(q[0], x[0], 0);
+  s = __dp4a(q[1], x[1], s);
+  s = __dp4a(q[2], x[2], s);
+  return __dp4a(q[3], x[3], s);
+}
+
+// Bit i of the low 4 bits of n -> bit 4 of byte i (Q5_0/Q5_1's fifth bit).
+__device__ __forceinline__ int spread4(uint32_t n) { return (int)((((n & 0xFu) * 0x00204081u) & 0x01010101u) << 4); }
+
+// Low nibbles of 4 qs words -> run 0, high nibbles -> run 1.
+__device__ __forceinline__ void split_nibbles(const uint32_t (&qs)[4], int (&q0)[4], int (&q1)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    q0[i] = (int)(qs[i] & 0x0F0F0F0Fu);
+    q1[i] = (int)((qs[i] >> 4) & 0x0F0F0F0Fu);
+  }
+}
+
+// Activations of one unit for one token: R runs of 16 elements; run r lies in group g[r], half h[r].
+template <int R>
+struct Act {
+  int x[R][4];
+  float d[R];
+  int s[R];  // the run's half-group sum
+};
+
+template <int R>
+__device__ __forceinline__ void load_act(Act<R>& a, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                         const int (&g)[R], const int (&h)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int4 v = __ldg(reinterpret_cast<const int4*>(xq + 32 * g[r] + 16 * h[r]));
+    a.x[r][0] = v.x;
+    a.x[r][1] = v.y;
+    a.x[r][2] = v.z;
+    a.x[r][3] = v.w;
+    const int2 sc = __ldg(reinterpret_cast<const int2*>(xs + g[r]));
+    a.d[r] = __int_as_float(sc.x);
+    a.s[r] = half_sum(sc.y, h[r]);
+  }
+}
+
+// ---- per-format units -----------------------------------------------------------------------------------------
+// Unit<T>: ELEMS elements per unit, RUNS 16-element runs; runs(u, g, h) names each run's activation group and
+// half; fetch(raw, row, u) issues the unit's weight loads; decode(w, raw, row, u) unpacks them; dot(w, a) is the
+// unit's float contribution for one token's activations a.
+
+template <int T> struct Unit;
+
+// The 32-element formats: a unit is one block; run 0 = elements 0..15, run 1 = 16..31 (same group).
+struct Block32 {
+  static constexpr int ELEMS = 32, RUNS = 2;
+  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
+    g[0] = g[1] = u;
+    h[0] = 0;
+    h[1] = 1;
+  }
+};
+
+// Q4_0 and IQ4_NL: d @0, qs[16] @2.
+template <int T>
+struct Unit4NL : Block32 {
+  struct Raw { Win<4, 2> qs; uint32_t d; };
+  struct W { int q[2][4]; float d; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + u * 18;
+    raw.qs.fetch(b + 2);
+    raw.d = ldg_u16(b);
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    uint32_t qs[4];
+    raw.qs.get(row + u * 18 + 2, qs);
+    if constexpr (T == GGML_Q4_0) {
+      split_nibbles(qs, w.q[0], w.q[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.q[0][i] = (int)quant::iq4_lookup4(qs[i] & 0x0F0F0F0Fu);
+        w.q[1][i] = (int)quant::iq4_lookup4((qs[i] >> 4) & 0x0F0F0F0Fu);
+      }
+    }
+    w.d = f16_lo(raw.d);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    if constexpr (T == GGML_Q4_0) i -= 8 * (a.s[0] + a.s[1]);
+    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
+  }
+};
+template <> struct Unit<GGML_Q4_0> : Unit4NL<GGML_Q4_0> {};
+template <> struct Unit<GGML_IQ4_NL> : Unit4NL<GGML_IQ4_NL> {};
+
+// Q4_1 (20 B: d, m, qs[16]) and Q5_1 (24 B: d, m, qh, qs[16]): value d * q + m.
+template <int T>
+struct Unit41 : Block32 {
+  static constexpr int BYTES = T == GGML_Q4_1 ? 20 : 24, NW = BYTES / 4;
+  struct Raw { Win<NW, BYTES == 20 ? 4 : 8> v; };
+  struct W { int q[2][4]; float d, m; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) { raw.v.fetch(row + u * BYTES); }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    uint32_t v[NW];
+    raw.v.get(row + u * BYTES, v);
+    const uint32_t qs[4] = {v[NW - 4], v[NW - 3], v[NW - 2], v[NW - 1]};
+    split_nibbles(qs, w.q[0], w.q[1]);
+    if constexpr (T == GGML_Q5_1) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.q[0][i] |= spread4(v[1] >> (4 * i));
+        w.q[1][i] |= spread4(v[1] >> (16 + 4 * i));
+      }
+    }
+    w.d = f16_lo(v[0]);
+    w.m = f16_hi(v[0]);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    const int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    return __fmul_rn(a.d[0], __fmaf_rn(w.d, (float)i, __fmul_rn(w.m, (float)(a.s[0] + a.s[1]))));
+  }
+};
+template <> struct Unit<GGML_Q4_1> : Unit41<GGML_Q4_1> {};
+template <> struct Unit<GGML_Q5_1> : Unit41<GGML_Q5_1> {};
+
+// Q5_0 (22 B: d, qh, qs[16]) and Q8_0 (34 B: d, qs int8[32]): value d * q (Q5_0: q - 16).
+template <int T>
+struct Unit50 : Block32 {
+  static constexpr int BYTES = T == GGML_Q5_0 ? 22 : 34, NW = (BYTES - 2) / 4;
+  struct Raw { Win<NW, 2> v; uint32_t d; };
+  struct W { int q[2][4]; float d; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + u * BYTES;
+    raw.v.fetch(b + 2);
+    raw.d = ldg_u16(b);
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    uint32_t v[NW];
+    raw.v.get(row + u * BYTES + 2, v);
+    if constexpr (T == GGML_Q5_0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.q[0][i] = (int)(v[1 + i] & 0x0F0F0F0Fu) | spread4(v[0] >> (4 * i));
+        w.q[1][i] = (int)((v[1 + i] >> 4) & 0x0F0F0F0Fu) | spread4(v[0] >> (16 + 4 * i));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.q[0][i] = (int)v[i];
+        w.q[1][i] = (int)v[4 + i];
+      }
+    }
+    w.d = f16_lo(raw.d);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    if constexpr (T == GGML_Q5_0) i -= 16 * (a.s[0] + a.s[1]);
+    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
+  }
+};
+template <> struct Unit<GGML_Q5_0> : Unit50<GGML_Q5_0> {};
+template <> struct Unit<GGML_Q8_0> : Unit50<GGML_Q8_0> {};
+
+// IQ4_XS: a unit is one 32-element sub-block j of a 256-element block (qs[16j..16j+16]).
+template <>
+struct Unit<GGML_IQ4_XS> : Block32 {
+  struct Raw { Win<2, 8> hd; Win<4, 8> qs; };  // d | scales_h, scales_l[4]; qs of sub-block j
+  struct W { int q[2][4]; float d; int sc; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 3) * 136;
+    raw.hd.fetch(b);
+    raw.qs.fetch(b + 8 + 16 * (u & 7));
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u) {
+    const int j = u & 7;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w.q[0][i] = (int)quant::iq4_lookup4(raw.qs.w[i] & 0x0F0F0F0Fu);
+      w.q[1][i] = (int)quant::iq4_lookup4((raw.qs.w[i] >> 4) & 0x0F0F0F0Fu);
+    }
+    const int lo = (int)((raw.hd.w[1] >> (4 * j)) & 0xFu);  // byte j/2, nibble j%2
+    const int hi = (int)((raw.hd.w[0] >> (16 + 2 * j)) & 3u);
+    w.sc = (lo | (hi << 4)) - 32;
+    w.d = f16_lo(raw.hd.w[0]);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    const int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)(w.sc * i));
+  }
+};
+
+// Q4_K / Q5_K: unit u = 16 bytes of qs: block u/8, k = u%8 covers l in [16(k%2), +16) of sub-blocks 2(k/2) (low
+// nibbles, run 0) and 2(k/2) + 1 (high nibbles, run 1).
+__device__ __forceinline__ void k4_scale_min_w(const uint32_t (&h)[4], int j, int& sc, int& m) {
+  // h[1..3] are the 12 scale bytes; s[j] = byte j%4 of h[1 + j/4].
+  const int jj = j & 3;
+  const uint32_t a = byte_of(h[1], jj), b = byte_of(h[2], jj), c = byte_of(h[3], jj);
+  const bool low = j < 4;
+  sc = (int)(low ? (a & 63) : ((c & 0xF) | ((a >> 6) << 4)));
+  m = (int)(low ? (b & 63) : ((c >> 4) | ((b >> 6) << 4)));
+}
+
+template <int T>
+struct UnitK45 {
+  static constexpr int ELEMS = 32, RUNS = 2, BYTES = T == GGML_Q4_K ? 144 : 176, QS = T == GGML_Q4_K ? 16 : 48;
+  struct RawQ4 { Win<4, 16> hd, qs; };
+  struct RawQ5 { Win<4, 16> hd, qs, qh; };
+  using Raw = typename Pick<T == GGML_Q4_K, RawQ4, RawQ5>::type;
+  struct W { int q[2][4]; float d, dmin; int sc[2], m[2]; };
+  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
+    const int k = u & 7;
+    g[0] = (u >> 3) * 8 + (k >> 1) * 2;
+    g[1] = g[0] + 1;
+    h[0] = h[1] = k & 1;
+  }
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 3) * BYTES;
+    const int k = u & 7;
+    raw.hd.fetch(b);
+    raw.qs.fetch(b + QS + 32 * (k >> 1) + 16 * (k & 1));
+    if constexpr (T == GGML_Q5_K) raw.qh.fetch(b + 16 + 16 * (k & 1));
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u) {
+    const int c = (u & 7) >> 1;
+    split_nibbles(raw.qs.w, w.q[0], w.q[1]);
+    if constexpr (T == GGML_Q5_K) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.q[0][i] |= (int)(((raw.qh.w[i] >> (2 * c)) & 0x01010101u) << 4);
+        w.q[1][i] |= (int)(((raw.qh.w[i] >> (2 * c + 1)) & 0x01010101u) << 4);
+      }
+    }
+    k4_scale_min_w(raw.hd.w, 2 * c, w.sc[0], w.m[0]);
+    k4_scale_min_w(raw.hd.w, 2 * c + 1, w.sc[1], w.m[1]);
+    w.d = f16_lo(raw.hd.w[0]);
+    w.dmin = f16_hi(raw.hd.w[0]);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    float f[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = w.sc[r] * dot16(w.q[r], a.x[r]);
+      f[r] = __fmaf_rn(w.d, (float)i, -__fmul_rn(w.dmin, (float)(w.m[r] * a.s[r])));
+    }
+    return __fmaf_rn(a.d[1], f[1], __fmul_rn(a.d[0], f[0]));
+  }
+};
+template <> struct Unit<GGML_Q4_K> : UnitK45<GGML_Q4_K> {};
+template <> struct Unit<GGML_Q5_K> : UnitK45<GGML_Q5_K> {};
+
+// Q6_K: unit u = 16 bytes of ql: block u/8, k = u%8, h = k/4, l0 = 16(k%4): low nibbles are elements
+// 128h + l0 + i (run 0), high nibbles 128h + 64 + l0 + i (run 1); their high bits sit in qh[32h + 16(k%2) + i].
+template <>
+struct Unit<GGML_Q6_K> {
+  static constexpr int ELEMS = 32, RUNS = 2;
+  struct Raw { Win<4, 2> ql, qh; uint32_t sc0, sc1, d; };
+  struct W { int q[2][4]; float d; int sc[2]; };
+  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
+    const int k = u & 7;
+    g[0] = (u >> 3) * 8 + (k >> 2) * 4 + ((k & 3) >> 1);
+    g[1] = g[0] + 2;
+    h[0] = h[1] = k & 1;
+  }
+  __device__ static const uint8_t* qh_at(const uint8_t* row, int u) {
+    const int k = u & 7;
+    return row + (u >> 3) * 210 + 128 + 32 * (k >> 2) + 16 * (k & 1);
+  }
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 3) * 210;
+    const int k = u & 7;
+    raw.ql.fetch(b + 16 * k);
+    raw.qh.fetch(qh_at(row, u));
+    raw.sc0 = __ldg(b + 192 + 8 * (k >> 2) + (k & 3));
+    raw.sc1 = __ldg(b + 196 + 8 * (k >> 2) + (k & 3));
+    raw.d = ldg_u16(b + 208);
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    const int k = u & 7;
+    uint32_t ql[4], qh[4];
+    raw.ql.get(row + (u >> 3) * 210 + 16 * k, ql);
+    raw.qh.get(qh_at(row, u), qh);
+    const int s0 = 2 * ((k & 3) >> 1), s1 = s0 + 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w.q[0][i] = (int)((ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> s0) & 0x03030303u) << 4));
+      w.q[1][i] = (int)(((ql[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> s1) & 0x03030303u) << 4));
+    }
+    w.sc[0] = (int)(int8_t)raw.sc0;
+    w.sc[1] = (int)(int8_t)raw.sc1;
+    w.d = f16_lo(raw.d);
+  }
+  __device__ static float dot(const W& w, const Act<2>& a) {
+    const int i0 = w.sc[0] * (dot16(w.q[0], a.x[0]) - 32 * a.s[0]);
+    const int i1 = w.sc[1] * (dot16(w.q[1], a.x[1]) - 32 * a.s[1]);
+    return __fmul_rn(w.d, __fmaf_rn(a.d[1], (float)i1, __fmul_rn(a.d[0], (float)i0)));
+  }
+};
+
+// Q2_K / Q3_K: unit u = 16 bytes of qs: block u/4, c = u%4, h = c/2, half = c%2; bit pair s (0..3) of those bytes
+// holds elements 128h + 32s + 16 half + i (run s, activation group 8(u/4) + 4h + s), scale index 8h + 2s + half.
+struct UnitK23 {
+  static constexpr int ELEMS = 64, RUNS = 4;
+  __device__ static void runs(int u, int (&g)[4], int (&h)[4]) {
+    const int c = u & 3;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      g[s] = (u >> 2) * 8 + (c >> 1) * 4 + s;
+      h[s] = c & 1;
+    }
+  }
+};
+
+template <>
+struct Unit<GGML_Q2_K> : UnitK23 {
+  struct Raw { Win<4, 4> qs; uint32_t sc0, sc1, dd; };
+  struct W { int qs[4]; float d, dmin; int sc[4], m[4]; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 2) * 84;
+    const int c = u & 3, h = c >> 1;
+    raw.qs.fetch(b + 16 + 16 * c);
+    raw.sc0 = ldg_u32(b + 8 * h);  // scale bytes 8h .. 8h + 8
+    raw.sc1 = ldg_u32(b + 8 * h + 4);
+    raw.dd = ldg_u32(b + 80);  // d | dmin
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    const int half = u & 1;
+    uint32_t qs[4];
+    raw.qs.get(row + (u >> 2) * 84 + 16 + 16 * (u & 3), qs);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w.qs[i] = (int)qs[i];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t v = byte_of(s < 2 ? raw.sc0 : raw.sc1, half + 2 * (s & 1));
+      w.sc[s] = (int)(v & 0xF);
+      w.m[s] = (int)(v >> 4);
+    }
+    w.d = f16_lo(raw.dd);
+    w.dmin = f16_hi(raw.dd);
+  }
+  __device__ static float dot(const W& w, const Act<4>& a) {
+    float c = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int q[4] = {(w.qs[0] >> (2 * s)) & 0x03030303, (w.qs[1] >> (2 * s)) & 0x03030303,
+                        (w.qs[2] >> (2 * s)) & 0x03030303, (w.qs[3] >> (2 * s)) & 0x03030303};
+      const int i = w.sc[s] * dot16(q, a.x[s]);
+      const float f = __fmaf_rn(w.d, (float)i, -__fmul_rn(w.dmin, (float)(w.m[s] * a.s[s])));
+      c = s == 0 ? __fmul_rn(a.d[0], f) : __fmaf_rn(a.d[s], f, c);
+    }
+    return c;
+  }
+};
+
+template <>
+struct Unit<GGML_Q3_K> : UnitK23 {
+  struct Raw { Win<4, 2> hm, qs; Win<3, 2> sc; uint32_t d; };
+  struct W { int q[4][4]; float d; int sc[4]; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 2) * 110;
+    const int c = u & 3;
+    raw.hm.fetch(b + 16 * (c & 1));
+    raw.qs.fetch(b + 32 + 16 * c);
+    raw.sc.fetch(b + 96);
+    raw.d = ldg_u16(b + 108);
+  }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+    const uint8_t* b = row + (u >> 2) * 110;
+    const int c = u & 3, h = c >> 1, half = c & 1;
+    uint32_t hm[4], qs[4], sc[3];
+    raw.hm.get(b + 16 * half, hm);
+    raw.qs.get(b + 32 + 16 * c, qs);
+    raw.sc.get(b + 96, sc);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w.q[s][i] = (int)(((qs[i] >> (2 * s)) & 0x03030303u) | (((hm[i] >> (4 * h + s)) & 0x01010101u) << 2));
+      // scale 8h + 2s + half: low nibble h of byte 2s + half, high bits 2(2h + s/2) of byte 8 + 2(s%2) + half.
+      const int lo = (int)((byte_of(sc[s >> 1], 2 * (s & 1) + half) >> (4 * h)) & 0xF);
+      const int hi = (int)((byte_of(sc[2], 2 * (s & 1) + half) >> (2 * (2 * h + (s >> 1)))) & 3);
+      w.sc[s] = (lo | (hi << 4)) - 32;
+    }
+    w.d = f16_lo(raw.d);
+  }
+  __device__ static float dot(const W& w, const Act<4>& a) {
+    float c = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const float i = (float)(w.sc[s] * (dot16(w.q[s], a.x[s]) - 4 * a.s[s]));
+      c = s == 0 ? __fmul_rn(a.d[0], i) : __fmaf_rn(a.d[s], i, c);
+    }
+    return __fmul_rn(w.d, c);
+  }
+};
+
+// ---- the reduction shared by both kernels ---------------------------------------------------------------------
+
+template <int N, int RPW>
+__device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __restrict__ out, const float* __restrict__ bias,
+                                             int n, int rows, int row0, int lane) {
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][t] = __fadd_rn(acc[r][t], __shfl_xor_sync(0xFFFFFFFFu, acc[r][t], off));
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      const int row = row0 + r;
+      if (lane == ((r * N + t) & 31) && t < n && row < rows)
+        out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(acc[r][t], __ldg(bias + row)) : acc[r][t];
+    }
+}
+
+}  // namespace mv
+
+// x float32 [n, cols] -> xq int8 [n, cols], xs [n, cols / 32]. One thread per 8 elements, 4 threads per group.
+// cols % 32 == 0; x 16-byte aligned. A NaN or infinite input makes its group's scale NaN (the output shows it).
+extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* __restrict__ xs,
+                                             const float* __restrict__ x, int total) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // 8-element chunk; total = n * cols / 8
+  const bool live = i < total;
+  float v[8];
+  if (live) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * i);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 2 * i + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = 0.f;
+  }
+  float amax = 0.f, probe = 0.f;  // probe: NaN iff some input is NaN or infinite
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    amax = fmaxf(amax, fabsf(v[k]));
+    probe = __fadd_rn(probe, __fmul_rn(v[k], 0.f));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, 1));
+  probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, 2));
+  const float d = __fdiv_rn(amax, 127.f);
+  int q[8], sum = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    q[k] = d == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[k], d));
+    sum += q[k];
+  }
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);  // threads 4g, 4g+1: elements 0..15; 4g+2, 4g+3: 16..31
+  const int hi = __shfl_down_sync(0xFFFFFFFFu, sum, 2);
+  if (!live) return;
+  uint2 packed;
+  packed.x = (uint32_t)(q[0] & 0xFF) | ((uint32_t)(q[1] & 0xFF) << 8) | ((uint32_t)(q[2] & 0xFF) << 16) |
+             ((uint32_t)(q[3] & 0xFF) << 24);
+  packed.y = (uint32_t)(q[4] & 0xFF) | ((uint32_t)(q[5] & 0xFF) << 8) | ((uint32_t)(q[6] & 0xFF) << 16) |
+             ((uint32_t)(q[7] & 0xFF) << 24);
+  reinterpret_cast<uint2*>(xq)[i] = packed;
+  if ((i & 3) == 0) {
+    ActScale s;
+    s.d = __fadd_rn(d, probe);
+    s.sums = (sum & 0xFFFF) | (hi << 16);
+    xs[i >> 2] = s;
+  }
+}
+
+// Block formats. grid: ceil(rows / (RPW * warps per block)), block: 32 * warps per block (<= 128).
+template <int T, int N, int RPW>
+__global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const uint8_t* __restrict__ weight,
+                                                const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                const float* __restrict__ bias, int n, int rows, int cols,
+                                                long long row_bytes) {
+  using U = mv::Unit<T>;
+  // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
+  // keep more warps resident instead), one up to N = 4, none from N = 8 on (there __dp4a issue, not memory, binds).
+  constexpr int AHEAD = N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW;
+  if (row0 >= rows) return;
+  const uint8_t* wrow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  const int units = cols / U::ELEMS, groups = cols / 32;
+
+  float acc[RPW][N];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+
+  // A ring of raw weight bytes: ring[0] is this unit's, ring[a] unit u + 32a (clamped to the last unit: a cached
+  // re-read near the row's end), so AHEAD units per row are in flight while this unit's dot products run.
+  typename U::Raw ring[AHEAD + 1][RPW];
+  if (lane < units) {
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1));
+  }
+  for (int u = lane; u < units; u += 32) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1));
+    typename U::W w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u);
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) ring[a][r] = ring[a + 1][r];
+    int g[U::RUNS], h[U::RUNS];
+    U::runs(u, g, h);
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t == 0 || t < n) {  // n >= 1: token 0 unconditional, so no weight load sinks into a branch
+        mv::Act<U::RUNS> a;
+        mv::load_act(a, xq + (long long)t * cols, xs + (long long)t * groups, g, h);
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
+      }
+    }
+  }
+  mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
+}
+
+// Float weights: lane l walks 8-element units l, l + 32, ...; within a unit the 8 products are accumulated in
+// element order with FMA. vec: rows and x rows are 16-byte aligned (then units with all 8 elements inside the row
+// load with 16-byte vectors, prefetched like matvec_q's); other units load element by element in the same order,
+// so the result does not depend on vec.
+namespace mv {
+template <int T>
+struct FloatUnit {
+  static constexpr int CHUNKS = T == GGML_F32 ? 2 : 1;  // 16-byte loads per 8 weights
+  struct Raw { uint4 v[CHUNKS]; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) raw.v[c] = __ldg(reinterpret_cast<const uint4*>(row) + u * CHUNKS + c);
+  }
+  __device__ static void decode(const Raw& raw, float (&w)[8]) {
+    if constexpr (T == GGML_F32) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        w[4 * c] = __uint_as_float(raw.v[c].x);
+        w[4 * c + 1] = __uint_as_float(raw.v[c].y);
+        w[4 * c + 2] = __uint_as_float(raw.v[c].z);
+        w[4 * c + 3] = __uint_as_float(raw.v[c].w);
+      }
+    } else {
+      const uint32_t p[4] = {raw.v[0].x, raw.v[0].y, raw.v[0].z, raw.v[0].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (T == GGML_F16) {
+          w[2 * i] = f16_lo(p[i]);
+          w[2 * i + 1] = f16_hi(p[i]);
+        } else {
+          w[2 * i] = __uint_as_float(p[i] << 16);
+          w[2 * i + 1] = __uint_as_float(p[i] & 0xFFFF0000u);
+        }
+      }
+    }
+  }
+  // Element e of a row, or 0 past its end.
+  __device__ static float element(const uint8_t* row, int e, int cols) {
+    if (e >= cols) return 0.f;
+    if constexpr (T == GGML_F32) {
+      return __ldg(reinterpret_cast<const float*>(row) + e);
+    } else {
+      const unsigned short b = __ldg(reinterpret_cast<const unsigned short*>(row) + e);
+      return T == GGML_F16 ? __half2float(__ushort_as_half(b)) : __uint_as_float((uint32_t)b << 16);
+    }
+  }
+};
+
+template <int N, int RPW>
+__device__ __forceinline__ void fma_unit(float (&acc)[RPW][N], const float (&w)[RPW][8], const float* __restrict__ x,
+                                         int n, int cols, int e0, bool vec) {
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    if (t == 0 || t < n) {
+      const float* xt = x + (long long)t * cols + e0;
+      float v[8];
+      if (vec) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(xt));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(xt) + 1);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = e0 + i < cols ? __ldg(xt + i) : 0.f;
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][t] = __fmaf_rn(w[r][i], v[i], acc[r][t]);
+    }
+  }
+}
+}  // namespace mv
+
+template <int T, int N, int RPW>
+__global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const uint8_t* __restrict__ weight,
+                                                const float* __restrict__ x, const float* __restrict__ bias, int n,
+                                                int rows, int cols, long long row_bytes, int vec) {
+  using U = mv::FloatUnit<T>;
+  constexpr int AHEAD = N == 1 ? 2 : N <= 4 ? 1 : 0;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW;
+  if (row0 >= rows) return;
+  const uint8_t* wrow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  const int units = (cols + 7) / 8, vec_units = vec ? cols / 8 : 0;
+
+  float acc[RPW][N];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+
+  // Units below vec_units: 16-byte loads through a prefetch ring; the rest (all of them when !vec, else at most
+  // the row's last, partial unit) element by element. Both walk a lane's units in increasing order.
+  int u = lane;
+  if (vec_units > 0) {
+    typename U::Raw ring[AHEAD + 1][RPW];
+    if (lane < vec_units) {
+#pragma unroll
+      for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, vec_units - 1));
+    }
+    for (; u < vec_units; u += 32) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, vec_units - 1));
+      float w[RPW][8];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::decode(ring[0][r], w[r]);
+#pragma unroll
+      for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) ring[a][r] = ring[a + 1][r];
+      mv::fma_unit<N, RPW>(acc, w, x, n, cols, 8 * u, true);
+    }
+  }
+  for (; u < units; u += 32) {
+    float w[RPW][8];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[r][i] = U::element(wrow[r], 8 * u + i, cols);
+    mv::fma_unit<N, RPW>(acc, w, x, n, cols, 8 * u, false);
+  }
+  mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
+}

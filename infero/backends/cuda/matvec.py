@@ -1,0 +1,146 @@
+"""Launcher for kernels/matvec.cu: out[n, rows] = x[n, cols] @ dequant(W)^T (+ bias) for 1 <= n <= 16 tokens.
+
+Block formats: one small kernel quantizes x to int8 in 32-element groups (into the workspace), then the mat-vec
+dots it against the packed weights with __dp4a. Float weights (F32/F16/BF16) multiply float32 activations.
+Each weight byte is read once for all n tokens. The variant (tokens N, rows per warp RPW, warps per block) is
+chosen from n and the matrix shape; each output element's reduction order depends on none of them, so results
+are bitwise batch invariant.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
+
+SOURCE = "matvec.cu"
+MAX_TOKENS = 16
+TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # template N; a call with n tokens runs the smallest N >= n
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
+QUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0 .. Q6_K, IQ4_NL, IQ4_XS
+# (elements, bytes) per block
+BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+         20: (32, 18), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+         23: (256, 136)}  # fmt: skip
+QUANTIZE_THREADS = 256
+
+
+def _variants() -> list[tuple[int, int]]:
+    """(N, RPW) pairs compiled: N = 1 with one or two rows per warp, larger N with two."""
+    return [(1, 1)] + [(n, 2) for n in TOKEN_BUCKETS]
+
+
+runtime.declare(
+    SOURCE,
+    ["matvec_quantize_x"]
+    + [f"matvec_q<{t}, {n}, {r}>" for t in QUANT_TYPES for n, r in _variants()]
+    + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()],
+)
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_Q_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _L)
+_F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
+_QUANTIZE_ARGS = (_P, _P, _P, _I)
+_launches: dict[tuple[int, int, int], tuple] = {}  # (type, rows, n) -> (function, grid, block)
+_functions: dict[str, object] = {}
+_num_sms: list[int] = []
+
+
+def _kernel(expression: str):
+    fn = _functions.get(expression)
+    if fn is None:
+        fn = _functions[expression] = runtime.kernel(SOURCE, expression)
+    return fn
+
+
+def _sms() -> int:
+    if not _num_sms:
+        _num_sms.append(runtime.context().info.num_sms)
+    return _num_sms[0]
+
+
+def plan(rows: int, n: int, num_sms: int) -> tuple[int, int, int]:
+    """(N, rows per warp, warps per block) for n tokens on a matrix of `rows` rows."""
+    big_n = next(b for b in TOKEN_BUCKETS if b >= n)
+    # One row per warp at n = 1 on short matrices (more warps in flight); else two (activation loads shared).
+    rpw = 1 if big_n == 1 and rows < 16 * num_sms else 2
+    warps = -(-rows // rpw)
+    # The most warps per block (<= 4) that still leaves at least two blocks per SM.
+    wpb = next((w for w in (4, 2) if warps // w >= 2 * num_sms), 1)
+    return big_n, rpw, wpb
+
+
+def matvec(
+    out: DeviceTensor,
+    weight: QuantWeight,
+    x: DeviceTensor,
+    bias: DeviceTensor | None,
+    stream: driver.Stream,
+    workspace: Workspace,
+) -> None:
+    """out [n, rows] float32 = x [n, cols] float32 @ dequant(weight)^T (+ bias [rows]), 1 <= n <= 16."""
+    t, rows, cols = weight.ggml_type, weight.rows, weight.cols
+    n = x.shape[0]
+    error = _check(out, weight, x, bias)
+    if error:
+        raise ValueError(f"matvec: {error}")
+    if n == 0 or rows == 0:
+        return
+    key = (t, rows, n)
+    launch = _launches.get(key)
+    if launch is None:
+        big_n, rpw, wpb = plan(rows, n, _sms())
+        kind = "f" if t in FLOAT_TYPES else "q"
+        launch = _launches[key] = (
+            _kernel(f"matvec_{kind}<{t}, {big_n}, {rpw}>"),
+            (-(-rows // (rpw * wpb)),),
+            (32 * wpb,),
+        )
+    fn, grid, block = launch
+    row_bytes = weight.data.shape[1]
+    bias_ptr = bias.ptr if bias is not None else 0
+    if t in FLOAT_TYPES:
+        vec = int(x.ptr % 16 == 0 and weight.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
+        args = (out.ptr, weight.data.ptr, x.ptr, bias_ptr, n, rows, cols, row_bytes, vec)
+        driver.launch(fn, grid, block, args, _F_ARGS, stream)
+        return
+    mark = workspace.offset
+    xq = workspace.empty((n, cols), np.int8)
+    xs = workspace.empty((n, cols // 32, 2), np.int32)
+    chunks = n * cols // 8
+    driver.launch(_kernel("matvec_quantize_x"), (-(-chunks // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),
+                  (xq.ptr, xs.ptr, x.ptr, chunks), _QUANTIZE_ARGS, stream)  # fmt: skip
+    args = (out.ptr, weight.data.ptr, xq.ptr, xs.ptr, bias_ptr, n, rows, cols, row_bytes)
+    driver.launch(fn, grid, block, args, _Q_ARGS, stream)
+    workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
+
+
+def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: DeviceTensor | None) -> str | None:
+    """What is wrong with these arguments, or None (messages are built only on failure)."""
+    t, rows, cols = weight.ggml_type, weight.rows, weight.cols
+    if t not in BLOCK:
+        return f"GGML type {t} is not supported"
+    elems, nbytes = BLOCK[t]
+    if cols % elems:
+        return f"type {t} needs cols divisible by {elems}, got {cols}"
+    if weight.data.shape != (rows, cols // elems * nbytes) or weight.data.dtype != np.uint8:
+        return f"weight data {weight.data.dtype} {weight.data.shape} does not hold [{rows}, {cols}] of type {t}"
+    if weight.data.ptr % 16:
+        return "weight data must be 16-byte aligned"
+    if len(x.shape) != 2 or x.shape[1] != cols:
+        return f"x {x.shape} must be [n, {cols}]"
+    n = x.shape[0]
+    if n > MAX_TOKENS:
+        return f"{n} tokens; the mat-vec takes at most {MAX_TOKENS} (use the GEMM)"
+    if out.shape != (n, rows):
+        return f"out {out.shape} must be [{n}, {rows}]"
+    if x.dtype != np.float32 or out.dtype != np.float32:
+        return f"x and out must be float32, got {x.dtype} and {out.dtype}"
+    if bias is not None and (bias.shape != (rows,) or bias.dtype != np.float32):
+        return f"bias {bias.dtype} {bias.shape} must be float32 [{rows}]"
+    if t not in FLOAT_TYPES and x.ptr % 16:
+        return "x must be 16-byte aligned for the block formats"
+    return None
