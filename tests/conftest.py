@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 from tiny_gguf import TinyShape, write_tiny_model
 
@@ -17,7 +16,3 @@ def tiny_model_path(tmp_path_factory):
 def tiny_model(tiny_model_path):
     backend = CpuBackend()
     return load_model(load_checkpoint(tiny_model_path), backend.ops), backend
-
-
-def relative_error(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))

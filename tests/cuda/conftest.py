@@ -1,6 +1,5 @@
 """GPU tests: run on a machine with an NVIDIA GPU, skip with the reason everywhere else."""
 
-import numpy as np
 import pytest
 
 
@@ -19,8 +18,3 @@ def gpu():
     if ctx is None:
         pytest.skip(reason)
     return ctx
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

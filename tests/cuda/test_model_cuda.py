@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import rel_err
 from gguf import GGMLQuantizationType as Q
+from helpers import relative_error as rel_err
 from tiny_gguf import ALL_TYPES, TinyShape, write_tiny_model
 
 from infero import LLM, SamplingParams

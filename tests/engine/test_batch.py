@@ -1,7 +1,7 @@
 """The forward interface: paged KV cache, prefill chunks and decodes, batch invariance."""
 
 import numpy as np
-from conftest import relative_error
+from helpers import relative_error
 
 from infero.engine.batch import SequenceStep, build_batch
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import relative_error
+from helpers import relative_error
 
 from infero.backends.cpu import CpuBackend
 from infero.checkpoint import load_checkpoint

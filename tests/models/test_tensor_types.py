@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from conftest import relative_error
 from gguf import GGMLQuantizationType as Q
+from helpers import relative_error
 from reference_forward import reference_logits
 from tiny_gguf import ALL_TYPES, TinyShape, write_tiny_model
 

@@ -137,7 +137,7 @@ def http_ok(live) -> bool:
 
 
 def test_health_is_503_while_the_model_loads_and_200_when_ready(fresh_server, tiny_model_path):
-    from conftest import tiny_loader
+    from live_server import tiny_loader
 
     release = threading.Event()
     load = tiny_loader(tiny_model_path)

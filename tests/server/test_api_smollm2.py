@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) behind the API: checks that need a model that knows things."""
 
 import pytest
-from conftest import start_server
+from live_server import start_server
 
 from infero.engine.engine import EngineConfig
 from infero.errors import ModelFileError

@@ -8,7 +8,7 @@ import inspect
 import json
 
 import pytest
-from conftest import TINY_ENGINE
+from live_server import TINY_ENGINE
 
 from infero.engine.sampling import SampleResult
 from infero.llm import LLM
@@ -27,7 +27,7 @@ ASK = [{"role": "user", "content": "1 + 2?"}]
 
 @pytest.fixture(scope="module")
 def scripted(tiny_model_path, tmp_path_factory):
-    from conftest import start_server
+    from live_server import start_server
 
     from infero.server.app import ServerSettings
 

@@ -36,9 +36,16 @@ def tokenizer(name: str) -> Tokenizer:
 def without_byte_table(tok: Tokenizer) -> Tokenizer:
     """The same tokenizer decoding through `tokenizers`' decoder, as for HF decoders we have no table for."""
     return Tokenizer(
-        tok.hf_tokenizer, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, add_bos=tok.add_bos,
-        add_eos=tok.add_eos, eog_token_ids=tok.eog_token_ids, special_token_ids=tok.special_token_ids,
-        chat_template=None, pieces=None, vocab_size=tok.vocab_size,
+        tok.hf_tokenizer,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        add_bos=tok.add_bos,
+        add_eos=tok.add_eos,
+        eog_token_ids=tok.eog_token_ids,
+        special_token_ids=tok.special_token_ids,
+        chat_template=None,
+        pieces=None,
+        vocab_size=tok.vocab_size,
     )
 
 
@@ -179,8 +186,11 @@ def test_window_stays_small(monkeypatch):
     tok = without_byte_table(tokenizer("smollm2"))
     lengths = []
     decode = tok.decode
-    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=False: lengths.append(len(ids)) or decode(
-        ids, skip_special_tokens))
+    monkeypatch.setattr(
+        tok,
+        "decode",
+        lambda ids, skip_special_tokens=False: lengths.append(len(ids)) or decode(ids, skip_special_tokens),
+    )
     ids = tok.encode("A long generation with emoji 🙂 and CJK 中文 and more words. " * 200)
     detok = IncrementalDetokenizer(tok)
     for i in ids:

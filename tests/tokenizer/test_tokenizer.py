@@ -210,7 +210,11 @@ def test_spm_space_prefix_goes_before_the_text_and_after_each_special_token():
 def test_bos_eos_and_add_flags_match_llamacpp(name):
     tok, ref = tokenizer(name), VOCABS[name]
     assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos, tok.add_eos) == (
-        ref["bos"], ref["eos"], ref["add_bos"], ref["add_eos"])
+        ref["bos"],
+        ref["eos"],
+        ref["add_bos"],
+        ref["add_eos"],
+    )
     assert tok.vocab_size == ref["n_tokens"]
 
 
@@ -280,7 +284,7 @@ def llamacpp_clean_spaces(text: str) -> str:
     text, out = out, out[:1]  # pass 3: " 's", " 'm", " 're", " 've" lose the space
     for i in range(1, len(text)):
         if text[i - 1] == " " and text[i] == "'" and i + 1 < len(text):
-            if text[i + 1] in "sm" or (i + 2 < len(text) and text[i + 1:i + 3] in ("re", "ve")):
+            if text[i + 1] in "sm" or (i + 2 < len(text) and text[i + 1 : i + 3] in ("re", "ve")):
                 out = out[:-1]
         out += text[i]
     return out
@@ -402,8 +406,12 @@ def write_hf_dir(path: Path, source: Tokenizer, config: dict, post_processor=Non
 
 def test_hf_dir_tokenizer_matches_the_gguf_one(tmp_path):
     gguf_tok = tokenizer("llama-bpe")
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|endoftext|>"}, "add_bos_token": True,
-              "chat_template": "{{ messages }}"}
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": {"content": "<|endoftext|>"},
+        "add_bos_token": True,
+        "chat_template": "{{ messages }}",
+    }
     tok = Tokenizer.from_hf_dir(write_hf_dir(tmp_path / "m", gguf_tok, config))
     for case in VOCABS["llama-bpe"]["cases"]:
         assert tok.encode(case["text"]) == case["ids"], case["text"]

@@ -91,13 +91,15 @@ def compile_source(
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{name} for {arch} failed to compile:\n{log}")
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        # NVRTC writes into the buffer: it must be a fresh mutable one. (b" " * 1 is CPython's shared one-byte
+        # object; writing a log's NUL into it once turned every b" " in the process into b"\0".)
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         lowered = {}
         for expr in names:
             symbol = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "nvrtcGetLoweredName")
             lowered[expr] = symbol.decode() if isinstance(symbol, bytes) else symbol
-        return Compiled(cubin, lowered, log)
+        return Compiled(bytes(cubin), lowered, log)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -129,9 +131,9 @@ def _program_log(prog) -> str:
     from cuda.bindings import nvrtc
 
     size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
+    buf = bytearray(size)
     nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.rstrip(b"\0 ").decode(errors="replace")
+    return bytes(buf).rstrip(b"\0 ").decode(errors="replace")
 
 
 def _check(result, what: str):
