@@ -35,21 +35,6 @@ class Batch:
         """int32 [num_seqs + 1]: where each sequence's tokens begin in the flat token arrays."""
         return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
 
-    def sequence(self, i: int) -> Batch:
-        """The sub-batch holding sequence i alone, with its logits rows renumbered."""
-        starts = self.query_starts
-        lo, hi = int(starts[i]), int(starts[i + 1])
-        mine = (self.logits_indices >= lo) & (self.logits_indices < hi)
-        return Batch(
-            token_ids=self.token_ids[lo:hi],
-            positions=self.positions[lo:hi],
-            query_lens=self.query_lens[i : i + 1],
-            context_lens=self.context_lens[i : i + 1],
-            block_tables=self.block_tables[i : i + 1],
-            slot_mapping=self.slot_mapping[lo:hi],
-            logits_indices=(self.logits_indices[mine] - lo).astype(np.int32),
-        )
-
 
 @dataclass(frozen=True)
 class SequenceStep:
