@@ -1,4 +1,4 @@
-# Two commands for a newcomer: `make demo` and `make test`. Both set everything up first.
+# Two commands for a newcomer: `make serve` and `make test`. Both set everything up first.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
