@@ -71,8 +71,12 @@ class LLM:
             f"ready: {c.name} ({c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}) "
             f"{self.checkpoint.quantization}, file {weights:,.0f} MiB, KV cache {kv:,.0f} MiB = "
             f"{self.engine.kv_capacity_tokens:,} tokens, context {self.engine.max_model_len:,}, "
-            f"device {self.backend.name}"
+            f"device {self.backend.name}{self._kernel_note()}"
         )
+
+    def _kernel_note(self) -> str:
+        status = getattr(self.backend, "kernel_status", None)  # the GPU backend reports its compiled kernels
+        return f" ({status})" if status else ""
 
     def render_chat(
         self,

@@ -32,3 +32,14 @@ def test_kernel_compiles_without_warnings(filename, arch):
     assert result.cubin
     assert "warning" not in result.log.lower(), result.log
     assert set(result.lowered) == set(names)
+
+
+def test_compiled_kernels_are_found_in_the_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERO_CACHE_DIR", str(tmp_path))
+    names = launcher_declarations().get("embedding.cu", [])
+    assert not compiler.is_cached("embedding.cu", "sm_90a", names)
+    first = compiler.compile_cached("embedding.cu", "sm_90a", None, names)
+    assert compiler.is_cached("embedding.cu", "sm_90a", names)
+    assert not compiler.is_cached("embedding.cu", "sm_80", names)
+    again = compiler.compile_cached("embedding.cu", "sm_90a", None, names)
+    assert again.cubin == first.cubin and again.lowered == first.lowered

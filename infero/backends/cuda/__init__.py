@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
@@ -49,6 +50,24 @@ class CudaBackend:
         self.workspace: Workspace | None = None
         self.use_graphs = True
         self._graphs: dict[int, tuple[driver.Graph, DeviceTensor]] = {}
+        self.kernel_status = self._precompile()
+
+    def _precompile(self) -> str:
+        """Compile every kernel for this GPU on a cold cache, with a progress line; the status for the summary."""
+        import sys
+        import time
+
+        from infero.progress import Progress
+
+        arch, total = self.ctx.info.arch, len(runtime.declared())
+        bar = Progress(f"compiling kernels for {arch}", total, unit="files")
+        start = time.monotonic()
+        compiled, cached = runtime.precompile(arch, lambda name: bar(1))
+        if compiled:
+            bar.close()
+            print(f"infero: compiled {compiled} kernel files for {arch} in {time.monotonic() - start:.0f} s "
+                  f"(cached in {compiler_cache_dir()})", file=sys.stderr)  # fmt: skip
+        return f"kernels {arch}: {cached} cached, {compiled} compiled"
 
     # --- sizing -------------------------------------------------------------------------------------------
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:

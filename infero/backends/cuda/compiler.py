@@ -127,6 +127,12 @@ def compile_cached(
     return compiled
 
 
+def is_cached(filename: str, arch: str, names: list[str] | None = None) -> bool:
+    """Whether compile_cached would find this file's cubin on disk (no default defines)."""
+    source = (KERNEL_DIR / filename).read_text()
+    return (cache_dir() / f"{cache_key(source, arch, base_options(arch), names or [])}.cubin").exists()
+
+
 def _program_log(prog) -> str:
     from cuda.bindings import nvrtc
 

@@ -66,3 +66,19 @@ def kernel(filename: str, expression: str):
         module, lowered = entry
         fn = _functions[(filename, expression)] = module.function(lowered.get(expression, expression))
     return fn
+
+
+def precompile(arch: str, progress=None) -> tuple[int, int]:
+    """Compile every kernel file with the instantiations its launcher declared into the disk cache, so the
+    first step does not stall; (files compiled now, files already cached). `progress(name)` is called per file
+    compiled."""
+    compiled = cached = 0
+    for filename, names in declared().items():
+        if compiler.is_cached(filename, arch, names):
+            cached += 1
+            continue
+        if progress is not None:
+            progress(filename)
+        compiler.compile_cached(filename, arch, None, names)
+        compiled += 1
+    return compiled, cached
