@@ -91,6 +91,8 @@ class CudaBackend:
         self._layout = _BatchLayout(self.max_tokens, self.max_seqs + 1, self.max_blocks_per_seq)
         self._batch_memory = empty((self._layout.nbytes,), np.uint8)
         self._staging = driver.PinnedBuffer(self._layout.nbytes)
+        self._staging_free = driver.Event(timing=False)  # recorded after each upload's copy
+        self._staging_free.record(self.stream)
 
     def kv_cache_bytes(self, engine_config) -> int:
         free, total = self.ctx.memory_info()
@@ -140,6 +142,9 @@ class CudaBackend:
         tokens = pad_to or n
         dummy_block = cache.num_blocks  # the extra block allocate_kv_cache reserved
         lay, host = self._layout, self._staging.array
+        # The previous step's copy may still be queued behind its predecessor's kernels: wait until the GPU has
+        # read the pinned buffer before overwriting it (steps without sampling never synchronize otherwise).
+        self._staging_free.synchronize()
         tables = np.full((rows, lay.max_blocks), dummy_block, np.int32)
         used = batch.block_tables.shape[1]
         tables[:s, :used] = np.where(batch.block_tables >= 0, batch.block_tables, dummy_block)
@@ -159,6 +164,7 @@ class CudaBackend:
             host[offset : offset + array.nbytes] = array.view(np.uint8).reshape(-1)
             views[name] = DeviceTensor(self._batch_memory.ptr + offset, array.shape, array.dtype, self._batch_memory)
         driver.copy_host_to_device(self._batch_memory.ptr, host[: lay.nbytes], self.stream)
+        self._staging_free.record(self.stream)
         max_context = int(batch.context_lens.max()) if s else 0
         return DeviceBatch(
             **views,
