@@ -15,9 +15,6 @@ from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
 
 SOURCE = "embedding.cu"
 TYPES = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)
-BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-         20: (32, 18), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
-         23: (256, 136)}  # fmt: skip
 THREADS = 256
 
 runtime.declare(SOURCE, [f"embedding<{t}>" for t in TYPES])
@@ -47,16 +44,9 @@ def embedding(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor, s
 
 def _check(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor) -> str | None:
     """What is wrong with these arguments, or None (messages are built only on failure)."""
-    t, rows, cols = weight.ggml_type, weight.rows, weight.cols
-    if t not in BLOCK:
-        return f"GGML type {t} is not supported"
-    elems, nbytes = BLOCK[t]
-    if cols % elems:
-        return f"type {t} needs a row length divisible by {elems}, got {cols}"
-    if weight.data.shape != (rows, cols // elems * nbytes) or weight.data.dtype != np.uint8:
-        return f"table data {weight.data.dtype} {weight.data.shape} does not hold [{rows}, {cols}] of type {t}"
-    if weight.data.ptr % 16:
-        return "table data must be 16-byte aligned"
+    cols = weight.cols
+    if (error := weight.layout_error(TYPES)) is not None:
+        return error
     if token_ids.dtype != np.int32 or len(token_ids.shape) != 1:
         return f"token_ids must be int32 [n], got {token_ids.dtype} {token_ids.shape}"
     if out.dtype != np.float32 or out.shape != (token_ids.shape[0], cols):

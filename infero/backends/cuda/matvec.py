@@ -22,10 +22,6 @@ MAX_TOKENS = 16
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # template N; a call with n tokens runs the smallest N >= n
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 QUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0 .. Q6_K, IQ4_NL, IQ4_XS
-# (elements, bytes) per block
-BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-         20: (32, 18), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
-         23: (256, 136)}  # fmt: skip
 QUANTIZE_THREADS = 256
 
 
@@ -122,15 +118,8 @@ def matvec(
 def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: DeviceTensor | None) -> str | None:
     """What is wrong with these arguments, or None (messages are built only on failure)."""
     t, rows, cols = weight.ggml_type, weight.rows, weight.cols
-    if t not in BLOCK:
-        return f"GGML type {t} is not supported"
-    elems, nbytes = BLOCK[t]
-    if cols % elems:
-        return f"type {t} needs cols divisible by {elems}, got {cols}"
-    if weight.data.shape != (rows, cols // elems * nbytes) or weight.data.dtype != np.uint8:
-        return f"weight data {weight.data.dtype} {weight.data.shape} does not hold [{rows}, {cols}] of type {t}"
-    if weight.data.ptr % 16:
-        return "weight data must be 16-byte aligned"
+    if (error := weight.layout_error(FLOAT_TYPES + QUANT_TYPES)) is not None:
+        return error
     if len(x.shape) != 2 or x.shape[1] != cols:
         return f"x {x.shape} must be [n, {cols}]"
     n = x.shape[0]

@@ -108,3 +108,19 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def layout_error(self, supported) -> str | None:
+        """What is wrong with the stored blocks for a kernel taking the `supported` types, or None."""
+        from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType
+
+        t, rows, cols = self.ggml_type, self.rows, self.cols
+        if t not in supported:
+            return f"GGML type {t} is not supported"
+        layout = BLOCK_LAYOUTS[GGMLType(t)]
+        if cols % layout.elements:
+            return f"type {t} needs a row length divisible by {layout.elements}, got {cols}"
+        if self.data.shape != (rows, cols // layout.elements * layout.bytes) or self.data.dtype != np.uint8:
+            return f"data {self.data.dtype} {self.data.shape} does not hold [{rows}, {cols}] of type {t}"
+        if self.data.ptr % 16:
+            return "weight data must be 16-byte aligned"
+        return None
