@@ -237,7 +237,7 @@ def _bench(args) -> int:
     print(decode.format_table(llm.config.name, llm.backend.name, result))
     if args.profile:
         print()
-        print(decode.format_profile(decode.profile(llm, args.prompt_tokens)))
+        print(decode.format_profile(*decode.profile(llm, args.prompt_tokens)))
     return 0
 
 

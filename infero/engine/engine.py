@@ -29,7 +29,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_bytes: int = 1 << 30  # CPU backend: the KV pool's byte budget
+    kv_cache_bytes: int | None = None  # the KV pool's byte budget; None: 1 GiB on the CPU, the GPU's free share
     gpu_memory_utilization: float = 0.90  # CUDA backend: the share of GPU memory weights, workspace and KV may use
     seed: int | None = None  # for requests without their own seed
 
@@ -51,6 +51,7 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         mc = model.config
         backend.prepare(mc, config)
+        self.sampler = backend.sampler(config.seed)  # before the KV cache takes what memory is left
         limit = min(config.max_model_len or mc.context_length, mc.context_length)
         # Never more blocks than max_num_seqs sequences of the full context could hold: the rest would idle.
         useful = config.max_num_seqs * -(-limit // config.block_size)
@@ -61,7 +62,6 @@ class Engine:
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
         self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = backend.sampler(config.seed)
         self._seqs: dict[tuple[str, int], _Sequence] = {}
         self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()

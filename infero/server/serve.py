@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--gpu-memory-utilization", "0.90", type=_fraction, metavar="F",
          help="share of GPU memory for weights, workspace and KV cache (default: 0.90)")  # fmt: skip
     flag("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
-         help='KV cache budget on the CPU backend, e.g. "2GiB" (default: 1GiB)')  # fmt: skip
+         help='KV cache budget, e.g. "2GiB" (default: 1GiB on the CPU; on a GPU what '
+              "--gpu-memory-utilization leaves)")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
 

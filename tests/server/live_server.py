@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -16,6 +17,8 @@ from infero.engine.engine import EngineConfig
 from infero.llm import LLM
 from infero.server.app import ServerSettings, create_app
 
+# The backend the served models run on: the suite runs on the CPU in CI and with INFERO_TEST_DEVICE=cuda on the GPU.
+TEST_DEVICE = os.environ.get("INFERO_TEST_DEVICE", "cpu")
 TINY_ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, kv_cache_bytes=16 << 20, seed=0)
 
 
@@ -87,7 +90,7 @@ def tiny_loader(path, engine_config: EngineConfig = TINY_ENGINE, step_delay: flo
     token in well under a millisecond, too fast to catch a request mid-stream)."""
 
     def load() -> LLM:
-        llm = LLM(path, device="cpu", engine_config=engine_config)
+        llm = LLM(path, device=TEST_DEVICE, engine_config=engine_config)
         if step_delay:
             step = llm.engine.step
 

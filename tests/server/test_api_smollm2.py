@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) behind the API: checks that need a model that knows things."""
 
 import pytest
-from live_server import start_server
+from live_server import TEST_DEVICE, start_server
 
 from infero.engine.engine import EngineConfig
 from infero.errors import ModelFileError
@@ -20,7 +20,7 @@ def smol():
     except ModelFileError as e:
         pytest.skip(str(e))
     live = start_server(
-        lambda: LLM(path, device="cpu", engine_config=EngineConfig(kv_cache_bytes=64 << 20)),
+        lambda: LLM(path, device=TEST_DEVICE, engine_config=EngineConfig(kv_cache_bytes=64 << 20)),
         ServerSettings("SmolLM2-135M-Instruct.Q4_1"),
     )
     yield live

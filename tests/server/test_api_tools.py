@@ -8,7 +8,7 @@ import inspect
 import json
 
 import pytest
-from live_server import TINY_ENGINE
+from live_server import TEST_DEVICE, TINY_ENGINE
 
 from infero.engine.sampling import SampleResult
 from infero.llm import LLM
@@ -35,7 +35,7 @@ def scripted(tiny_model_path, tmp_path_factory):
     template.write_text(TEMPLATE)
 
     def load() -> LLM:
-        llm = LLM(tiny_model_path, device="cpu", chat_template=template, engine_config=TINY_ENGINE)
+        llm = LLM(tiny_model_path, device=TEST_DEVICE, chat_template=template, engine_config=TINY_ENGINE)
         script = llm.tokenizer.encode(SCRIPT, add_special_tokens=False)
         eos = llm.tokenizer.eos_token_id
 

@@ -9,6 +9,8 @@ from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch
 from infero.engine.sampling import Sampler, SampleResult, SamplingParams
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
 
 class CpuBackend:
     name = "cpu"
@@ -23,7 +25,7 @@ class CpuBackend:
         """Nothing to preallocate: numpy allocates per op."""
 
     def kv_cache_bytes(self, engine_config) -> int:
-        return engine_config.kv_cache_bytes
+        return engine_config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
 
     def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CpuKVCache:
         return CpuKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)

