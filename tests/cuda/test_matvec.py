@@ -17,7 +17,6 @@ Outputs are poisoned with NaN before every launch, so an element the kernel neve
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
@@ -205,7 +204,7 @@ def test_float_matvec_does_not_depend_on_alignment(gpu, qtype):
 
 def test_activation_quantization_matches_numpy(gpu):
     """The int8 activations, scales and half sums the mat-vec reads are bitwise numpy's."""
-    from infero.backends.cuda import driver, runtime
+    from infero.backends.cuda import driver, matvec, runtime
     from infero.backends.cuda.tensor import empty, from_host
 
     rng = np.random.default_rng(3)
@@ -213,17 +212,18 @@ def test_activation_quantization_matches_numpy(gpu):
     x = (rng.normal(0, 1, size=(n, cols)) * rng.uniform(0.01, 100, size=(n, 1))).astype(np.float32)
     x[0, :32] = 0.0
     x[2, 64:96] = -3.0  # exact ties of amax
-    q, d, sums, _ = quantize_like_kernel(x)
     stream = runtime.stream()
     xd = from_host(x)
     xq = empty((2, n, cols), np.int8)
     xs = empty((2, n, cols // 32, 2), np.int32)
     driver.memset_d8(xs.ptr, 0xFF, xs.nbytes, stream)
-    chunks = n * cols // 8
-    fn = runtime.kernel("matvec.cu", "matvec_quantize_x")
-    types = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-    driver.launch(fn, (-(-chunks // 256),), (256,), (xq.ptr, xs.ptr, xd.ptr, chunks), types, stream)
+    matvec.quantize(xq, xs, xd, stream)
     stream.synchronize()
+    assert_quantized_like_numpy(xq, xs, x)
+
+
+def assert_quantized_like_numpy(xq, xs, x: np.ndarray) -> None:
+    q, d, sums, _ = quantize_like_kernel(x)
     got_q, got_s = xq.to_host(), xs.to_host()
     got_d = got_s[..., 0].view(np.float32)
     got_lo = (got_s[..., 1] << 16) >> 16
@@ -237,6 +237,34 @@ def test_activation_quantization_matches_numpy(gpu):
         f"{len(bad_d)} scales differ, first at {bad_d[0]}: {got_d[tuple(bad_d[0])]!r} vs {d[tuple(bad_d[0])]!r}"
     )
     assert np.array_equal(got_lo, sums[..., 0]) and np.array_equal(got_hi, sums[..., 1]), "half sums differ"
+
+
+@pytest.mark.parametrize("n,cols", [(1, 576), (3, 896), (16, 4096), (2, 14336)])
+def test_norm_and_swiglu_write_the_same_activation_format_as_quantize(gpu, n, cols):
+    """add_rms_norm and swiglu, asked to, also write their output quantized: bitwise what quantize writes for
+    that output, and numpy's."""
+    from infero.backends.cuda import elementwise, runtime
+    from infero.backends.cuda.tensor import empty, from_host
+
+    rng = np.random.default_rng(n * cols)
+    stream = runtime.stream()
+    x = (rng.normal(0, 1, size=(n, cols)) * rng.uniform(0.1, 10, size=(1, cols))).astype(np.float32)
+    residual = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
+    weight = rng.uniform(0.5, 2, size=cols).astype(np.float32)
+    cases = []
+    out, res = empty((n, cols), np.float32), from_host(residual)
+    quantized = (empty((2, n, cols), np.int8), empty((2, n, cols // 32, 2), np.int32))
+    elementwise.add_rms_norm(out, res, from_host(x), from_host(weight), 1e-5, stream, quantized)
+    cases.append(("add_rms_norm", out, quantized))
+    gate, up = rng.normal(0, 2, size=(2, n, cols)).astype(np.float32)
+    out2 = empty((n, cols), np.float32)
+    quantized2 = (empty((2, n, cols), np.int8), empty((2, n, cols // 32, 2), np.int32))
+    elementwise.swiglu(out2, from_host(gate), from_host(up), stream, quantized2)
+    cases.append(("swiglu", out2, quantized2))
+    for name, y, (xq, xs) in cases:
+        stream.synchronize()
+        assert_quantized_like_numpy(xq, xs, y.to_host())
+        print(f"{name} n={n} cols={cols}: quantized output bitwise numpy's")
 
 
 def test_matvec_rejects_more_than_16_tokens(gpu):

@@ -2,6 +2,7 @@
 
 import openai
 import pytest
+from live_server import TEST_DEVICE
 
 from infero.engine.sampling import SamplingParams
 
@@ -42,9 +43,11 @@ def test_prompt_logprobs_agree_with_the_logprobs_of_generated_tokens(server, tin
     scored = server.client().completions.create(
         model="tiny", prompt=prompt_ids + generated.completion_ids, max_tokens=0, echo=True, logprobs=0
     )
-    # a prompt position is scored from the same prefix the generated token was sampled from
+    # a prompt position is scored from the same prefix the generated token was sampled from; tiny_llm computes
+    # on the CPU, so a server on the GPU agrees to its kernels' rounding (logits ~1e-3 relative), not to 1e-4
     got = scored.choices[0].logprobs.token_logprobs[-2:]
-    assert got == pytest.approx([lp.logprob for lp in generated.logprobs], abs=1e-4)
+    tolerance = 1e-4 if TEST_DEVICE == "cpu" else 2e-3
+    assert got == pytest.approx([lp.logprob for lp in generated.logprobs], abs=tolerance)
 
 
 def test_a_list_of_prompts_gives_choices_prompt_major(server):

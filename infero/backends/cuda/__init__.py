@@ -85,6 +85,7 @@ class CudaBackend:
         activations = t * (per_layer * config.num_layers + 8 * config.hidden_size + 2 * widest)
         logits = 4 * t * config.vocab_size
         self.workspace = Workspace(activations + logits + (256 << 20))
+        self.ops.prepare(config)
         max_len = engine_config.max_model_len or config.context_length
         self.max_blocks_per_seq = -(-min(max_len, config.context_length) // engine_config.block_size) + 1
         self.max_seqs, self.max_tokens = max(s, max(b for b in GRAPH_BUCKETS if b <= max(s, 1))), max(t, s)
@@ -114,6 +115,9 @@ class CudaBackend:
 
     # --- a step ---------------------------------------------------------------------------------------
     def forward(self, model, batch: Batch, cache: CudaKVCache) -> DeviceTensor:
+        # The engine may step on another thread than the one that loaded the model (the server's engine thread):
+        # a CUDA context is current per thread.
+        self.ctx.make_current()
         decode = (
             batch.num_seqs > 0 and batch.num_tokens == batch.num_seqs and len(batch.logits_indices) == batch.num_seqs
         )

@@ -99,7 +99,8 @@ def paged_attention(
 
     if max_query_len > 1:
         grid = (-(-max_query_len * group // _ROWS_PREFILL), num_kv_heads, num_seqs)
-        driver.launch(_function("prefill", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem)
+        fn = _function("prefill", head_dim)
+        driver.launch(fn, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
         if num_decode_seqs == 0:
             return
 
@@ -114,11 +115,11 @@ def paged_attention(
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
-    driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem)
+    driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
     if max_splits > 1:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits)
         driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
-                      _MERGE_TYPES, stream)  # fmt: skip
+                      _MERGE_TYPES, stream, pdl=True)  # fmt: skip
     workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
 
 

@@ -7,6 +7,7 @@ and the call. Nothing here knows about models.
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,11 +208,32 @@ def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
     check(cu.cuFuncSetAttribute(fn, attr, nbytes))
 
 
-def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0) -> None:
-    """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p."""
+# Programmatic dependent launch (kernels/pdl.cuh): on for sm_90+ by runtime.context(); INFERO_PDL=0 turns it off.
+PDL = [False]
+_configs = threading.local()
+
+
+def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0, pdl: bool = False) -> None:
+    """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p.
+
+    pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so it
+    may be launched to overlap the previous kernel's tail where the GPU supports it."""
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
+    if not (pdl and PDL[0]):
+        check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
+        return
+    config = getattr(_configs, "config", None)
+    if config is None:  # one per thread, its fields overwritten per launch (building one costs microseconds)
+        attribute = cu.CUlaunchAttribute()
+        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = _configs.config = cu.CUlaunchConfig()
+        config.attrs, config.numAttrs = [attribute], 1
+    config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+    config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+    config.sharedMemBytes, config.hStream = shared, stream.handle
+    check(cu.cuLaunchKernelEx(config, fn, (args, types), 0))
 
 
 class Graph:

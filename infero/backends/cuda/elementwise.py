@@ -19,11 +19,17 @@ ROW_VPT = (1, 2, 4)  # float4 per lane, row per warp: dim <= 128 * VPT
 MAX_ROW_PER_WARP_DIM = 128 * ROW_VPT[-1]
 _WORDS = {16: "uint4", 4: "unsigned int", 1: "unsigned char"}
 
+
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
 runtime.declare(
     SOURCE,
-    [f"add_rms_norm<{v}, {str(add).lower()}>" for v in NORM_VPT for add in (False, True)]
+    [f"add_rms_norm<{v}, {_b(add)}, {_b(quant)}>" for v in NORM_VPT for add in (False, True) for quant in (False, True)]
     + [f"rms_norm_rows<{v}>" for v in ROW_VPT]
-    + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false>", "swiglu<true>"]
+    + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false, false>", "swiglu<true, false>"]
+    + ["swiglu<true, true>"]
     + [f"gather_rows<{w}>" for w in _WORDS.values()],
 )
 
@@ -56,9 +62,18 @@ def _norm_vpt(dim: int) -> int:
     raise ValueError(f"RMSNorm rows longer than {1024 * NORM_VPT[-1]} are not compiled (got {dim})")
 
 
-def add_rms_norm(out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor | None, weight: DeviceTensor,
-                 eps: float, stream: driver.Stream) -> None:  # fmt: skip
-    """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight."""
+def add_rms_norm(
+    out: DeviceTensor,
+    residual: DeviceTensor,
+    x: DeviceTensor | None,
+    weight: DeviceTensor,
+    eps: float,
+    stream: driver.Stream,
+    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
+) -> None:
+    """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight.
+    quantized: (xq int8 [2, rows, dim], xs [2, rows, dim / 32, 2] int32) to receive out in the mat-vec's activation
+    format as well (kernels/act_quant.cuh; dim % 32 == 0)."""
     dim = residual.shape[-1]
     rows = residual.numel // dim if dim else 0
     for name, t in (("out", out), ("residual", residual), ("weight", weight)) + ((("x", x),) if x is not None else ()):
@@ -69,9 +84,24 @@ def add_rms_norm(out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor | No
     if rows == 0:
         return
     add = x is not None
-    fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {str(add).lower()}>")
-    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps)
-    driver.launch(fn, (rows,), (256,), args, (_P, _P, _P, _P, _I, _F), stream)
+    if quantized is not None:
+        _check_quantized(quantized, rows, dim)
+    xq, xs = (q.ptr for q in quantized) if quantized is not None else (0, 0)
+    fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}>")
+    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows)
+    driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
+
+
+_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I)
+
+
+def _check_quantized(quantized, rows: int, dim: int) -> None:
+    xq, xs = quantized
+    _require(dim % 32 == 0, lambda: f"only rows of a multiple of 32 elements can be quantized, got {dim}")
+    _require(xq.dtype == np.int8 and xq.shape == (2, rows, dim),
+             lambda: f"xq must be int8 [2, {rows}, {dim}], got {xq.dtype} {xq.shape}")  # fmt: skip
+    _require(xs.dtype == np.int32 and xs.shape == (2, rows, dim // 32, 2),
+             lambda: f"xs must be int32 [2, {rows}, {dim // 32}, 2], got {xs.dtype} {xs.shape}")  # fmt: skip
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
@@ -89,12 +119,13 @@ def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: floa
         vpt = next(v for v in ROW_VPT if dim <= 128 * v)
         args = (out.ptr, x.ptr, weight.ptr, rows, dim, eps)
         driver.launch(
-            _kernel(f"rms_norm_rows<{vpt}>"), (-(-rows // 8),), (256,), args, (_P, _P, _P, _I, _I, _F), stream
+            _kernel(f"rms_norm_rows<{vpt}>"), (-(-rows // 8),), (256,), args, (_P, _P, _P, _I, _I, _F), stream, pdl=True
         )
     else:
         # The row-per-block kernel without the add only reads its `residual` argument.
-        fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false>")
-        driver.launch(fn, (rows,), (256,), (out.ptr, x.ptr, 0, weight.ptr, dim, eps), (_P, _P, _P, _P, _I, _F), stream)
+        fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false, false>")
+        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows)
+        driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 
 def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
@@ -131,11 +162,13 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
     args = (q.ptr, k.ptr, v.ptr, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2, heads, kv_heads, head_dim,
             k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
     types = (_P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
-    driver.launch(fn, (n,), (256,), args, types, stream)
+    driver.launch(fn, (n,), (256,), args, types, stream, pdl=True)
 
 
-def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driver.Stream) -> None:
-    """out = silu(gate) * up, elementwise (out may be gate or up)."""
+def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driver.Stream,
+           quantized: tuple[DeviceTensor, DeviceTensor] | None = None) -> None:  # fmt: skip
+    """out = silu(gate) * up, elementwise (out may be gate or up). quantized: as for add_rms_norm (rows are
+    gate's last dim; needs 16-byte aligned float4 access)."""
     for name, t in (("out", out), ("gate", gate), ("up", up)):
         _f32(name, t)
     _require(
@@ -145,9 +178,16 @@ def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driv
     if n == 0:
         return
     vec = n % 4 == 0 and all(t.ptr % 16 == 0 for t in (out, gate, up))
+    cols = gate.shape[-1]
+    xq = xs = 0
+    if quantized is not None:
+        _require(vec, lambda: "quantized SwiGLU output needs 16-byte aligned tensors")
+        _check_quantized(quantized, n // cols, cols)
+        xq, xs = (q.ptr for q in quantized)
     items = n // 4 if vec else n
-    fn = _kernel(f"swiglu<{'true' if vec else 'false'}>")
-    driver.launch(fn, (-(-items // 256),), (256,), (out.ptr, gate.ptr, up.ptr, n), (_P, _P, _P, _L), stream)
+    fn = _kernel(f"swiglu<{_b(vec)}, {_b(quantized is not None)}>")
+    args = (out.ptr, gate.ptr, up.ptr, n, xq, xs, cols)
+    driver.launch(fn, (-(-items // 256),), (256,), args, (_P, _P, _P, _L, _P, _P, _I), stream, pdl=True)
 
 
 def gather_rows(out: DeviceTensor, x: DeviceTensor, indices: DeviceTensor, stream: driver.Stream) -> None:
@@ -163,4 +203,5 @@ def gather_rows(out: DeviceTensor, x: DeviceTensor, indices: DeviceTensor, strea
     words = row_bytes // size
     fn = _kernel(f"gather_rows<{_WORDS[size]}>")
     col_blocks = min(-(-words // 256), 65535)
-    driver.launch(fn, (rows, col_blocks), (256,), (out.ptr, x.ptr, indices.ptr, words), (_P, _P, _P, _L), stream)
+    args = (out.ptr, x.ptr, indices.ptr, words)
+    driver.launch(fn, (rows, col_blocks), (256,), args, (_P, _P, _P, _L), stream, pdl=True)

@@ -39,7 +39,7 @@ def embedding(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor, s
     total = n * (-(-hidden // 8))
     vec = int(out.ptr % 16 == 0 and hidden % 4 == 0)
     args = (out.ptr, weight.data.ptr, token_ids.ptr, n, weight.rows, hidden, weight.data.shape[1], vec)
-    driver.launch(fn, (-(-total // THREADS),), (THREADS,), args, _ARGS, stream)
+    driver.launch(fn, (-(-total // THREADS),), (THREADS,), args, _ARGS, stream, pdl=True)
 
 
 def _check(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor) -> str | None:

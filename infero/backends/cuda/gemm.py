@@ -126,11 +126,11 @@ def gemm(
     xh = workspace.empty((n, kp), np.float16)
     groups = n * kp // 8
     driver.launch(convert, (-(-groups // _CONVERT_THREADS),), (_CONVERT_THREADS,), (xh.ptr, x.ptr, n, cols, kp),
-                  _CONVERT_ARG_TYPES, stream)  # fmt: skip
+                  _CONVERT_ARG_TYPES, stream, pdl=True)  # fmt: skip
     row_bytes = weight.data.shape[1]
     args = (out.ptr, weight.data.ptr, xh.ptr, bias.ptr if bias is not None else 0, n, rows, cols, kp, row_bytes)
     grid = (-(-rows // chosen[0]) * -(-n // chosen[1]),)
-    driver.launch(fn, grid, (threads(chosen),), args, _GEMM_ARG_TYPES, stream, shared=smem)
+    driver.launch(fn, grid, (threads(chosen),), args, _GEMM_ARG_TYPES, stream, shared=smem, pdl=True)
     workspace.offset = mark
 
 

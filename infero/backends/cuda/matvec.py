@@ -40,7 +40,7 @@ runtime.declare(
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _Q_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
-_QUANTIZE_ARGS = (_P, _P, _P, _I)
+_QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
 _launches: dict[tuple[int, int, int], tuple] = {}  # (type, rows, n) -> (function, grid, block)
 _functions: dict[str, object] = {}
 _num_sms: list[int] = []
@@ -70,6 +70,19 @@ def plan(rows: int, n: int, num_sms: int) -> tuple[int, int, int]:
     return big_n, rpw, wpb
 
 
+def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver.Stream) -> None:
+    """x float32 [n, cols] (cols % 32 == 0, 16-byte aligned) into the mat-vec's activation format:
+    xq int8 [2, n, cols] and xs int32 [2, n, cols / 32, 2] (kernels/act_quant.cuh)."""
+    n, cols = x.shape
+    if x.dtype != np.float32 or cols % 32 or x.ptr % 16:
+        raise ValueError(f"quantize: x must be float32 [n, cols] with cols % 32 == 0, 16-byte aligned; got {x.shape}")
+    if xq.shape != (2, n, cols) or xs.shape != (2, n, cols // 32, 2):
+        raise ValueError(f"quantize: xq {xq.shape} / xs {xs.shape} do not fit x {x.shape}")
+    chunks = n * cols // 8
+    driver.launch(_kernel("matvec_quantize_x"), (-(-chunks // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),
+                  (xq.ptr, xs.ptr, x.ptr, n, cols), _QUANTIZE_ARGS, stream, pdl=True)  # fmt: skip
+
+
 def matvec(
     out: DeviceTensor,
     weight: QuantWeight,
@@ -77,8 +90,11 @@ def matvec(
     bias: DeviceTensor | None,
     stream: driver.Stream,
     workspace: Workspace,
+    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
 ) -> None:
-    """out [n, rows] float32 = x [n, cols] float32 @ dequant(weight)^T (+ bias [rows]), 1 <= n <= 16."""
+    """out [n, rows] float32 = x [n, cols] float32 @ dequant(weight)^T (+ bias [rows]), 1 <= n <= 16.
+    quantized: (xq, xs) already holding x in the activation format (see quantize); else the block formats
+    quantize x into the workspace first. Float weights read x itself."""
     t, rows, cols = weight.ggml_type, weight.rows, weight.cols
     n = x.shape[0]
     error = _check(out, weight, x, bias)
@@ -102,16 +118,17 @@ def matvec(
     if t in FLOAT_TYPES:
         vec = int(x.ptr % 16 == 0 and weight.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
         args = (out.ptr, weight.data.ptr, x.ptr, bias_ptr, n, rows, cols, row_bytes, vec)
-        driver.launch(fn, grid, block, args, _F_ARGS, stream)
+        driver.launch(fn, grid, block, args, _F_ARGS, stream, pdl=True)
         return
     mark = workspace.offset
-    xq = workspace.empty((2, n, cols), np.int8)  # plane 0: x; plane 1: the residual of plane 0's rounding
-    xs = workspace.empty((2, n, cols // 32, 2), np.int32)
-    chunks = n * cols // 8
-    driver.launch(_kernel("matvec_quantize_x"), (-(-chunks // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),
-                  (xq.ptr, xs.ptr, x.ptr, chunks), _QUANTIZE_ARGS, stream)  # fmt: skip
+    if quantized is None:
+        quantized = (workspace.empty((2, n, cols), np.int8), workspace.empty((2, n, cols // 32, 2), np.int32))
+        quantize(*quantized, x, stream)
+    xq, xs = quantized
+    if xq.shape != (2, n, cols) or xs.shape != (2, n, cols // 32, 2):
+        raise ValueError(f"matvec: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
     args = (out.ptr, weight.data.ptr, xq.ptr, xs.ptr, bias_ptr, n, rows, cols, row_bytes)
-    driver.launch(fn, grid, block, args, _Q_ARGS, stream)
+    driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
 
 

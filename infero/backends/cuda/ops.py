@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec
-from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, from_host
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
 from infero.errors import UnsupportedModelError
@@ -32,6 +32,39 @@ class CudaOps:
     def __init__(self, backend):
         self.backend = backend
         self._rotary_tables: dict[int, DeviceTensor] = {}
+        self._xq = self._xs = None  # the mat-vec's quantized activation (one at a time, see _quantized)
+        self._quantized_key = None
+
+    def prepare(self, config) -> None:
+        """The fixed buffer of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
+        linear input. One suffices: the stream runs every mat-vec reading one activation before the kernel that
+        quantizes the next, so the next overwrites only what is no longer read."""
+        widest = max(config.hidden_size, config.q_size, config.intermediate_size)
+        widest = -(-widest // 32) * 32
+        arena = self.backend.weights_arena
+        self._xq = empty((2 * MATVEC_MAX_TOKENS * widest,), np.int8, arena)
+        self._xs = empty((2 * MATVEC_MAX_TOKENS * widest // 32 * 2,), np.int32, arena)
+        self._quantized_key = None
+
+    def _quantize_into(self, x: DeviceTensor):
+        """The quantized-activation buffers viewed for x [n, cols], now owned by x; or None where x cannot
+        take the format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers)."""
+        n, cols = x.shape[0], x.shape[-1]
+        if self._xq is None or n > MATVEC_MAX_TOKENS or cols % 32 or len(x.shape) != 2:
+            return None
+        self._quantized_key = (x.ptr, x.shape, self.ws.generation)
+        return (DeviceTensor(self._xq.ptr, (2, n, cols), np.dtype(np.int8), self._xq),
+                DeviceTensor(self._xs.ptr, (2, n, cols // 32, 2), np.dtype(np.int32), self._xs))  # fmt: skip
+
+    def _quantized(self, x: DeviceTensor):
+        """x in the mat-vec's activation format: the buffers as they are if x was the last activation written
+        there (by a fused norm or SwiGLU, or an earlier linear), else after quantizing it now."""
+        if self._quantized_key == (x.ptr, x.shape, self.ws.generation):
+            return self._quantize_into(x)
+        quantized = self._quantize_into(x)
+        if quantized is not None:
+            matvec.quantize(*quantized, x, self.stream)
+        return quantized
 
     @property
     def ws(self):
@@ -69,24 +102,27 @@ class CudaOps:
 
     def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float):
         out = self.ws.empty(x.shape, np.float32)
+        quantized = self._quantize_into(out)  # what follows a norm is a linear layer: quantize for it on the way
         if residual is None:  # the first layer: the residual stream starts as x itself
-            elementwise.add_rms_norm(out, x, None, weight, eps, self.stream)
+            elementwise.add_rms_norm(out, x, None, weight, eps, self.stream, quantized)
             return out, x
-        elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream)
+        elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized)
         return out, residual
 
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
         out = self.ws.empty((n, weight.rows), np.float32)
         if n <= MATVEC_MAX_TOKENS:
-            matvec.matvec(out, weight, x, bias, self.stream, self.ws)
+            quantized = None if weight.ggml_type in matvec.FLOAT_TYPES else self._quantized(x)
+            matvec.matvec(out, weight, x, bias, self.stream, self.ws, quantized)
         else:
             gemm.gemm(out, weight, x, bias, self.stream, self.ws)
         return out
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)
-        elementwise.swiglu(out, gate, up, self.stream)
+        aligned = out.ptr % 16 == 0 and gate.ptr % 16 == 0 and up.ptr % 16 == 0
+        elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None)
         return out
 
     def rotary_store_kv(self, q, k, v, positions, rotary: Rotary, cache: CudaKVCache, layer: int, slot_mapping):

@@ -6,9 +6,10 @@ not per launch (hashing on every launch cost 13 us in an earlier engine).
 
 from __future__ import annotations
 
+import os
 import threading
 
-from infero.backends.cuda import compiler
+from infero.backends.cuda import compiler, driver
 from infero.backends.cuda.driver import Context, Module, Stream
 
 _lock = threading.Lock()
@@ -23,6 +24,7 @@ def context() -> Context:
             ctx = _state.get("context")
             if ctx is None:
                 ctx = _state["context"] = Context(0)
+                driver.PDL[0] = ctx.info.capability >= (9, 0) and os.environ.get("INFERO_PDL", "1") != "0"
     ctx.make_current()
     return ctx
 

@@ -81,9 +81,11 @@ class Workspace:
         self.memory = driver.DeviceMemory(nbytes)
         self.offset = 0
         self.high_water = 0
+        self.generation = 0  # counts resets: the same address in another step is another tensor
 
     def reset(self) -> None:
         self.offset = 0
+        self.generation += 1
 
     def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

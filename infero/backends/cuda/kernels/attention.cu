@@ -47,6 +47,8 @@
 
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 namespace {
 
 constexpr int BLOCK_N = 64;                // keys per shared-memory tile
@@ -409,6 +411,7 @@ __device__ __forceinline__ void attention_tile(
 // grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128, tile_smem_bytes<HD>() dynamic.
 template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
+  pdl_enter();
   attention_tile<HD, 4, 1, false>(ATTENTION_ARGS);
 }
 
@@ -416,6 +419,7 @@ __global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
 // tile_smem_bytes<HD>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
 template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
+  pdl_enter();
   attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
 }
 
@@ -426,6 +430,7 @@ __global__ void __launch_bounds__(HD)
     attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
                            const int* __restrict__ query_starts, int num_heads, int max_splits) {
+  pdl_enter();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
   if (query_starts[seq + 1] - q_start != 1) return;

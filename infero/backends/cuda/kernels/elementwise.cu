@@ -21,6 +21,9 @@
 
 #include <cuda_fp16.h>
 
+#include "act_quant.cuh"
+#include "pdl.cuh"
+
 namespace ew {
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -62,10 +65,14 @@ __device__ __forceinline__ float4 scale_mul(float4 r, float s, float4 w) {
 // One row per block of 256 threads; the row stays in registers (VPT float4 per thread) from the load to the
 // store, so it is read from memory once (an earlier engine: 19.4 us with three reads, 8.9 us with one).
 // ADD: residual += x, written back, then normalised; otherwise the residual (the input) is only normalised.
-template <int VPT, bool ADD>
+// QUANT: out is also written in the mat-vec's activation format (act_quant.cuh) to xq/xs, as rows of n (dim % 32
+// == 0), so the mat-vecs that read out need no quantizing kernel of their own.
+template <int VPT, bool ADD, bool QUANT>
 __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, float* __restrict__ residual,
                                                    const float* __restrict__ x, const float* __restrict__ weight,
-                                                   int dim, float eps) {
+                                                   int dim, float eps, int8_t* __restrict__ xq,
+                                                   ActScale* __restrict__ xs, int n) {
+    pdl_enter();
     __shared__ float scratch[9];
     const int vecs = dim / 4;
     const size_t row = blockIdx.x;
@@ -94,7 +101,13 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int v = threadIdx.x + j * 256;
-        if (v < vecs) out4[v] = ew::scale_mul(r[j], inv, w4[v]);
+        const bool live = v < vecs;
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (live) out4[v] = o = ew::scale_mul(r[j], inv, w4[v]);
+        if (QUANT && j * 256 < vecs) {  // warp-uniform: a warp's 32 float4 are 4 whole groups or past the row
+            const float q[4] = {o.x, o.y, o.z, o.w};
+            aq::quantize_store<4>(q, live, xq, xs, n, dim, (int)row, 4 * v);
+        }
     }
 }
 
@@ -102,6 +115,7 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
 template <int VPT>
 __global__ void __launch_bounds__(256) rms_norm_rows(float* __restrict__ out, const float* __restrict__ x,
                                                     const float* __restrict__ weight, int rows, int dim, float eps) {
+    pdl_enter();
     const int lane = threadIdx.x % 32;
     const size_t row = (size_t)blockIdx.x * 8 + threadIdx.x / 32;
     if (row >= (size_t)rows) return;
@@ -144,6 +158,7 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
                                                       int rope_half, int heads, int kv_heads, int head_dim,
                                                       __half* __restrict__ k_cache, __half* __restrict__ v_cache,
                                                       const long long* __restrict__ slots) {
+    pdl_enter();
     __shared__ float cos_s[256], sin_s[256];  // rope_half <= 256 (head_dim <= 512)
     const size_t token = blockIdx.x;
     const float pos = (float)positions[token];
@@ -197,19 +212,31 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
 }
 
 // out = silu(gate) * up = gate / (1 + exp(-gate)) * up, four elements per thread (VEC) or one.
-template <bool VEC>
+// QUANT (with VEC; rows of `cols` elements, cols % 32 == 0): out also in the mat-vec's activation format, as for
+// add_rms_norm.
+template <bool VEC, bool QUANT>
 __global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const float* __restrict__ gate,
-                                             const float* __restrict__ up, long long n) {
+                                             const float* __restrict__ up, long long n, int8_t* __restrict__ xq,
+                                             ActScale* __restrict__ xs, int cols) {
+    pdl_enter();
     const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
     if (VEC) {
-        if (i >= n / 4) return;
-        const float4 g = reinterpret_cast<const float4*>(gate)[i], u = reinterpret_cast<const float4*>(up)[i];
-        float4 r;
-        r.x = g.x / (1.0f + expf(-g.x)) * u.x;
-        r.y = g.y / (1.0f + expf(-g.y)) * u.y;
-        r.z = g.z / (1.0f + expf(-g.z)) * u.z;
-        r.w = g.w / (1.0f + expf(-g.w)) * u.w;
-        reinterpret_cast<float4*>(out)[i] = r;
+        const bool live = i < n / 4;
+        if (!QUANT && !live) return;
+        float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (live) {
+            const float4 g = reinterpret_cast<const float4*>(gate)[i], u = reinterpret_cast<const float4*>(up)[i];
+            r.x = g.x / (1.0f + expf(-g.x)) * u.x;
+            r.y = g.y / (1.0f + expf(-g.y)) * u.y;
+            r.z = g.z / (1.0f + expf(-g.z)) * u.z;
+            r.w = g.w / (1.0f + expf(-g.w)) * u.w;
+            reinterpret_cast<float4*>(out)[i] = r;
+        }
+        if (QUANT) {  // n % 32 == 0: a group's 8 threads are all live or all past the end
+            const float q[4] = {r.x, r.y, r.z, r.w};
+            const long long e = live ? 4 * i : 0;
+            aq::quantize_store<4>(q, live, xq, xs, (int)(n / cols), cols, (int)(e / cols), (int)(e % cols));
+        }
     } else {
         if (i >= n) return;
         const float g = gate[i];
@@ -221,6 +248,7 @@ __global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const flo
 template <typename W>
 __global__ void __launch_bounds__(256) gather_rows(W* __restrict__ out, const W* __restrict__ x,
                                                   const int* __restrict__ indices, long long words) {
+    pdl_enter();
     const size_t row = blockIdx.x;
     const W* src = x + (size_t)indices[row] * words;
     W* dst = out + row * words;

@@ -10,6 +10,7 @@
 //
 // Speed on the H200: to be measured.
 
+#include "pdl.cuh"
 #include "quant.cuh"
 
 namespace emb {
@@ -31,6 +32,7 @@ template <int T>
 __global__ void __launch_bounds__(256) embedding(float* __restrict__ out, const uint8_t* __restrict__ weight,
                                                  const int* __restrict__ token_ids, int n, int vocab, int hidden,
                                                  long long row_bytes, int vec) {
+  pdl_enter();
   const int groups = (hidden + 7) / 8;
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)n * groups) return;

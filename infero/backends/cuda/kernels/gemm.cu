@@ -40,6 +40,7 @@
 // The MMA loop alone runs at ~470 TFLOP/s (128 x 256); dequantization and L2 traffic take the rest. Small
 // batches are latency bound: a 32 x 64 block takes ~0.75 us per k slice.
 
+#include "pdl.cuh"
 #include "quant.cuh"
 
 namespace gemm_detail {
@@ -129,6 +130,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 // x float32 [n, cols] -> xh fp16 [n, kp], zeros in columns [cols, kp). One thread per 8 elements.
 extern "C" __global__ void gemm_x_to_f16(unsigned short* __restrict__ xh, const float* __restrict__ x, int n, int cols,
                                          int kp) {
+  pdl_enter();
   const int groups = kp / 8;
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)n * groups) return;
@@ -162,6 +164,7 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
   unsigned short* xs = reinterpret_cast<unsigned short*>(smem + 2 * BM * Raw::STRIDE);  // [2][BN][LDS] fp16
   unsigned short* ws = xs + 2 * BN * LDS;                                   // [2][BM][LDS] fp16
 
+  pdl_enter();
   {  // A launch with less shared memory than this instantiation lays out would corrupt memory: refuse it.
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));

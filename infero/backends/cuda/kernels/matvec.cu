@@ -46,12 +46,8 @@
 //
 // Speed on the H200: to be measured.
 
-#include "quant.cuh"
-
-struct ActScale {
-  float d;   // activation scale of a 32-element group
-  int sums;  // sum of q over elements 0..15 (low 16 bits, signed) and 16..31 (high 16 bits, signed)
-};
+#include "pdl.cuh"
+#include "act_quant.cuh"
 
 namespace mv {
 
@@ -557,41 +553,13 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __rest
 // threads per group. cols % 32 == 0; x 16-byte aligned. A NaN or infinite input makes its group's scales NaN (the
 // output shows it).
 namespace mv {
-// Quantize one group (this thread's 8 values, the group spread over 4 consecutive lanes) to int8: the group's
-// scale, the packed 8 bytes and the half sums (valid in the group's first lane).
-__device__ __forceinline__ float quantize_group(const float (&v)[8], int (&q)[8], int& sums) {
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-  const float d = __fdiv_rn(amax, 127.f);
-  int sum = 0;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    q[k] = d == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[k], d));
-    sum += q[k];
-  }
-  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);  // threads 4g, 4g+1: elements 0..15; 4g+2, 4g+3: 16..31
-  const int hi = __shfl_down_sync(0xFFFFFFFFu, sum, 2);
-  sums = (sum & 0xFFFF) | (hi << 16);
-  return d;
-}
-
-__device__ __forceinline__ uint2 pack8(const int (&q)[8]) {
-  uint2 p;
-  p.x = (uint32_t)(q[0] & 0xFF) | ((uint32_t)(q[1] & 0xFF) << 8) | ((uint32_t)(q[2] & 0xFF) << 16) |
-        ((uint32_t)(q[3] & 0xFF) << 24);
-  p.y = (uint32_t)(q[4] & 0xFF) | ((uint32_t)(q[5] & 0xFF) << 8) | ((uint32_t)(q[6] & 0xFF) << 16) |
-        ((uint32_t)(q[7] & 0xFF) << 24);
-  return p;
-}
 }  // namespace mv
 
 extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* __restrict__ xs,
-                                             const float* __restrict__ x, int total) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // 8-element chunk; total = n * cols / 8
-  const bool live = i < total;
+                                             const float* __restrict__ x, int n, int cols) {
+  pdl_enter();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // 8-element chunk of the n * cols elements
+  const bool live = i < n * cols / 8;
   float v[8];
   if (live) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * i);
@@ -601,29 +569,8 @@ extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* 
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = 0.f;
   }
-  float probe = 0.f;  // NaN iff some input of the group is NaN or infinite
-#pragma unroll
-  for (int k = 0; k < 8; ++k) probe = __fadd_rn(probe, __fmul_rn(v[k], 0.f));
-  probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, 1));
-  probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, 2));
-  int q0[8], q1[8], s0, s1;
-  const float d0 = mv::quantize_group(v, q0, s0);
-  float r[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) r[k] = __fmaf_rn(-d0, (float)q0[k], v[k]);  // exact x - d0 q0, rounded once
-  const float d1 = mv::quantize_group(r, q1, s1);
-  if (!live) return;
-  reinterpret_cast<uint2*>(xq)[i] = mv::pack8(q0);
-  reinterpret_cast<uint2*>(xq)[total + i] = mv::pack8(q1);
-  if ((i & 3) == 0) {
-    ActScale s;
-    s.d = __fadd_rn(d0, probe);
-    s.sums = s0;
-    xs[i >> 2] = s;
-    s.d = __fadd_rn(d1, probe);
-    s.sums = s1;
-    xs[(total >> 2) + (i >> 2)] = s;
-  }
+  const int row = live ? 8 * i / cols : 0;
+  aq::quantize_store<8>(v, live, xq, xs, n, cols, row, 8 * i - row * cols);
 }
 
 // Block formats. grid: ceil(rows / (RPW * warps per block)), block: 32 * warps per block (<= 128).
@@ -659,6 +606,7 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
 #pragma unroll
       for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1));
   }
+  pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
   for (int u = lane; u < units; u += 32) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1));
@@ -782,6 +730,7 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
   // Units below vec_units: 16-byte loads through a prefetch ring; the rest (all of them when !vec, else at most
   // the row's last, partial unit) element by element. Both walk a lane's units in increasing order.
   int u = lane;
+  if (vec_units == 0) pdl_enter();
   if (vec_units > 0) {
     typename U::Raw ring[AHEAD + 1][RPW];
     if (lane < vec_units) {
@@ -790,6 +739,7 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 #pragma unroll
         for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, vec_units - 1));
     }
+    pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
     for (; u < vec_units; u += 32) {
 #pragma unroll
       for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, vec_units - 1));

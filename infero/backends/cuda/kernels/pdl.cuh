@@ -1,0 +1,28 @@
+// Programmatic dependent launch (sm_90+). The launchers start the forward pass's kernels with the
+// programmatic-stream-serialization attribute, so a kernel's CTAs may be scheduled while the kernel before it in
+// the stream is still finishing; each such kernel therefore calls pdl_wait() before it reads anything an earlier
+// kernel wrote, and before it writes anything an earlier kernel may still read. What only reads immutable data
+// (weights) may run before the wait: the mat-vecs start streaming their weights there, overlapping the previous
+// kernel's tail. pdl_wait() waits for the whole previous grid to complete with its memory visible; since every
+// kernel launched this way waits, completion is transitive down the stream. Before sm_90 (and for launches
+// without the attribute) both calls are no-ops.
+#pragma once
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's CTAs be scheduled once every CTA of this grid has called this (or exited).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// The common case: wait for the previous kernel, then let the next one be scheduled.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
