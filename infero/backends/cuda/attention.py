@@ -2,7 +2,7 @@
 
 Decode sequences (one new token) go to a split-KV kernel: all query heads of a kv group together on tensor cores,
 one split of the context at a time, then a second kernel merges the splits (log-sum-exp). A sequence's splits
-depend on its own context length alone (256 keys each, at most 32 splits), so its bits never depend on the batch;
+depend on its own context length alone (64 keys each, at most 32 splits), so its bits never depend on the batch;
 how many CTAs share a sequence's splits is chosen from the batch to fill the GPU, which moves work, not results.
 Prefill chunks (two or more new tokens) go to a flash-attention kernel. A mixed batch launches both; each kernel
 skips the other's sequences, so a decode sequence gets the same bits in a mixed batch as in a decode batch.
@@ -21,7 +21,7 @@ FILE = "attention.cu"
 HEAD_DIMS = (64, 128)
 # Decode splits (mirrors decode_splits in the kernel): DECODE_MIN_PARTITION keys each until a sequence has
 # DECODE_MAX_SPLITS, then longer ones. Never derived from the batch.
-DECODE_MIN_PARTITION = 256
+DECODE_MIN_PARTITION = 64
 DECODE_MAX_SPLITS = 32
 DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64)
 _BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu

@@ -21,10 +21,10 @@
 //   attention_decode:  1 row tile of 16 rows (the group's heads; more tiles on blockIdx.z when group > 16)
 //                      x 4 warps that split each 64-key tile 16 keys apiece, merged through shared
 //                      memory at the end. Sequences with q_len == 1 only. A sequence's splits depend on
-//                      its own context length only (decode_splits): 256 keys each up to 32 splits, longer
+//                      its own context length only (decode_splits): 64 keys each up to 32 splits, longer
 //                      contexts get longer splits (multiples of 64). CTA (x, kv head, sequence) computes
 //                      splits x, x + gridDim.x, ...: the launcher picks gridDim.x from the batch to fill
-//                      the GPU (one CTA per split at batch 1: context 5,000 gives 20 x num_kv_heads busy
+//                      the GPU (one CTA per split at batch 1: context 5,000 gives 27 x num_kv_heads busy
 //                      CTAs; one CTA per sequence and kv head at large batches), which changes who
 //                      computes a split, never what it computes.
 //   attention_merge_splits: for decode sequences with more than one split, the log-sum-exp merge of the
@@ -53,7 +53,7 @@ namespace {
 
 constexpr int BLOCK_N = 64;                // keys per shared-memory tile
 constexpr int STAGES = 2;                  // cp.async double buffering
-constexpr int DECODE_MIN_PARTITION = 256;  // keys per decode split, until...
+constexpr int DECODE_MIN_PARTITION = 64;  // keys per decode split (one tile: at batch 1 a split is one CTA), until...
 constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
 
 // How a decode sequence of ctx keys is split: the same for a given ctx in every batch.

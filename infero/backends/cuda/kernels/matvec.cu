@@ -552,9 +552,6 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __rest
 // x ~ d0 q0 + d1 q1 with an error of at most d1 / 2 <= amax / 64516 per element. One thread per 8 elements, 4
 // threads per group. cols % 32 == 0; x 16-byte aligned. A NaN or infinite input makes its group's scales NaN (the
 // output shows it).
-namespace mv {
-}  // namespace mv
-
 extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* __restrict__ xs,
                                              const float* __restrict__ x, int n, int cols) {
   pdl_enter();
@@ -574,7 +571,7 @@ extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* 
 }
 
 // Block formats. grid: ceil(rows / (RPW * warps per block)), block: 32 * warps per block (<= 128).
-template <int T, int N, int RPW>
+template <int T, int N, int RPW, int AHEAD_ = -1>
 __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const uint8_t* __restrict__ weight,
                                                 const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                 const float* __restrict__ bias, int n, int rows, int cols,
@@ -582,7 +579,8 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
   using U = mv::Unit<T>;
   // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
   // keep more warps resident instead), one up to N = 4, none from N = 8 on (there __dp4a issue, not memory, binds).
-  constexpr int AHEAD = N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
+  // AHEAD_ >= 0 overrides this (scripts/bench_matvec.py sweeps it).
+  constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW;
   if (row0 >= rows) return;

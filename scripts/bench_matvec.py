@@ -1,0 +1,101 @@
+"""Mat-vec kernel sweep (GPU machine): for each weight type and shape, every (rows per warp, warps per block,
+prefetch depth) variant of matvec_q timed inside a CUDA graph, with the weight bytes per second it reached.
+
+    python scripts/bench_matvec.py [--shapes 8b,0.5b] [--n 1]      the sweep, one table per shape
+    python scripts/bench_matvec.py --once                           each shape's default variant once (for ncu)
+
+Each graph launches the kernel on REPS different copies of the weight (more bytes than the L2 holds), back to back
+with programmatic dependent launch as in a forward pass, so a launch's time includes its share of the gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from infero.backends.cuda import driver, matvec, runtime
+from infero.backends.cuda.tensor import QuantWeight, empty, from_host
+from infero.checkpoint.synthetic import random_blocks
+from infero.checkpoint.tensor_types import GGMLType
+
+SHAPES = {
+    "8b": [("Q4_K", 14336, 4096), ("Q4_K", 4096, 4096), ("Q4_K", 1024, 4096), ("Q6_K", 4096, 14336),
+           ("Q4_K", 4096, 14336), ("Q6_K", 1024, 4096), ("Q6_K", 128256, 4096)],
+    "0.5b": [("Q8_0", 4864, 896), ("Q8_0", 896, 896), ("Q8_0", 128, 896), ("Q8_0", 896, 4864),
+             ("Q8_0", 151936, 896)],
+}  # fmt: skip
+L2_BYTES = 50 << 20
+ARGS = matvec._Q_ARGS
+
+
+def weights(qtype: int, rows: int, cols: int, copies: int, rng) -> list[QuantWeight]:
+    blocks = random_blocks(qtype, rows, cols, rng, 0.02)
+    return [QuantWeight(from_host(blocks), qtype, rows, cols) for _ in range(copies)]
+
+
+def time_variant(stream, fn, grid, block, ws, xq, xs, out, n) -> float:
+    def launch_all():
+        for w in ws:
+            args = (out.ptr, w.data.ptr, xq.ptr, xs.ptr, 0, n, w.rows, w.cols, w.data.shape[1])
+            driver.launch(fn, grid, block, args, ARGS, stream, pdl=True)
+
+    graph = driver.Graph(stream, launch_all)
+    graph.replay(stream)
+    stream.synchronize()
+    start, end, times = driver.Event(), driver.Event(), []
+    for _ in range(7):
+        start.record(stream)
+        graph.replay(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(end.elapsed_ms(start) * 1e3 / len(ws))
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8b,0.5b")
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--once", action="store_true")
+    args = parser.parse_args()
+    stream, sms, rng, n = runtime.stream(), runtime.context().info.num_sms, np.random.default_rng(0), args.n
+    shapes = [s for key in args.shapes.split(",") for s in SHAPES[key]]
+    big_n = next(b for b in matvec.TOKEN_BUCKETS if b >= n)
+    types = sorted({int(GGMLType[name]) for name, _, _ in shapes})
+    runtime.declare(
+        "matvec.cu", [f"matvec_q<{t}, {big_n}, {rpw}, {a}>" for t in types for rpw in (1, 2) for a in (-1, 1, 2, 3, 4)]
+    )  # fmt: skip  (one compile for the whole sweep)
+    for name, rows, cols in shapes:
+        qtype = int(GGMLType[name])
+        nbytes = rows * len(random_blocks(qtype, 1, cols, rng, 0.02)[0])
+        ws = weights(qtype, rows, cols, 1 if args.once else max(2, -(-3 * L2_BYTES // nbytes)), rng)
+        x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
+        xq, xs = empty((2, n, cols), np.int8), empty((2, n, cols // 32, 2), np.int32)
+        matvec.quantize(xq, xs, x, stream)
+        out = empty((n, rows), np.float32)
+        big_n, rpw0, wpb0 = matvec.plan(rows, n, sms)
+        if args.once:
+            fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw0}, -1>")
+            args_ = (out.ptr, ws[0].data.ptr, xq.ptr, xs.ptr, 0, n, rows, cols, ws[0].data.shape[1])
+            driver.launch(fn, (-(-rows // (rpw0 * wpb0)),), (32 * wpb0,), args_, ARGS, stream)
+            stream.synchronize()
+            continue
+        results = []
+        for rpw in (1, 2):
+            for ahead in (-1, 1, 2, 3, 4):
+                fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw}, {ahead}>")
+                for wpb in (1, 2, 4):
+                    us = time_variant(stream, fn, (-(-rows // (rpw * wpb)),), (32 * wpb,), ws, xq, xs, out, n)
+                    default = (rpw, wpb, ahead) == (rpw0, wpb0, -1)
+                    results.append((us, rpw, wpb, ahead, default))
+        results.sort()
+        print(f"\n{name} {rows}x{cols} n={n}: {nbytes / 2**20:.1f} MiB, {len(ws)} copies; fastest first")
+        print(f"{'us':>8} {'GB/s':>7}  rpw wpb ahead")
+        for us, rpw, wpb, ahead, default in results[:6] + [r for r in results[6:] if r[4]]:
+            mark = "  <- default" if default else ""
+            print(f"{us:8.2f} {nbytes / us / 1e3:7.0f}  {rpw:>3} {wpb:>3} {ahead:>5}{mark}")
+
+
+if __name__ == "__main__":
+    main()
