@@ -74,9 +74,9 @@ def main() -> None:
         xq, xs = empty((2, n, cols), np.int8), empty((2, n, cols // 32, 2), np.int32)
         matvec.quantize(xq, xs, x, stream)
         out = empty((n, rows), np.float32)
-        big_n, rpw0, wpb0 = matvec.plan(rows, n, sms)
+        big_n, rpw0, wpb0, ahead0 = matvec.plan(rows, n, sms, qtype, cols // matvec.UNIT_ELEMS.get(qtype, 32))
         if args.once:
-            fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw0}, -1>")
+            fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw0}, {ahead0}>")
             args_ = (out.ptr, ws[0].data.ptr, xq.ptr, xs.ptr, 0, n, rows, cols, ws[0].data.shape[1])
             driver.launch(fn, (-(-rows // (rpw0 * wpb0)),), (32 * wpb0,), args_, ARGS, stream)
             stream.synchronize()
@@ -87,7 +87,7 @@ def main() -> None:
                 fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw}, {ahead}>")
                 for wpb in (1, 2, 4):
                     us = time_variant(stream, fn, (-(-rows // (rpw * wpb)),), (32 * wpb,), ws, xq, xs, out, n)
-                    default = (rpw, wpb, ahead) == (rpw0, wpb0, -1)
+                    default = (rpw, wpb, ahead) == (rpw0, wpb0, ahead0)
                     results.append((us, rpw, wpb, ahead, default))
         results.sort()
         print(f"\n{name} {rows}x{cols} n={n}: {nbytes / 2**20:.1f} MiB, {len(ws)} copies; fastest first")

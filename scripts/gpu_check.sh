@@ -43,10 +43,19 @@ for stage in "$@"; do
       f=$(synth $spec)
       python3 -m infero serve --model "$f" --device cuda --port 8321 --max-num-seqs 64 > "$out/serve-${spec// /-}.log" 2>&1 &
       pid=$!
-      for _ in $(seq 300); do curl -sf localhost:8321/health >/dev/null && break; sleep 1; done
+      python3 - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8321/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(1)
+PY
       for c in 1 8 32 64; do
-        python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 --duration 20 2>&1 \
-          | tee -a "$out/bench-serve-${spec// /-}.txt" | tail -4
+        python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
+          --duration "${SERVE_DURATION:-20}" 2>&1 \
+          | tee -a "$out/bench-serve-${spec// /-}.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
       done
       kill $pid; wait $pid 2>/dev/null
     done ;;

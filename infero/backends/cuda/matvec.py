@@ -23,6 +23,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # template N; a call with n tokens runs the sm
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 QUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0 .. Q6_K, IQ4_NL, IQ4_XS
 QUANTIZE_THREADS = 256
+UNIT_ELEMS = {10: 64, 11: 64}  # elements per unit (a lane's work item) where not 32: Q2_K, Q3_K (matvec.cu)
 
 
 def _variants() -> list[tuple[int, int]]:
@@ -30,10 +31,14 @@ def _variants() -> list[tuple[int, int]]:
     return [(1, 1)] + [(n, 2) for n in TOKEN_BUCKETS]
 
 
+# (rows per warp, prefetch depth) compiled for N = 1: what plan() can choose (-1: the kernel's default depth).
+N1_VARIANTS = ((1, -1), (1, 1), (2, -1), (2, 1), (2, 2), (2, 3), (2, 4))
+
 runtime.declare(
     SOURCE,
     ["matvec_quantize_x"]
-    + [f"matvec_q<{t}, {n}, {r}>" for t in QUANT_TYPES for n, r in _variants()]
+    + [f"matvec_q<{t}, 1, {r}, {a}>" for t in QUANT_TYPES for r, a in N1_VARIANTS]
+    + [f"matvec_q<{t}, {n}, 2, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:]]
     + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()],
 )
 
@@ -59,15 +64,36 @@ def _sms() -> int:
     return _num_sms[0]
 
 
-def plan(rows: int, n: int, num_sms: int) -> tuple[int, int, int]:
-    """(N, rows per warp, warps per block) for n tokens on a matrix of `rows` rows."""
+# Block formats whose raw unit is large (more registers per prefetched unit): one row per warp on long rows.
+_LARGE_UNIT_TYPES = (11, 14)  # Q3_K, Q6_K
+
+
+def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple[int, int, int, int]:
+    """(N, rows per warp, warps per block, prefetch depth) for n tokens on a matrix of `rows` rows of type t whose
+    rows have `units` units (matvec.cu's per-lane work items).
+
+    From the sweep of scripts/bench_matvec.py on the H200 (docs/performance.md): at N = 1 a kernel of one wave or
+    less wants each lane's whole row in flight at once (depth up to 4); a kernel of many waves wants occupancy
+    (depth 1); rows of one unit per lane gain nothing from prefetch and run best one row per warp."""
     big_n = next(b for b in TOKEN_BUCKETS if b >= n)
-    # One row per warp at n = 1 on short matrices (more warps in flight); else two (activation loads shared).
-    rpw = 1 if big_n == 1 and rows < 16 * num_sms else 2
+    rpw, ahead = 2, -1
+    if big_n == 1 and t not in FLOAT_TYPES:
+        per_lane = -(-units // 32)
+        if rows >= 512 * num_sms:  # the vocabulary projection
+            rpw, ahead = 2, 1
+        elif per_lane == 1:
+            rpw, ahead = 1, 1
+        elif rows <= 16 * num_sms:
+            rpw, ahead = 2, min(per_lane - 1, 4)
+        elif rows >= 64 * num_sms:
+            rpw, ahead = 2, 1
+        elif t in _LARGE_UNIT_TYPES and per_lane >= 8:
+            rpw = 1
+    elif big_n == 1:
+        rpw = 1 if rows < 16 * num_sms else 2
     warps = -(-rows // rpw)
-    # The most warps per block (<= 4) that still leaves at least two blocks per SM.
-    wpb = next((w for w in (4, 2) if warps // w >= 2 * num_sms), 1)
-    return big_n, rpw, wpb
+    wpb = 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1
+    return big_n, rpw, wpb, ahead
 
 
 def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver.Stream) -> None:
@@ -105,13 +131,9 @@ def matvec(
     key = (t, rows, n)
     launch = _launches.get(key)
     if launch is None:
-        big_n, rpw, wpb = plan(rows, n, _sms())
-        kind = "f" if t in FLOAT_TYPES else "q"
-        launch = _launches[key] = (
-            _kernel(f"matvec_{kind}<{t}, {big_n}, {rpw}>"),
-            (-(-rows // (rpw * wpb)),),
-            (32 * wpb,),
-        )
+        big_n, rpw, wpb, ahead = plan(rows, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
+        expression = f"matvec_f<{t}, {big_n}, {rpw}>" if t in FLOAT_TYPES else f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>"
+        launch = _launches[key] = (_kernel(expression), (-(-rows // (rpw * wpb)),), (32 * wpb,))
     fn, grid, block = launch
     row_bytes = weight.data.shape[1]
     bias_ptr = bias.ptr if bias is not None else 0
