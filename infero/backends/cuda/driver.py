@@ -209,18 +209,22 @@ def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
 
 
 # Programmatic dependent launch (kernels/pdl.cuh): on for sm_90+ by runtime.context(); INFERO_PDL=0 turns it off.
+# Used inside captured graphs only: a decode step's graph gains ~20% from it on the H200, while eager steps are
+# issued by Python one launch at a time, where cuLaunchKernelEx's per-call cost showed up (prefill measured slower
+# with it: docs/performance.md).
 PDL = [False]
 _configs = threading.local()
+_capturing = threading.local()
 
 
 def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0, pdl: bool = False) -> None:
     """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p.
 
-    pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so it
-    may be launched to overlap the previous kernel's tail where the GPU supports it."""
+    pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so inside
+    a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it."""
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    if not (pdl and PDL[0]):
+    if not (pdl and PDL[0] and getattr(_capturing, "on", False)):
         check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
         return
     config = getattr(_configs, "config", None)
@@ -242,9 +246,11 @@ class Graph:
     def __init__(self, stream: Stream, record):
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(stream.handle, mode))
+        _capturing.on = True
         try:
             record()
         finally:
+            _capturing.on = False
             graph = check(cu.cuStreamEndCapture(stream.handle))
         self.graph = graph
         self.exec = check(cu.cuGraphInstantiate(graph, 0))

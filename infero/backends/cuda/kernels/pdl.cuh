@@ -1,11 +1,11 @@
-// Programmatic dependent launch (sm_90+). The launchers start the forward pass's kernels with the
-// programmatic-stream-serialization attribute, so a kernel's CTAs may be scheduled while the kernel before it in
-// the stream is still finishing; each such kernel therefore calls pdl_wait() before it reads anything an earlier
-// kernel wrote, and before it writes anything an earlier kernel may still read. What only reads immutable data
-// (weights) may run before the wait: the mat-vecs start streaming their weights there, overlapping the previous
-// kernel's tail. pdl_wait() waits for the whole previous grid to complete with its memory visible; since every
-// kernel launched this way waits, completion is transitive down the stream. Before sm_90 (and for launches
-// without the attribute) both calls are no-ops.
+// Programmatic dependent launch (sm_90+). Inside a captured CUDA graph the launchers start the forward pass's
+// kernels with the programmatic-stream-serialization attribute, so a kernel's CTAs may be scheduled while the
+// kernel before it in the stream is still finishing; each such kernel therefore calls pdl_wait() before it reads
+// anything an earlier kernel wrote, and before it writes anything an earlier kernel may still read. What only
+// reads immutable data (weights) may run before the wait: the mat-vecs start streaming their weights there,
+// overlapping the previous kernel's tail. pdl_wait() waits for the whole previous grid to complete with its memory
+// visible; since every kernel launched this way waits, completion is transitive down the stream. Before sm_90
+// (and for launches without the attribute) both calls are no-ops.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
