@@ -209,9 +209,8 @@ def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
 
 
 # Programmatic dependent launch (kernels/pdl.cuh): on for sm_90+ by runtime.context(); INFERO_PDL=0 turns it off.
-# Used inside captured graphs only: a decode step's graph gains ~20% from it on the H200, while eager steps are
-# issued by Python one launch at a time, where cuLaunchKernelEx's per-call cost showed up (prefill measured slower
-# with it: docs/performance.md).
+# Used inside captured graphs only: a decode step's graph gains ~20% from it on the H200, while eager prefill steps
+# measured ~30% slower with it (docs/performance.md).
 PDL = [False]
 _configs = threading.local()
 _capturing = threading.local()

@@ -17,7 +17,8 @@
 // (one correctly rounded fp32 product, as Hugging Face and vLLM build their cos/sin tables) with the accurate
 // sincosf (full range reduction); see rotary_store_kv for the error against numpy's float64 angles.
 //
-// Speed on the H200: to be measured (memory-bound; each kernel reads and writes every element once).
+// Speed on the H200 (decode, inside a graph; docs/performance.md): a few kilobytes per call, so each kernel costs
+// its launch floor, 2-6 us; add_rms_norm on one 4,096-wide row (one CTA, quantizing too) ~6 us.
 
 #include <cuda_fp16.h>
 

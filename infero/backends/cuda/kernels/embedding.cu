@@ -8,7 +8,7 @@
 // outside [0, vocab) writes a row of NaN, so a bad id shows instead of reading outside the table.
 // No reduction: each output is one decoded value (batch invariant trivially).
 //
-// Speed on the H200: to be measured.
+// Speed on the H200: one row per decode token, ~3-5 us per step inside a graph (docs/performance.md).
 
 #include "pdl.cuh"
 #include "quant.cuh"
