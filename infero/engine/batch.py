@@ -53,13 +53,20 @@ def build_batch(steps: list[SequenceStep], block_size: int) -> Batch:
     offset = 0
     for step in steps:
         n = len(step.token_ids)
-        pos = np.arange(step.start_position, step.start_position + n, dtype=np.int64)
-        table = np.asarray(step.block_table, dtype=np.int64)
-        if len(table) * block_size < step.start_position + n:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {step.start_position + n} tokens")
+        if len(step.block_table) * block_size < step.start_position + n:
+            raise ValueError(
+                f"block table of {len(step.block_table)} blocks cannot hold {step.start_position + n} tokens"
+            )
         token_ids.extend(step.token_ids)
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if n == 1:  # a decode: plain integers (numpy's per-call cost dominates a one-token step)
+            p = step.start_position
+            positions.append(p)
+            slots.append(step.block_table[p // block_size] * block_size + p % block_size)
+        else:
+            pos = np.arange(step.start_position, step.start_position + n, dtype=np.int64)
+            table = np.asarray(step.block_table, dtype=np.int64)
+            positions.extend(pos.tolist())
+            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if step.logits == "all":
             logits_indices.extend(range(offset, offset + n))
         elif step.logits == "last" and n:
@@ -73,10 +80,10 @@ def build_batch(steps: list[SequenceStep], block_size: int) -> Batch:
         tables[i, : len(step.block_table)] = step.block_table
     return Batch(
         token_ids=np.asarray(token_ids, dtype=np.int32),
-        positions=np.concatenate(positions).astype(np.int32) if positions else np.zeros(0, np.int32),
+        positions=np.asarray(positions, dtype=np.int32),
         query_lens=np.asarray(query_lens, dtype=np.int32),
         context_lens=np.asarray(context_lens, dtype=np.int32),
         block_tables=tables,
-        slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
+        slot_mapping=np.asarray(slots, dtype=np.int64),
         logits_indices=np.asarray(logits_indices, dtype=np.int32),
     )

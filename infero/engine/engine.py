@@ -174,7 +174,7 @@ class Engine:
     def _sequence_step(self, chunk: ScheduledChunk) -> SequenceStep:
         req = chunk.request
         start = req.num_computed_tokens
-        ids = req.all_ids[start : start + chunk.num_tokens]
+        ids = req.token_ids(start, start + chunk.num_tokens)
         wants_prompt_logprobs = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids)
         logits = "all" if wants_prompt_logprobs else "last" if chunk.completes_prompt else "none"
         return SequenceStep(ids, start, req.blocks, logits)

@@ -21,7 +21,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the top-N alternatives, most likely first
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list membership tests must not compare token lists
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -39,9 +39,14 @@ class Request:
     def key(self) -> tuple[str, int]:
         return self.request_id, self.index
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without joining the two lists (a decode step takes one)."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
 
     @property
     def num_tokens(self) -> int:

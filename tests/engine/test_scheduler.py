@@ -71,3 +71,24 @@ def test_finish_and_abort_return_blocks_at_once():
     assert s.pool.num_free == 5
     s.finish(r, "abort")
     assert s.pool.num_free == 8 and not s.has_unfinished()
+
+
+def test_requests_are_told_apart_by_identity_not_by_their_tokens():
+    """Two waiting sequences with equal fields are different requests: finishing one must not take the other out
+    of the queue (and membership tests must not compare token lists, which made scheduling quadratic)."""
+    pool = BlockPool(8, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = (Request("same", [1, 2, 3], SamplingParams(), arrival=0) for _ in range(2))
+    sched.add(a)
+    sched.add(b)
+    sched.finish(b, "abort")
+    assert len(sched.waiting) == 1 and sched.waiting[0] is a
+
+
+def test_token_ids_slice_prompt_and_output_without_joining_them():
+    req = Request("r", [1, 2, 3, 4], SamplingParams(), arrival=0)
+    req.output_ids = [5, 6, 7]
+    joined = req.prompt_ids + req.output_ids
+    for start in range(8):
+        for stop in range(start, 8):
+            assert req.token_ids(start, stop) == joined[start:stop]
