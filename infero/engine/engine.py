@@ -233,9 +233,7 @@ class Engine:
         matchers = [self._seqs[r.key].matcher for r in sampling]
         if not any(m is not None for m in matchers):
             return None
-        masks = np.zeros((len(sampling), self.model.config.vocab_size), dtype=bool)
-        self.grammars.fill_masks(matchers, masks)
-        return [masks[i] if m is not None else None for i, m in enumerate(matchers)]
+        return self.grammars.bitmasks(matchers, self.model.config.vocab_size)
 
     def _append(self, req: Request, result) -> RequestOutput:
         seq = self._seqs[req.key]

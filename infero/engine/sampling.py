@@ -7,7 +7,7 @@ Per row, in this order (vLLM v1: `vllm/v1/sample/sampler.py`, and the same order
  0. logprobs, if asked: log_softmax (in float64) of the model's raw logits, before any step below (vLLM's
     default `raw_logprobs`), for the chosen token and the top-N alternatives (highest first, lower id on ties).
  1. The logits are widened to float64 (the reference computes everything after this in float64). A constrained
-    row (structured output: its entry of `allowed_masks`, a bool array over the vocabulary, True = allowed) then
+    row (structured output: its entry of `allowed_masks`, bool over the vocabulary or packed in 32-bit words) then
     gets z[t] = -inf for every token its mask disallows, before any step below, so neither logit_bias nor a
     penalty can bring one back and greedy rows take the argmax over allowed tokens only (vLLM applies the
     grammar bitmask to the logits before its sampler too). The logprobs of step 0 stay the raw model's.
@@ -175,11 +175,16 @@ class SampleResult:
 
 
 def apply_allowed_mask(z: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-    """Step 1, for a constrained row: tokens the mask disallows (False) can't be sampled."""
+    """Step 1, for a constrained row: tokens the mask disallows can't be sampled. The mask is bool [vocab]
+    (True = allowed) or the same packed as 32-bit words (bit t % 32 of word t // 32), as the engine passes it."""
     if allowed is not None:
         allowed = np.asarray(allowed)
+        words = -(-z.shape[0] // 32)
+        if allowed.dtype in (np.uint32, np.int32) and allowed.shape == (words,):
+            allowed = np.unpackbits(allowed.view(np.uint8), count=z.shape[0], bitorder="little").view(np.bool_)
         if allowed.dtype != np.bool_ or allowed.shape != z.shape:
-            raise ValueError(f"an allowed mask must be bool of shape {z.shape}; got {allowed.dtype} {allowed.shape}")
+            shape = f"{allowed.dtype} {allowed.shape}"
+            raise ValueError(f"an allowed mask must be bool {z.shape} or 32-bit words ({words},); got {shape}")
         z[~allowed] = -np.inf
     return z
 
@@ -315,7 +320,8 @@ class Sampler:
     ) -> list[SampleResult]:
         """One token per row of `logits` [num_seqs, vocab]; row i belongs to params[i], prompt_ids[i], ...
 
-        `allowed_masks[i]`, when not None, is row i's grammar mask (bool [vocab], True = allowed; step 1).
+        `allowed_masks[i]`, when not None, is row i's grammar mask (bool [vocab], True = allowed, or packed in
+        32-bit words; step 1).
         """
         if logits.ndim != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {logits.shape}")

@@ -253,7 +253,17 @@ class GrammarCompiler:
         """
         if out.ndim != 2 or out.dtype != np.bool_ or out.shape[0] != len(matchers):
             raise ValueError(f"out must be bool [{len(matchers)}, vocab]; got {out.dtype} {out.shape}")
+        for i, bits in enumerate(self.bitmasks(matchers, out.shape[1])):
+            if bits is not None:
+                out[i] = unpack_bitmask(bits, out.shape[1])
+        return out
+
+    def bitmasks(self, matchers: Sequence[Matcher | None], vocab_size: int) -> list[np.ndarray | None]:
+        """Per matcher its allowed next tokens as a bitmask over `vocab_size` ids (uint32 [ceil(vocab_size / 32)],
+        bit t % 32 of word t // 32; llguidance's own layout), computed in parallel; None where the matcher is None.
+        No per-token work on the host: the GPU sampler takes these words as they are."""
         rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
+        out: list[np.ndarray | None] = [None] * len(matchers)
         if not rows:
             return out
         for _, m in rows:
@@ -265,8 +275,20 @@ class GrammarCompiler:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llg_numpy.fill_next_token_bitmask_par(self._executor, [(m._ll, k) for k, m in healthy], bits)
+        words = -(-vocab_size // 32)
         for k, (i, m) in enumerate(rows):
-            m._unpack(bits[k], out[i])
+            row = np.zeros(words, np.uint32)
+            if m._ll.is_error():  # a mask computation can fail too (e.g. a parser limit): only end-of-generation
+                for t in self.eos_token_ids:
+                    if t < vocab_size:
+                        row[t // 32] |= np.uint32(1 << (t % 32))
+            else:  # ids past either vocabulary are never allowed
+                valid = min(vocab_size, self.vocab_size)
+                full, rest = divmod(valid, 32)
+                row[:full] = bits[k, :full].view(np.uint32)
+                if rest:
+                    row[full] = np.uint32(int(bits[k, full].view(np.uint32)) & ((1 << rest) - 1))
+            out[i] = row
         return out
 
     def _eos_only(self, out: np.ndarray) -> None:
@@ -353,9 +375,13 @@ class Matcher:
             compiler._eos_only(out)
             return
         n = min(out.shape[0], compiler.vocab_size)
-        unpacked = np.unpackbits(bits.view(np.uint8), count=compiler.vocab_size, bitorder="little")
-        out[:n] = unpacked[:n].view(np.bool_)
+        out[:n] = unpack_bitmask(bits, compiler.vocab_size)[:n]
         out[n:] = False
+
+
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size] from a bitmask (bit t % 32 of 32-bit word t // 32 set = token t allowed)."""
+    return np.unpackbits(words.view(np.uint8), count=vocab_size, bitorder="little").view(np.bool_)
 
 
 class _TokenizerWrapper:

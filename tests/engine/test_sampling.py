@@ -10,6 +10,7 @@ from infero.engine.sampling import (
     Sampler,
     SampleResult,
     SamplingParams,
+    apply_allowed_mask,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -468,3 +469,19 @@ def test_defaults_and_normalisation():
     params = SamplingParams(stop="###", top_k=-1)
     assert params.stop == ["###"] and not params.greedy
     assert SamplingParams().max_tokens == 256 and SamplingParams().n == 1
+
+
+def test_an_allowed_mask_packed_in_words_masks_as_its_bool_form():
+    rng = np.random.default_rng(4)
+    for vocab in (31, 32, 33, 1000):
+        allowed = rng.random(vocab) < 0.3
+        words = np.zeros(-(-vocab // 32), np.uint32)
+        for t in np.flatnonzero(allowed):
+            words[t // 32] |= np.uint32(1 << (t % 32))
+        z = rng.normal(size=vocab)
+        expected = np.where(allowed, z, -np.inf)
+        assert np.array_equal(apply_allowed_mask(z.copy(), words), expected)
+        assert np.array_equal(apply_allowed_mask(z.copy(), words.view(np.int32)), expected)
+        assert np.array_equal(apply_allowed_mask(z.copy(), allowed), expected)
+    with pytest.raises(ValueError, match="32-bit words"):
+        apply_allowed_mask(np.zeros(64), np.zeros(3, np.uint32))

@@ -394,6 +394,18 @@ def test_fill_masks_batch_equals_one_by_one(smol):
     for row, m in enumerate(matchers):
         expected = np.ones(smol.vocab_size + 5, bool) if m is None else m.allowed_mask(smol.vocab_size + 5)
         assert (out[row] == expected).all(), row
+    # The packed form the engine hands its sampler: the same bits, for a model vocabulary larger, equal or smaller
+    # than the tokenizer's (ids past either are never allowed).
+    for vocab in (smol.vocab_size + 40, smol.vocab_size, smol.vocab_size - 7):
+        packed = smol.bitmasks(matchers, vocab)
+        for row, m in enumerate(matchers):
+            if m is None:
+                assert packed[row] is None
+                continue
+            assert packed[row].dtype == np.uint32 and packed[row].shape == (-(-vocab // 32),)
+            bits = np.unpackbits(packed[row].view(np.uint8), bitorder="little")
+            assert np.array_equal(bits[:vocab].astype(bool), m.allowed_mask(vocab)), (vocab, row)
+            assert not bits[vocab:].any()
 
 
 # -- compilation --------------------------------------------------------------------------------------------------
