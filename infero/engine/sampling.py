@@ -174,6 +174,11 @@ class SampleResult:
 # ---- the steps, each on one row (float64, modified in place and returned) ----
 
 
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size] from a bitmask (bit t % 32 of 32-bit word t // 32 set = token t allowed)."""
+    return np.unpackbits(words.view(np.uint8), count=vocab_size, bitorder="little").view(np.bool_)
+
+
 def apply_allowed_mask(z: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
     """Step 1, for a constrained row: tokens the mask disallows can't be sampled. The mask is bool [vocab]
     (True = allowed) or the same packed as 32-bit words (bit t % 32 of word t // 32), as the engine passes it."""
@@ -181,7 +186,7 @@ def apply_allowed_mask(z: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
         allowed = np.asarray(allowed)
         words = -(-z.shape[0] // 32)
         if allowed.dtype in (np.uint32, np.int32) and allowed.shape == (words,):
-            allowed = np.unpackbits(allowed.view(np.uint8), count=z.shape[0], bitorder="little").view(np.bool_)
+            allowed = unpack_bitmask(allowed, z.shape[0])
         if allowed.dtype != np.bool_ or allowed.shape != z.shape:
             shape = f"{allowed.dtype} {allowed.shape}"
             raise ValueError(f"an allowed mask must be bool {z.shape} or 32-bit words ({words},); got {shape}")

@@ -45,6 +45,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from infero.engine.sampling import unpack_bitmask
 from infero.errors import InferoError
 from infero.tokenizer import Tokenizer
 
@@ -377,11 +378,6 @@ class Matcher:
         n = min(out.shape[0], compiler.vocab_size)
         out[:n] = unpack_bitmask(bits, compiler.vocab_size)[:n]
         out[n:] = False
-
-
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool [vocab_size] from a bitmask (bit t % 32 of 32-bit word t // 32 set = token t allowed)."""
-    return np.unpackbits(words.view(np.uint8), count=vocab_size, bitorder="little").view(np.bool_)
 
 
 class _TokenizerWrapper:

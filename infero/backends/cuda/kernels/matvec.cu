@@ -549,12 +549,9 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __rest
 
 }  // namespace mv
 
-// x float32 [n, cols] -> two int8 planes: xq int8 [2, n, cols], xs [2, n, cols / 32] (plane 0 at xq / xs, plane 1
-// n * cols bytes / n * cols / 32 scales further on). Plane 0 is x quantized per 32-element group (d0 = amax / 127,
-// q0 = rint(x / d0)); plane 1 is the residual r = x - d0 q0 (one fp32 rounding, fmaf) quantized the same way, so
-// x ~ d0 q0 + d1 q1 with an error of at most d1 / 2 <= amax / 64516 per element. One thread per 8 elements, 4
-// threads per group. cols % 32 == 0; x 16-byte aligned. A NaN or infinite input makes its group's scales NaN (the
-// output shows it).
+// x float32 [n, cols] -> the activation format of act_quant.cuh (two int8 planes; the error is at most
+// d1 / 2 <= amax / 64516 per element). One thread per 8 elements, 4 threads per group. cols % 32 == 0; x 16-byte
+// aligned.
 extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* __restrict__ xs,
                                              const float* __restrict__ x, int n, int cols) {
   pdl_enter();
