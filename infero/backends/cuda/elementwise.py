@@ -10,7 +10,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import driver, runtime
+from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import DeviceTensor
 
 SOURCE = "elementwise.cu"
@@ -72,7 +72,7 @@ def add_rms_norm(
     quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
 ) -> None:
     """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight.
-    quantized: (xq int8 [2, rows, dim], xs [2, rows, dim / 32, 2] int32) to receive out in the mat-vec's activation
+    quantized: (xq int8, xs int32) of matvec.activation_shapes(rows, dim) to receive out in the mat-vec's activation
     format as well (kernels/act_quant.cuh; dim % 32 == 0)."""
     dim = residual.shape[-1]
     rows = residual.numel // dim if dim else 0
@@ -98,10 +98,11 @@ _NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I)
 def _check_quantized(quantized, rows: int, dim: int) -> None:
     xq, xs = quantized
     _require(dim % 32 == 0, lambda: f"only rows of a multiple of 32 elements can be quantized, got {dim}")
-    _require(xq.dtype == np.int8 and xq.shape == (2, rows, dim),
-             lambda: f"xq must be int8 [2, {rows}, {dim}], got {xq.dtype} {xq.shape}")  # fmt: skip
-    _require(xs.dtype == np.int32 and xs.shape == (2, rows, dim // 32, 2),
-             lambda: f"xs must be int32 [2, {rows}, {dim // 32}, 2], got {xs.dtype} {xs.shape}")  # fmt: skip
+    q_shape, s_shape = matvec.activation_shapes(rows, dim)
+    _require(xq.dtype == np.int8 and xq.shape == q_shape,
+             lambda: f"xq must be int8 {list(q_shape)}, got {xq.dtype} {xq.shape}")  # fmt: skip
+    _require(xs.dtype == np.int32 and xs.shape == s_shape,
+             lambda: f"xs must be int32 {list(s_shape)}, got {xs.dtype} {xs.shape}")  # fmt: skip
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:

@@ -1,8 +1,9 @@
 """Launcher for kernels/matvec.cu: out[n, rows] = x[n, cols] @ dequant(W)^T (+ bias) for 1 <= n <= 16 tokens.
 
 Block formats: one small kernel quantizes x to two int8 planes in 32-element groups (into the workspace): x and
-the residual of its int8 rounding, so x ~ d0 q0 + d1 q1 to about 2e-5 relative (one plane alone, ~1%, put
-SmolLM2's logits 1-7% off); then the mat-vec dots both against the packed weights with __dp4a. Float weights
+the residual of its int8 rounding at 1/256 of the first plane's scale, so x ~ D (256 q0 + q1) to ~1e-5 of the
+group's largest value (one plane alone, ~1%, put SmolLM2's logits 1-7% off); then the mat-vec dots both against
+the packed weights with __dp4a and combines them in integers. Float weights
 (F32/F16/BF16) multiply float32 activations. Each weight byte is read once for all n tokens. The variant (tokens
 N, rows per warp RPW, warps per block) is chosen from n and the matrix shape; each output element's reduction
 order depends on none of them, so results are bitwise batch invariant.
@@ -96,13 +97,19 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
     return big_n, rpw, wpb, ahead
 
 
+def activation_shapes(n: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the activation format of n rows of `cols` (kernels/act_quant.cuh): xq int8 (two planes) and xs
+    int32 ({D as float bits, the half's sum} per 16 elements)."""
+    return (2, n, cols), (n, cols // 16, 2)
+
+
 def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver.Stream) -> None:
     """x float32 [n, cols] (cols % 32 == 0, 16-byte aligned) into the mat-vec's activation format:
-    xq int8 [2, n, cols] and xs int32 [2, n, cols / 32, 2] (kernels/act_quant.cuh)."""
+    xq int8 and xs int32 of activation_shapes(n, cols) (kernels/act_quant.cuh)."""
     n, cols = x.shape
     if x.dtype != np.float32 or cols % 32 or x.ptr % 16:
         raise ValueError(f"quantize: x must be float32 [n, cols] with cols % 32 == 0, 16-byte aligned; got {x.shape}")
-    if xq.shape != (2, n, cols) or xs.shape != (2, n, cols // 32, 2):
+    if (xq.shape, xs.shape) != activation_shapes(n, cols):
         raise ValueError(f"quantize: xq {xq.shape} / xs {xs.shape} do not fit x {x.shape}")
     chunks = n * cols // 8
     driver.launch(_kernel("matvec_quantize_x"), (-(-chunks // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),
@@ -144,10 +151,11 @@ def matvec(
         return
     mark = workspace.offset
     if quantized is None:
-        quantized = (workspace.empty((2, n, cols), np.int8), workspace.empty((2, n, cols // 32, 2), np.int32))
+        q_shape, s_shape = activation_shapes(n, cols)
+        quantized = (workspace.empty(q_shape, np.int8), workspace.empty(s_shape, np.int32))
         quantize(*quantized, x, stream)
     xq, xs = quantized
-    if xq.shape != (2, n, cols) or xs.shape != (2, n, cols // 32, 2):
+    if (xq.shape, xs.shape) != activation_shapes(n, cols):
         raise ValueError(f"matvec: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
     args = (out.ptr, weight.data.ptr, xq.ptr, xs.ptr, bias_ptr, n, rows, cols, row_bytes)
     driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)

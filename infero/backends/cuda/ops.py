@@ -42,8 +42,9 @@ class CudaOps:
         widest = max(config.hidden_size, config.q_size, config.intermediate_size)
         widest = -(-widest // 32) * 32
         arena = self.backend.weights_arena
-        self._xq = empty((2 * MATVEC_MAX_TOKENS * widest,), np.int8, arena)
-        self._xs = empty((2 * MATVEC_MAX_TOKENS * widest // 32 * 2,), np.int32, arena)
+        q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
+        self._xq = empty((int(np.prod(q_shape)),), np.int8, arena)
+        self._xs = empty((int(np.prod(s_shape)),), np.int32, arena)
         self._quantized_key = None
 
     def _quantize_into(self, x: DeviceTensor):
@@ -53,8 +54,9 @@ class CudaOps:
         if self._xq is None or n > MATVEC_MAX_TOKENS or cols % 32 or len(x.shape) != 2:
             return None
         self._quantized_key = (x.ptr, x.shape, self.ws.generation)
-        return (DeviceTensor(self._xq.ptr, (2, n, cols), np.dtype(np.int8), self._xq),
-                DeviceTensor(self._xs.ptr, (2, n, cols // 32, 2), np.dtype(np.int32), self._xs))  # fmt: skip
+        q_shape, s_shape = matvec.activation_shapes(n, cols)
+        return (DeviceTensor(self._xq.ptr, q_shape, np.dtype(np.int8), self._xq),
+                DeviceTensor(self._xs.ptr, s_shape, np.dtype(np.int32), self._xs))  # fmt: skip
 
     def _quantized(self, x: DeviceTensor):
         """x in the mat-vec's activation format: the buffers as they are if x was the last activation written

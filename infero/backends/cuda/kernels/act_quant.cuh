@@ -1,9 +1,14 @@
 // The mat-vec's activation format, written by matvec_quantize_x and, fused, by the kernels whose output feeds a
-// mat-vec (add_rms_norm, swiglu): each 32-element group of a row as two int8 planes, x ~ d0 q0 + d1 q1, where
-// plane 0 is x itself (q0 = rint(x / d0), d0 = amax / 127, 0 where d0 = 0) and plane 1 the residual x - d0 q0
-// quantized the same way (one plane alone costs ~1% per linear on real hidden states; see matvec.cu).
-// Layout for an activation of n rows and `cols` columns: xq int8 [2, n, cols]; xs ActScale [2, n, cols / 32].
-// A NaN or Inf input makes both of its group's d NaN, so the mat-vec's output is NaN rather than finite garbage.
+// mat-vec (add_rms_norm, swiglu). Each 32-element group of a row is x ~ D (256 q0 + q1) with two int8 planes:
+//   d0 = amax / 127, q0 = rint(x / d0)                      (0 where d0 = 0)
+//   D = d0 / 256,    q1 = clamp(rint((x - d0 q0) / D), +-127)  (the rounding residual, |x - d0 q0| <= d0 / 2)
+// The residual plane's scale is a fixed fraction of the first's, so a mat-vec combines the planes in integers,
+// 256 dot(w, q0) + dot(w, q1), and applies one scale per group: the second plane costs __dp4a work, not float
+// work. One plane alone costs ~1% per linear on real hidden states (their outlier channels set amax); two leave
+// ~D / sqrt(12) ~ 1e-5 of amax.
+// Layout for an activation of n rows and `cols` columns: xq int8 [2, n, cols] (plane 0, then plane 1);
+// xs ActScale [n, cols / 16]: one per 16-element half of a group, {D, the half's sum of 256 q0 + q1}.
+// A NaN or Inf input makes its group's D NaN, so the mat-vec's output is NaN rather than finite garbage.
 // Every writer computes the same function of the same fp32 values: the result is bitwise the same whichever
 // kernel quantized.
 #pragma once
@@ -11,78 +16,60 @@
 #include "quant.cuh"  // the fixed-width integer names
 
 struct ActScale {
-  float d;   // activation scale of a 32-element group
-  int sums;  // sum of q over elements 0..15 (low 16 bits, signed) and 16..31 (high 16 bits, signed)
+  float d;  // D of the group
+  int s;    // sum of 256 q0 + q1 over this half's 16 elements (|s| <= 16 * 32639)
 };
 
 namespace aq {
 
-// A group's 32 values lie V per lane in LANES = 32 / V consecutive lanes (the group's first lane at a multiple
-// of LANES); all 32 lanes of the warp must call. Returns the group's d; q gets this lane's quantized values;
-// sums (valid in the group's first lane) the half sums packed as in ActScale.
-template <int V>
-__device__ __forceinline__ float quantize_group(const float (&v)[V], int (&q)[V], int& sums) {
-  constexpr int LANES = 32 / V;
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < V; ++k) amax = fmaxf(amax, fabsf(v[k]));
-#pragma unroll
-  for (int o = 1; o < LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  const float d = __fdiv_rn(amax, 127.f);
-  int sum = 0;
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    q[k] = d == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[k], d));
-    sum += q[k];
-  }
-#pragma unroll
-  for (int o = 1; o < LANES / 2; o <<= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);  // this half's sum
-  const int hi = __shfl_down_sync(0xFFFFFFFFu, sum, LANES / 2);
-  sums = (sum & 0xFFFF) | (hi << 16);
-  return d;
-}
-
-template <int V>
-__device__ __forceinline__ void store_q(int8_t* p, const int (&q)[V]) {
-  uint32_t w[V / 4];
-#pragma unroll
-  for (int i = 0; i < V / 4; ++i)
-    w[i] = (uint32_t)(q[4 * i] & 0xFF) | ((uint32_t)(q[4 * i + 1] & 0xFF) << 8) |
-           ((uint32_t)(q[4 * i + 2] & 0xFF) << 16) | ((uint32_t)(q[4 * i + 3] & 0xFF) << 24);
-  if constexpr (V == 8) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-  } else {
-    *reinterpret_cast<uint32_t*>(p) = w[0];
-  }
-}
-
-// Quantize this lane's V values of element e0 (a multiple of V) of row `row` into both planes. live: whether
-// the values exist (lanes past the row's end still take part in the shuffles, writing nothing).
+// Quantize this lane's V values of element e0 (a multiple of V) of row `row`. A group's 32 values lie V per
+// lane in LANES = 32 / V consecutive lanes (the group's first lane at a multiple of LANES); all 32 lanes of the
+// warp must call. live: whether the values exist (lanes past the row's end take part in the shuffles, writing
+// nothing).
 template <int V>
 __device__ __forceinline__ void quantize_store(const float (&v)[V], bool live, int8_t* __restrict__ xq,
                                                ActScale* __restrict__ xs, int n, int cols, int row, int e0) {
   constexpr int LANES = 32 / V;
-  float probe = 0.f;  // NaN iff some input of the group is NaN or infinite
+  float probe = 0.f, amax = 0.f;  // probe: NaN iff some input of the group is NaN or infinite
 #pragma unroll
-  for (int k = 0; k < V; ++k) probe = __fadd_rn(probe, __fmul_rn(v[k], 0.f));
-#pragma unroll
-  for (int o = 1; o < LANES; o <<= 1) probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, o));
-  int q0[V], q1[V], s0, s1;
-  const float d0 = quantize_group<V>(v, q0, s0);
-  float r[V];
-#pragma unroll
-  for (int k = 0; k < V; ++k) r[k] = __fmaf_rn(-d0, (float)q0[k], v[k]);  // exact x - d0 q0, rounded once
-  const float d1 = quantize_group<V>(r, q1, s1);
-  if (!live) return;
-  const long long plane = (long long)n * cols;
-  const long long at = (long long)row * cols + e0;
-  store_q<V>(xq + at, q0);
-  store_q<V>(xq + plane + at, q1);
-  if (e0 % 32 == 0) {
-    const long long g = at / 32, plane_groups = plane / 32;
-    xs[g] = ActScale{__fadd_rn(d0, probe), s0};
-    xs[plane_groups + g] = ActScale{__fadd_rn(d1, probe), s1};
+  for (int k = 0; k < V; ++k) {
+    probe = __fadd_rn(probe, __fmul_rn(v[k], 0.f));
+    amax = fmaxf(amax, fabsf(v[k]));
   }
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) {
+    probe = __fadd_rn(probe, __shfl_xor_sync(0xFFFFFFFFu, probe, o));
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  }
+  const float d0 = __fdiv_rn(amax, 127.f), d = __fmul_rn(d0, 0.00390625f);
+  int q0[V], q1[V], sum = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    q0[k] = d0 == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[k], d0));
+    const float r = __fmaf_rn(-d0, (float)q0[k], v[k]);  // exact x - d0 q0, rounded once
+    q1[k] = d == 0.f ? 0 : max(-127, min(127, __float2int_rn(__fdiv_rn(r, d))));
+    sum += 256 * q0[k] + q1[k];
+  }
+#pragma unroll
+  for (int o = 1; o < LANES / 2; o <<= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);  // this half's sum
+  if (!live) return;
+  const long long at = (long long)row * cols + e0;
+  uint32_t w0[V / 4], w1[V / 4];
+#pragma unroll
+  for (int i = 0; i < V / 4; ++i) {
+    w0[i] = __byte_perm(__byte_perm(q0[4 * i], q0[4 * i + 1], 0x0040), __byte_perm(q0[4 * i + 2], q0[4 * i + 3], 0x0040), 0x5410);
+    w1[i] = __byte_perm(__byte_perm(q1[4 * i], q1[4 * i + 1], 0x0040), __byte_perm(q1[4 * i + 2], q1[4 * i + 3], 0x0040), 0x5410);
+  }
+  int8_t* p0 = xq + at;
+  int8_t* p1 = xq + (long long)n * cols + at;
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint2*>(p0) = make_uint2(w0[0], w0[1]);
+    *reinterpret_cast<uint2*>(p1) = make_uint2(w1[0], w1[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(p0) = w0[0];
+    *reinterpret_cast<uint32_t*>(p1) = w1[0];
+  }
+  if (e0 % 16 == 0) xs[at / 16] = ActScale{__fadd_rn(d, probe), sum};
 }
 
 }  // namespace aq

@@ -73,10 +73,17 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
                                                    const float* __restrict__ x, const float* __restrict__ weight,
                                                    int dim, float eps, int8_t* __restrict__ xq,
                                                    ActScale* __restrict__ xs, int n) {
-    pdl_enter();
     __shared__ float scratch[9];
     const int vecs = dim / 4;
     const size_t row = blockIdx.x;
+    // The norm's weight is immutable: loaded before waiting on the previous kernel, used after the reduction.
+    float4 w[VPT];
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = threadIdx.x + j * 256;
+        w[j] = v < vecs ? __ldg(reinterpret_cast<const float4*>(weight) + v) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    pdl_enter();
     float4* res4 = reinterpret_cast<float4*>(residual + row * dim);
     const float4* x4 = reinterpret_cast<const float4*>(x + (ADD ? row * dim : 0));
     float4 r[VPT];
@@ -97,14 +104,13 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
     }
     const float total = ew::block_sum<256>(ss, scratch);
     const float inv = 1.0f / sqrtf(total / (float)dim + eps);
-    const float4* w4 = reinterpret_cast<const float4*>(weight);
     float4* out4 = reinterpret_cast<float4*>(out + row * dim);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int v = threadIdx.x + j * 256;
         const bool live = v < vecs;
         float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (live) out4[v] = o = ew::scale_mul(r[j], inv, w4[v]);
+        if (live) out4[v] = o = ew::scale_mul(r[j], inv, w[j]);
         if (QUANT && j * 256 < vecs) {  // warp-uniform: a warp's 32 float4 are 4 whole groups or past the row
             const float q[4] = {o.x, o.y, o.z, o.w};
             aq::quantize_store<4>(q, live, xq, xs, n, dim, (int)row, 4 * v);

@@ -132,48 +132,65 @@ struct Win {
 template <bool B, class A, class C> struct Pick { using type = A; };
 template <class A, class C> struct Pick<false, A, C> { using type = C; };
 
-// Integer dot of 16 weights (4 words) with 16 activations.
-__device__ __forceinline__ int dot16(const int (&q)[4], const int (&x)[4]) {
-  int s = __dp4a(q[0], x[0], 0);
-  s = __dp4a(q[1], x[1], s);
-  s = __dp4a(q[2], x[2], s);
-  return __dp4a(q[3], x[3], s);
+// Integer dot of 16 weights (4 words) with 16 activations. U: the weight bytes are unsigned (0..255; a 4-bit
+// format's high nibbles left in place, 16x their value), else signed.
+template <bool U = false>
+__device__ __forceinline__ int dot16(const int (&q)[4], const int (&x)[4], int s = 0) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (U) {
+      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(s) : "r"(q[i]), "r"(x[i]));
+    } else {
+      s = __dp4a(q[i], x[i], s);
+    }
+  }
+  return s;
 }
 
 // Bit i of the low 4 bits of n -> bit 4 of byte i (Q5_0/Q5_1's fifth bit).
 __device__ __forceinline__ int spread4(uint32_t n) { return (int)((((n & 0xFu) * 0x00204081u) & 0x01010101u) << 4); }
 
-// Low nibbles of 4 qs words -> run 0, high nibbles -> run 1.
+// Low nibbles of 4 qs words -> run 0, high nibbles -> run 1. RAW_HIGH: run 1 keeps the high nibbles in place
+// (16x their value, for dot16<true>: one instruction fewer per word where no fifth bit is merged in).
+template <bool RAW_HIGH = false>
 __device__ __forceinline__ void split_nibbles(const uint32_t (&qs)[4], int (&q0)[4], int (&q1)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     q0[i] = (int)(qs[i] & 0x0F0F0F0Fu);
-    q1[i] = (int)((qs[i] >> 4) & 0x0F0F0F0Fu);
+    q1[i] = RAW_HIGH ? (int)(qs[i] & 0xF0F0F0F0u) : (int)((qs[i] >> 4) & 0x0F0F0F0Fu);
   }
 }
 
-// Activations of one unit for one token: R runs of 16 elements; run r lies in group g[r], half h[r].
+// Activations of one unit for one token: R runs of 16 elements; run r lies in group g[r], half h[r]: its two
+// planes, the group's D and the half's sum of 256 q0 + q1 (act_quant.cuh).
 template <int R>
 struct Act {
-  int x[R][4];
+  int x0[R][4], x1[R][4];
   float d[R];
-  int s[R];  // the run's half-group sum
+  int s[R];
 };
 
 template <int R>
-__device__ __forceinline__ void load_act(Act<R>& a, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                         const int (&g)[R], const int (&h)[R]) {
+__device__ __forceinline__ void load_act(Act<R>& a, const int8_t* __restrict__ xq0, const int8_t* __restrict__ xq1,
+                                         const ActScale* __restrict__ xs, const int (&g)[R], const int (&h)[R]) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int4 v = __ldg(reinterpret_cast<const int4*>(xq + 32 * g[r] + 16 * h[r]));
-    a.x[r][0] = v.x;
-    a.x[r][1] = v.y;
-    a.x[r][2] = v.z;
-    a.x[r][3] = v.w;
-    const int2 sc = __ldg(reinterpret_cast<const int2*>(xs + g[r]));
+    const int at = 32 * g[r] + 16 * h[r];
+    const int4 v0 = __ldg(reinterpret_cast<const int4*>(xq0 + at));
+    const int4 v1 = __ldg(reinterpret_cast<const int4*>(xq1 + at));
+    a.x0[r][0] = v0.x; a.x0[r][1] = v0.y; a.x0[r][2] = v0.z; a.x0[r][3] = v0.w;
+    a.x1[r][0] = v1.x; a.x1[r][1] = v1.y; a.x1[r][2] = v1.z; a.x1[r][3] = v1.w;
+    const int2 sc = __ldg(reinterpret_cast<const int2*>(xs) + 2 * g[r] + h[r]);
     a.d[r] = __int_as_float(sc.x);
-    a.s[r] = half_sum(sc.y, h[r]);
+    a.s[r] = sc.y;
   }
+}
+
+// Run r's exact integer dot with the activation, 256 dot(q, q0) + dot(q, q1): |result| <= 16 * max|q| * 32639
+// (2^31 over max|q| * scale = 4112: every format's product with its sub-block scale fits, see the units).
+template <bool U = false, int R>
+__device__ __forceinline__ int dot_run(const int (&q)[4], const Act<R>& a, int r) {
+  return dot16<U>(q, a.x1[r], dot16<U>(q, a.x0[r]) * 256);
 }
 
 // ---- per-format units -----------------------------------------------------------------------------------------
@@ -186,7 +203,7 @@ template <int T> struct Unit;
 // The 32-element formats: a unit is one block; run 0 = elements 0..15, run 1 = 16..31 (same group).
 struct Block32 {
   static constexpr int ELEMS = 32, RUNS = 2;
-  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
+  __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = g[1] = u;
     h[0] = 0;
     h[1] = 1;
@@ -198,16 +215,16 @@ template <int T>
 struct Unit4NL : Block32 {
   struct Raw { Win<4, 2> qs; uint32_t d; };
   struct W { int q[2][4]; float d; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + u * 18;
     raw.qs.fetch(b + 2);
     raw.d = ldg_u16(b);
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
     uint32_t qs[4];
     raw.qs.get(row + u * 18 + 2, qs);
     if constexpr (T == GGML_Q4_0) {
-      split_nibbles(qs, w.q[0], w.q[1]);
+      split_nibbles<true>(qs, w.q[0], w.q[1]);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -218,8 +235,12 @@ struct Unit4NL : Block32 {
     w.d = f16_lo(raw.d);
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
-    if constexpr (T == GGML_Q4_0) i -= 8 * (a.s[0] + a.s[1]);
+    int i;
+    if constexpr (T == GGML_Q4_0) {
+      i = dot_run(w.q[0], a, 0) + (dot_run<true>(w.q[1], a, 1) >> 4) - 8 * (a.s[0] + a.s[1]);
+    } else {
+      i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
+    }
     return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
   }
 };
@@ -232,12 +253,12 @@ struct Unit41 : Block32 {
   static constexpr int BYTES = T == GGML_Q4_1 ? 20 : 24, NW = BYTES / 4;
   struct Raw { Win<NW, BYTES == 20 ? 4 : 8> v; };
   struct W { int q[2][4]; float d, m; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) { raw.v.fetch(row + u * BYTES); }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) { raw.v.fetch(row + u * BYTES); }
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
     uint32_t v[NW];
     raw.v.get(row + u * BYTES, v);
     const uint32_t qs[4] = {v[NW - 4], v[NW - 3], v[NW - 2], v[NW - 1]};
-    split_nibbles(qs, w.q[0], w.q[1]);
+    split_nibbles<T == GGML_Q4_1>(qs, w.q[0], w.q[1]);
     if constexpr (T == GGML_Q5_1) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -249,7 +270,12 @@ struct Unit41 : Block32 {
     w.m = f16_hi(v[0]);
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    const int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    int i;
+    if constexpr (T == GGML_Q4_1) {
+      i = dot_run(w.q[0], a, 0) + (dot_run<true>(w.q[1], a, 1) >> 4);
+    } else {
+      i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
+    }
     return __fmul_rn(a.d[0], __fmaf_rn(w.d, (float)i, __fmul_rn(w.m, (float)(a.s[0] + a.s[1]))));
   }
 };
@@ -262,12 +288,12 @@ struct Unit50 : Block32 {
   static constexpr int BYTES = T == GGML_Q5_0 ? 22 : 34, NW = (BYTES - 2) / 4;
   struct Raw { Win<NW, 2> v; uint32_t d; };
   struct W { int q[2][4]; float d; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + u * BYTES;
     raw.v.fetch(b + 2);
     raw.d = ldg_u16(b);
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
     uint32_t v[NW];
     raw.v.get(row + u * BYTES + 2, v);
     if constexpr (T == GGML_Q5_0) {
@@ -286,7 +312,7 @@ struct Unit50 : Block32 {
     w.d = f16_lo(raw.d);
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
+    int i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
     if constexpr (T == GGML_Q5_0) i -= 16 * (a.s[0] + a.s[1]);
     return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
   }
@@ -298,39 +324,46 @@ template <> struct Unit<GGML_Q8_0> : Unit50<GGML_Q8_0> {};
 template <>
 struct Unit<GGML_IQ4_XS> : Block32 {
   struct Raw { Win<2, 8> hd; Win<4, 8> qs; };  // d | scales_h, scales_l[4]; qs of sub-block j
-  struct W { int q[2][4]; float d; int sc; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  struct W { int q[2][4]; float dsc; };
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 3) * 136;
     raw.hd.fetch(b);
-    raw.qs.fetch(b + 8 + 16 * (u & 7));
+    raw.qs.fetch(b + 8 + 16 * k);
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u) {
-    const int j = u & 7;
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u, int k) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       w.q[0][i] = (int)quant::iq4_lookup4(raw.qs.w[i] & 0x0F0F0F0Fu);
       w.q[1][i] = (int)quant::iq4_lookup4((raw.qs.w[i] >> 4) & 0x0F0F0F0Fu);
     }
-    const int lo = (int)((raw.hd.w[1] >> (4 * j)) & 0xFu);  // byte j/2, nibble j%2
-    const int hi = (int)((raw.hd.w[0] >> (16 + 2 * j)) & 3u);
-    w.sc = (lo | (hi << 4)) - 32;
-    w.d = f16_lo(raw.hd.w[0]);
+    const int lo = (int)((raw.hd.w[1] >> (4 * k)) & 0xFu);  // sub-block k: byte k/2, nibble k%2
+    const int hi = (int)((raw.hd.w[0] >> (16 + 2 * k)) & 3u);
+    w.dsc = __fmul_rn(f16_lo(raw.hd.w[0]), (float)((lo | (hi << 4)) - 32));  // exact: 11 + 6 significant bits
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    const int i = dot16(w.q[0], a.x[0]) + dot16(w.q[1], a.x[1]);
-    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)(w.sc * i));
+    // |i| reaches 32 * 127 * 32639: times the scale it would pass 2^31, so the scale is in the float factor.
+    const int i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
+    return __fmul_rn(__fmul_rn(w.dsc, a.d[0]), (float)i);
   }
 };
 
 // Q4_K / Q5_K: unit u = 16 bytes of qs: block u/8, k = u%8 covers l in [16(k%2), +16) of sub-blocks 2(k/2) (low
 // nibbles, run 0) and 2(k/2) + 1 (high nibbles, run 1).
-__device__ __forceinline__ void k4_scale_min_w(const uint32_t (&h)[4], int j, int& sc, int& m) {
-  // h[1..3] are the 12 scale bytes; s[j] = byte j%4 of h[1 + j/4].
-  const int jj = j & 3;
-  const uint32_t a = byte_of(h[1], jj), b = byte_of(h[2], jj), c = byte_of(h[3], jj);
-  const bool low = j < 4;
-  sc = (int)(low ? (a & 63) : ((c & 0xF) | ((a >> 6) << 4)));
-  m = (int)(low ? (b & 63) : ((c >> 4) | ((b >> 6) << 4)));
+// Scales and mins of sub-blocks 2c and 2c + 1 from the 12 scale bytes h[1..3] (s[j] = byte j % 4 of h[1 + j / 4]):
+// for c < 2 the low 6 bits of s[j] (scale) and s[j + 4] (min); for c >= 2 the low / high nibble of s[j + 4] with
+// the top 2 bits of s[j - 4] / s[j]. Both sub-blocks' bytes sit at 2 (c % 2) and the next of their words, so the
+// selectors, shifts and masks depend on c alone: on the lane, computed once.
+__device__ __forceinline__ void k4_scales_mins(const uint32_t (&h)[4], int c, int (&sc)[2], int (&m)[2]) {
+  const bool high = c >= 2;
+  const int b = 2 * (c & 1);
+  const uint32_t low_mask = high ? 0x0F0Fu : 0x3F3Fu, top_mask = high ? 0x3030u : 0u;
+  const uint32_t sel = high ? (uint32_t)((4 + b) | ((5 + b) << 4)) : (uint32_t)(b | ((b + 1) << 4));
+  const uint32_t scales = (__byte_perm(h[1], h[3], sel) & low_mask) | ((h[1] >> (8 * b + 2)) & top_mask);
+  const uint32_t mins = ((__byte_perm(h[2], h[3], sel) >> (high ? 4 : 0)) & low_mask) | ((h[2] >> (8 * b + 2)) & top_mask);
+  sc[0] = (int)(scales & 0xFFu);
+  sc[1] = (int)(scales >> 8);
+  m[0] = (int)(mins & 0xFFu);
+  m[1] = (int)(mins >> 8);
 }
 
 template <int T>
@@ -340,22 +373,20 @@ struct UnitK45 {
   struct RawQ5 { Win<4, 16> hd, qs, qh; };
   using Raw = typename Pick<T == GGML_Q4_K, RawQ4, RawQ5>::type;
   struct W { int q[2][4]; float d, dmin; int sc[2], m[2]; };
-  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
-    const int k = u & 7;
+  __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = (u >> 3) * 8 + (k >> 1) * 2;
     g[1] = g[0] + 1;
     h[0] = h[1] = k & 1;
   }
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 3) * BYTES;
-    const int k = u & 7;
     raw.hd.fetch(b);
-    raw.qs.fetch(b + QS + 32 * (k >> 1) + 16 * (k & 1));
+    raw.qs.fetch(b + QS + 16 * k);  // QS + 32 (k / 2) + 16 (k % 2)
     if constexpr (T == GGML_Q5_K) raw.qh.fetch(b + 16 + 16 * (k & 1));
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u) {
-    const int c = (u & 7) >> 1;
-    split_nibbles(raw.qs.w, w.q[0], w.q[1]);
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t*, int u, int k) {
+    const int c = k >> 1;
+    split_nibbles<T == GGML_Q4_K>(raw.qs.w, w.q[0], w.q[1]);
     if constexpr (T == GGML_Q5_K) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -363,8 +394,7 @@ struct UnitK45 {
         w.q[1][i] |= (int)(((raw.qh.w[i] >> (2 * c + 1)) & 0x01010101u) << 4);
       }
     }
-    k4_scale_min_w(raw.hd.w, 2 * c, w.sc[0], w.m[0]);
-    k4_scale_min_w(raw.hd.w, 2 * c + 1, w.sc[1], w.m[1]);
+    k4_scales_mins(raw.hd.w, c, w.sc, w.m);
     w.d = f16_lo(raw.hd.w[0]);
     w.dmin = f16_hi(raw.hd.w[0]);
   }
@@ -372,8 +402,8 @@ struct UnitK45 {
     float f[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = w.sc[r] * dot16(w.q[r], a.x[r]);
-      f[r] = __fmaf_rn(w.d, (float)i, -__fmul_rn(w.dmin, (float)(w.m[r] * a.s[r])));
+      const int dot = r == 1 && T == GGML_Q4_K ? dot_run<true>(w.q[1], a, 1) >> 4 : dot_run(w.q[r], a, r);
+      f[r] = __fmaf_rn(w.d, (float)(w.sc[r] * dot), -__fmul_rn(w.dmin, (float)(w.m[r] * a.s[r])));
     }
     return __fmaf_rn(a.d[1], f[1], __fmul_rn(a.d[0], f[0]));
   }
@@ -388,30 +418,26 @@ struct Unit<GGML_Q6_K> {
   static constexpr int ELEMS = 32, RUNS = 2;
   struct Raw { Win<4, 2> ql, qh; uint32_t sc0, sc1, d; };
   struct W { int q[2][4]; float d; int sc[2]; };
-  __device__ static void runs(int u, int (&g)[2], int (&h)[2]) {
-    const int k = u & 7;
+  __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = (u >> 3) * 8 + (k >> 2) * 4 + ((k & 3) >> 1);
     g[1] = g[0] + 2;
     h[0] = h[1] = k & 1;
   }
-  __device__ static const uint8_t* qh_at(const uint8_t* row, int u) {
-    const int k = u & 7;
+  __device__ static const uint8_t* qh_at(const uint8_t* row, int u, int k) {
     return row + (u >> 3) * 210 + 128 + 32 * (k >> 2) + 16 * (k & 1);
   }
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 3) * 210;
-    const int k = u & 7;
     raw.ql.fetch(b + 16 * k);
-    raw.qh.fetch(qh_at(row, u));
+    raw.qh.fetch(qh_at(row, u, k));
     raw.sc0 = __ldg(b + 192 + 8 * (k >> 2) + (k & 3));
     raw.sc1 = __ldg(b + 196 + 8 * (k >> 2) + (k & 3));
     raw.d = ldg_u16(b + 208);
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
-    const int k = u & 7;
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
     uint32_t ql[4], qh[4];
     raw.ql.get(row + (u >> 3) * 210 + 16 * k, ql);
-    raw.qh.get(qh_at(row, u), qh);
+    raw.qh.get(qh_at(row, u, k), qh);
     const int s0 = 2 * ((k & 3) >> 1), s1 = s0 + 4;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -423,8 +449,9 @@ struct Unit<GGML_Q6_K> {
     w.d = f16_lo(raw.d);
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    const int i0 = w.sc[0] * (dot16(w.q[0], a.x[0]) - 32 * a.s[0]);
-    const int i1 = w.sc[1] * (dot16(w.q[1], a.x[1]) - 32 * a.s[1]);
+    // |dot - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
+    const int i0 = w.sc[0] * (dot_run(w.q[0], a, 0) - 32 * a.s[0]);
+    const int i1 = w.sc[1] * (dot_run(w.q[1], a, 1) - 32 * a.s[1]);
     return __fmul_rn(w.d, __fmaf_rn(a.d[1], (float)i1, __fmul_rn(a.d[0], (float)i0)));
   }
 };
@@ -433,8 +460,8 @@ struct Unit<GGML_Q6_K> {
 // holds elements 128h + 32s + 16 half + i (run s, activation group 8(u/4) + 4h + s), scale index 8h + 2s + half.
 struct UnitK23 {
   static constexpr int ELEMS = 64, RUNS = 4;
-  __device__ static void runs(int u, int (&g)[4], int (&h)[4]) {
-    const int c = u & 3;
+  __device__ static void runs(int u, int k, int (&g)[4], int (&h)[4]) {
+    const int c = k & 3;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       g[s] = (u >> 2) * 8 + (c >> 1) * 4 + s;
@@ -447,18 +474,18 @@ template <>
 struct Unit<GGML_Q2_K> : UnitK23 {
   struct Raw { Win<4, 4> qs; uint32_t sc0, sc1, dd; };
   struct W { int qs[4]; float d, dmin; int sc[4], m[4]; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 2) * 84;
-    const int c = u & 3, h = c >> 1;
+    const int c = k & 3, h = c >> 1;
     raw.qs.fetch(b + 16 + 16 * c);
     raw.sc0 = ldg_u32(b + 8 * h);  // scale bytes 8h .. 8h + 8
     raw.sc1 = ldg_u32(b + 8 * h + 4);
     raw.dd = ldg_u32(b + 80);  // d | dmin
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
-    const int half = u & 1;
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
+    const int half = k & 1;
     uint32_t qs[4];
-    raw.qs.get(row + (u >> 2) * 84 + 16 + 16 * (u & 3), qs);
+    raw.qs.get(row + (u >> 2) * 84 + 16 + 16 * (k & 3), qs);
 #pragma unroll
     for (int i = 0; i < 4; ++i) w.qs[i] = (int)qs[i];
 #pragma unroll
@@ -476,7 +503,7 @@ struct Unit<GGML_Q2_K> : UnitK23 {
     for (int s = 0; s < 4; ++s) {
       const int q[4] = {(w.qs[0] >> (2 * s)) & 0x03030303, (w.qs[1] >> (2 * s)) & 0x03030303,
                         (w.qs[2] >> (2 * s)) & 0x03030303, (w.qs[3] >> (2 * s)) & 0x03030303};
-      const int i = w.sc[s] * dot16(q, a.x[s]);
+      const int i = w.sc[s] * dot_run(q, a, s);
       const float f = __fmaf_rn(w.d, (float)i, -__fmul_rn(w.dmin, (float)(w.m[s] * a.s[s])));
       c = s == 0 ? __fmul_rn(a.d[0], f) : __fmaf_rn(a.d[s], f, c);
     }
@@ -488,17 +515,17 @@ template <>
 struct Unit<GGML_Q3_K> : UnitK23 {
   struct Raw { Win<4, 2> hm, qs; Win<3, 2> sc; uint32_t d; };
   struct W { int q[4][4]; float d; int sc[4]; };
-  __device__ static void fetch(Raw& raw, const uint8_t* row, int u) {
+  __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 2) * 110;
-    const int c = u & 3;
+    const int c = k & 3;
     raw.hm.fetch(b + 16 * (c & 1));
     raw.qs.fetch(b + 32 + 16 * c);
     raw.sc.fetch(b + 96);
     raw.d = ldg_u16(b + 108);
   }
-  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u) {
+  __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
     const uint8_t* b = row + (u >> 2) * 110;
-    const int c = u & 3, h = c >> 1, half = c & 1;
+    const int c = k & 3, h = c >> 1, half = c & 1;
     uint32_t hm[4], qs[4], sc[3];
     raw.hm.get(b + 16 * half, hm);
     raw.qs.get(b + 32 + 16 * c, qs);
@@ -519,7 +546,7 @@ struct Unit<GGML_Q3_K> : UnitK23 {
     float c = 0.f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const float i = (float)(w.sc[s] * (dot16(w.q[s], a.x[s]) - 4 * a.s[s]));
+      const float i = (float)(w.sc[s] * (dot_run(w.q[s], a, s) - 4 * a.s[s]));
       c = s == 0 ? __fmul_rn(a.d[0], i) : __fmaf_rn(a.d[s], i, c);
     }
     return __fmul_rn(w.d, c);
@@ -582,12 +609,14 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
   // AHEAD_ >= 0 overrides this (scripts/bench_matvec.py sweeps it).
   constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
   const int lane = threadIdx.x & 31;
+  const int k = lane & 7;  // u % 8 for every unit u this lane visits (u = lane + 32 i): the unit's slot in its block
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW;
   if (row0 >= rows) return;
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
-  const int units = cols / U::ELEMS, groups = cols / 32;
+  const int units = cols / U::ELEMS, halves = cols / 16;
+  const int8_t* xq1 = xq + (long long)n * cols;  // plane 1
 
   float acc[RPW][N];
 #pragma unroll
@@ -602,30 +631,32 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
 #pragma unroll
     for (int a = 0; a < AHEAD; ++a)
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1));
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1), k);
   }
   pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
+  // Unrolled by the ring's length where the ring is small, so that its shift below is register renaming, not
+  // moves (large rings, Q3_K/Q6_K at depth 3-4, would spill).
+  constexpr int UNROLL = sizeof(typename U::Raw) <= 64 && AHEAD <= 2 ? AHEAD + 1 : 1;
+#pragma unroll UNROLL
   for (int u = lane; u < units; u += 32) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1));
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
     typename U::W w[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u);
+    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
 #pragma unroll
     for (int a = 0; a < AHEAD; ++a)
 #pragma unroll
       for (int r = 0; r < RPW; ++r) ring[a][r] = ring[a + 1][r];
     int g[U::RUNS], h[U::RUNS];
-    U::runs(u, g, h);
+    U::runs(u, k, g, h);
 #pragma unroll
     for (int t = 0; t < N; ++t) {
       if (t == 0 || t < n) {  // n >= 1: token 0 unconditional, so no weight load sinks into a branch
-        // x ~ plane 0 + plane 1: a unit's contribution is dot(plane 0) + dot(plane 1), one __fadd_rn.
-        mv::Act<U::RUNS> a0, a1;
-        mv::load_act(a0, xq + (long long)t * cols, xs + (long long)t * groups, g, h);
-        mv::load_act(a1, xq + (long long)(n + t) * cols, xs + (long long)(n + t) * groups, g, h);
+        mv::Act<U::RUNS> a;
+        mv::load_act(a, xq + t * cols, xq1 + t * cols, xs + t * halves, g, h);
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], __fadd_rn(U::dot(w[r], a0), U::dot(w[r], a1)));
+        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
       }
     }
   }
