@@ -438,11 +438,12 @@ struct Unit<GGML_Q6_K> {
     uint32_t ql[4], qh[4];
     raw.ql.get(row + (u >> 3) * 210 + 16 * k, ql);
     raw.qh.get(qh_at(row, u, k), qh);
-    const int s0 = 2 * ((k & 3) >> 1), s1 = s0 + 4;
+    // Run 0's high bits are bit pair s0 = 0 or 2 of qh, run 1's pair s0 + 4: moved straight to bits 4..5.
+    const int s0 = 2 * ((k & 3) >> 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      w.q[0][i] = (int)((ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> s0) & 0x03030303u) << 4));
-      w.q[1][i] = (int)(((ql[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> s1) & 0x03030303u) << 4));
+      w.q[0][i] = (int)((ql[i] & 0x0F0F0F0Fu) | ((qh[i] << (4 - s0)) & 0x30303030u));
+      w.q[1][i] = (int)(((ql[i] >> 4) & 0x0F0F0F0Fu) | ((qh[i] >> s0) & 0x30303030u));
     }
     w.sc[0] = (int)(int8_t)raw.sc0;
     w.sc[1] = (int)(int8_t)raw.sc1;
@@ -635,8 +636,8 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
   }
   pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
   // Unrolled by the ring's length where the ring is small, so that its shift below is register renaming, not
-  // moves (large rings, Q3_K/Q6_K at depth 3-4, would spill).
-  constexpr int UNROLL = sizeof(typename U::Raw) <= 64 && AHEAD <= 2 ? AHEAD + 1 : 1;
+  // moves (larger rings, Q3_K/Q6_K at depth 2-4, would spill).
+  constexpr int UNROLL = N == 1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
 #pragma unroll UNROLL
   for (int u = lane; u < units; u += 32) {
 #pragma unroll
