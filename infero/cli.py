@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-tokens", type=int, default=512)
     d.add_argument("--decode-tokens", type=int, default=64)
     d.add_argument("--profile", action="store_true", help="also time each op of a decode step (GPU, graphs off)")
+    d.add_argument("--batch", type=lambda v: [int(b) for b in v.split(",")], default=[], metavar="B[,B...]",
+                   help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
     from infero.bench import serve as bench_serve
 
     bench_serve.add_arguments(
@@ -235,6 +237,9 @@ def _bench(args) -> int:
     print(llm.summary(), file=sys.stderr)
     result = decode.run(llm, args.prompt_tokens, args.decode_tokens)
     print(decode.format_table(llm.config.name, llm.backend.name, result))
+    if args.batch:
+        print()
+        print(decode.format_batched([(b, decode.batched(llm, b, args.prompt_tokens)) for b in args.batch]))
     if args.profile:
         print()
         print(decode.format_profile(*decode.profile(llm, args.prompt_tokens)))

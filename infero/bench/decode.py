@@ -65,6 +65,35 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     }
 
 
+def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int = 0) -> float:
+    """Median time (s) of a decode step of `batch` sequences, each after its own prompt_len-token prompt: what a
+    server's step costs at that many concurrent requests (upload, forward, the batch's next tokens to the host)."""
+    model, backend, block = llm.model, llm.backend, 16
+    rng = np.random.default_rng(seed)
+    per_seq = -(-(prompt_len + steps + 16) // block)
+    cache = backend.allocate_kv_cache(model.config, per_seq * batch, block)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    prompts = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len)).tolist()
+    tokens = []
+    for prompt, table in zip(prompts, tables, strict=True):
+        logits = backend.forward(model, build_batch([SequenceStep(prompt, 0, table)], block), cache)
+        tokens.append(int(np.argmax(backend.to_host(logits, 0, 1)[0])))
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        steps_ = [SequenceStep([tok], prompt_len + i, table) for tok, table in zip(tokens, tables, strict=True)]
+        logits = backend.forward(model, build_batch(steps_, block), cache)
+        tokens = np.argmax(backend.to_host(logits, 0, batch), axis=-1).tolist()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[2:] or times))
+
+
+def format_batched(results: list[tuple[int, float]]) -> str:
+    lines = [f"{'decode batch':<14} {'ms/step':>9} {'tok/s':>10}"]
+    lines += [f"{b:<14} {s * 1e3:>9.3f} {b / s:>10,.1f}" for b, s in results]
+    return "\n".join(lines)
+
+
 def profile(llm, prompt_len: int = 512, steps: int = 16) -> tuple[list[tuple[str, float, int]], float]:
     """Where a decode step's time goes on the GPU: (op, microseconds per step, calls per step), and the step's
     GPU time as the engine replays it (microseconds, median).

@@ -34,3 +34,11 @@ def test_profile_times_every_op_of_a_decode_step_inside_a_graph(llm):
     total = sum(us for _, us, _ in rows)
     assert 0 < step_us and total < step_us + 5 * sum(calls.values())
     print(decode.format_profile(rows, step_us))
+
+
+def test_batched_decode_times_steps_of_several_sequences(llm):
+    one, four = decode.batched(llm, 1, prompt_len=32, steps=6), decode.batched(llm, 4, prompt_len=32, steps=6)
+    assert 0 < one and 0 < four
+    table = decode.format_batched([(1, one), (4, four)])
+    assert table.splitlines()[2].split()[0] == "4" and float(table.splitlines()[2].split()[-1].replace(",", "")) > 0
+    print(table)
