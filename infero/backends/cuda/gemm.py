@@ -48,7 +48,12 @@ def shared_bytes(ggml_type: int, tile: tuple[int, int]) -> int:
     chunk = 8 if ggml_type == GGMLType.Q6_K else 16
     chunks = (stage_bytes + 2 * chunk - 2) // chunk
     stride = -(-chunks * chunk // 16) * 16
-    return 2 * bm * stride + (2 * bn + 2 * bm) * (SLICE + 8) * 2
+    return stages(tile) * (bm * stride + bn * (SLICE + 8) * 2) + 2 * bm * (SLICE + 8) * 2
+
+
+def stages(tile: tuple[int, int]) -> int:
+    """Buffers of gemm.cu's activation and raw-weight rings (stages<BM>() there)."""
+    return 2 if tile[0] >= 64 else 4
 
 
 def _max_shared() -> int:

@@ -9,10 +9,10 @@
 // MI x NI fp32 accumulator tiles of mma.sync.m16n8k16 (fp16 x fp16 -> fp32), A = weights, B = activations,
 // both fed by ldmatrix.x4 from shared memory (144-byte rows: conflict-free). The k loop walks 64-wide slices;
 // iteration s (one barrier) does:
-//   1. cp.async (16-byte, L2 only) of slice s + 1's activations (BN x 64 fp16) and, when a new raw stage
-//      starts at slice s + 2, of that stage's raw weight bytes (128 rows x max(64, block elements) k: one
-//      K-quant block, two 32-element blocks or 64 floats per row); activations and fp16 weight tiles are
-//      double buffered, raw stages too;
+//   1. cp.async (16-byte, L2 only) of slice s + AHEAD's activations (BN x 64 fp16) and, when a new raw stage
+//      starts at slice s + AHEAD + 1, of that stage's raw weight bytes (BM rows x max(64, block elements) k:
+//      one K-quant block, two 32-element blocks or 64 floats per row), into rings of STAGES = AHEAD + 1
+//      buffers (2 for the large tiles, 4 for the small one); the fp16 weight tiles are double buffered;
 //   2. the MMAs of slice s;
 //   3. dequant8 (quant.cuh) of slice s + 1 from its raw stage into the other fp16 weight tile, by all threads,
 //      8 elements a thread-step, rounded to fp16 (so the ALU work overlaps the tensor cores in flight).
@@ -34,11 +34,11 @@
 // Numerics: both operands are rounded to fp16 (saturating at +-65504), products and sums in fp32; relative
 // error vs float64 ~2-3.5e-4 on random data.
 //
-// Speed on the H200 (Q4_K / Q8_0 weights, k = 4096; FLOP rate counts 2 * n * rows * cols):
+// Speed on the H200 at two stages for every tile (Q4_K / Q8_0 weights, k = 4096; FLOP rate counts 2 * n * rows * cols):
 //   4096 rows:  n = 17: 50 us, n = 256: 92 us, n = 512: 114 us (151 TFLOP/s), n = 2048: 321 us (214 TFLOP/s)
 //   14336 rows: n = 64: 92 us, n = 512: 313 us (192 TFLOP/s), n = 2048: 971-1041 us (231-248 TFLOP/s)
 // The MMA loop alone runs at ~470 TFLOP/s (128 x 256); dequantization and L2 traffic take the rest. Small
-// batches are latency bound: a 32 x 64 block takes ~0.75 us per k slice.
+// batches were latency bound: a 32 x 64 block took ~0.75 us per k slice with one slice of loads in flight.
 
 #include "pdl.cuh"
 #include "quant.cuh"
@@ -76,9 +76,17 @@ struct Tile {
   static_assert(BM * (BK / 8) % THREADS == 0 && BN * (BK / 8) % THREADS == 0, "even work split");
 };
 
+// Buffers of the activation and raw-weight rings: loads run STAGES - 1 slices ahead of their use. The large
+// tiles have enough MMA work per slice to hide a load behind one slice (and no shared memory for more); the
+// 32 x 64 tile of small batches has little, and was latency bound at two stages (~0.75 us per slice).
+template <int BM>
+constexpr int stages() {
+  return BM >= 64 ? 2 : 4;
+}
+
 template <int T, int BM, int BN>
 constexpr int shared_bytes() {
-  return 2 * BM * RawStage<T>::STRIDE + (2 * BN + 2 * BM) * LDS * 2;
+  return stages<BM>() * (BM * RawStage<T>::STRIDE + BN * LDS * 2) + 2 * BM * LDS * 2;
 }
 
 template <bool V>
@@ -100,8 +108,8 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+template <int PENDING>  // wait until at most PENDING of the most recent groups are still in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
 // Two floats -> two fp16 in one register (lo in the low half), rounded to nearest, saturating at +-65504.
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
@@ -159,10 +167,11 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
   using Tl = Tile<BM, BN>;
   constexpr int THREADS = Tl::THREADS, WARPS_M = Tl::WARPS_M, WM = Tl::WM, WN = Tl::WN, MI = Tl::MI, NI = Tl::NI;
 
+  constexpr int STAGES = stages<BM>(), AHEAD = STAGES - 1;
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* raw = smem;                                                      // [2][BM][Raw::STRIDE] bytes
-  unsigned short* xs = reinterpret_cast<unsigned short*>(smem + 2 * BM * Raw::STRIDE);  // [2][BN][LDS] fp16
-  unsigned short* ws = xs + 2 * BN * LDS;                                   // [2][BM][LDS] fp16
+  uint8_t* raw = smem;                                                      // [STAGES][BM][Raw::STRIDE] bytes
+  unsigned short* xs = reinterpret_cast<unsigned short*>(smem + STAGES * BM * Raw::STRIDE);  // [STAGES][BN][LDS]
+  unsigned short* ws = xs + STAGES * BN * LDS;                              // [2][BM][LDS] fp16
 
   pdl_enter();
   {  // A launch with less shared memory than this instantiation lays out would corrupt memory: refuse it.
@@ -183,8 +192,8 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     row0 = (first + local % size) * BM;
     tok0 = (local / size) * BN;
   }
-  const int stages = (cols + Raw::KR - 1) / Raw::KR;
-  const int slices = stages * Raw::SLICES;  // == kp / BK
+  const int raw_stages = (cols + Raw::KR - 1) / Raw::KR;
+  const int slices = raw_stages * Raw::SLICES;  // == kp / BK
   const unsigned weight_lo = (unsigned)reinterpret_cast<unsigned long long>(weight);
 
   auto load_raw = [&](int r, int buf) {
@@ -232,7 +241,7 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
   // branch between them, so their shared-memory loads overlap.
   auto dequant_slice = [&](int t, auto tail) {
     const int r = t / Raw::SLICES, j = t - r * Raw::SLICES;
-    const uint8_t* stage = raw + (r & 1) * BM * Raw::STRIDE;
+    const uint8_t* stage = raw + (r % STAGES) * BM * Raw::STRIDE;
     const unsigned stage_lo = weight_lo + (unsigned)(r * Raw::BYTES);
     unsigned short* dst = ws + (t & 1) * BM * LDS;
 #pragma unroll
@@ -263,10 +272,10 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
       dequant_slice(t, integral_constant<true>());
     }
   };
-  // 4 k16 steps of the warp's WM x WN tile on slice s (ws[s & 1], xs[s & 1]).
+  // 4 k16 steps of the warp's WM x WN tile on slice s (ws[s & 1], xs[s % STAGES]).
   auto mma_slice = [&](int s) {
     const unsigned a_base = a_addr + (s & 1) * BM * LDS * 2;
-    const unsigned b_base = smem_addr(xs + (s & 1) * BN * LDS + b_row * LDS + b_col);
+    const unsigned b_base = smem_addr(xs + (s % STAGES) * BN * LDS + b_row * LDS + b_col);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       unsigned a[MI][4], b[NI][2];
@@ -288,28 +297,33 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     }
   };
 
-  // Prologue: slice 0's activations and raw stage (and stage 1 when a stage is one slice), slice 0 dequantized.
+  // Group v of cp.async copies (one per iteration v, and AHEAD prologue groups v = -AHEAD .. -1) holds slice
+  // v + AHEAD's activations and, where slice v + AHEAD + 1 starts a raw stage, that stage: both are needed
+  // AHEAD iterations later (MMAs of slice v + AHEAD, dequantization of slice v + AHEAD + 1 in iteration
+  // v + AHEAD), so AHEAD - 1 younger groups may still be in flight when one is waited for.
+  auto issue = [&](int v) {
+    const int t = v + AHEAD;
+    if (t < slices) load_x(t, t % STAGES);
+    if ((t + 1) % Raw::SLICES == 0 && (t + 1) / Raw::SLICES < raw_stages) {
+      load_raw((t + 1) / Raw::SLICES, ((t + 1) / Raw::SLICES) % STAGES);
+    }
+    cp_async_commit();
+  };
+  // Prologue: raw stage 0, then the groups of v = -AHEAD .. -1; slice 0 dequantized.
   load_raw(0, 0);
-  load_x(0, 0);
-  cp_async_commit();
-  if (Raw::SLICES == 1 && stages > 1) load_raw(1, 1);
-  cp_async_commit();
-  cp_async_wait_one();
+  for (int v = -AHEAD; v < 0; ++v) issue(v);
+  cp_async_wait<AHEAD - 1>();
   __syncthreads();
   dequant(0);
 
-  // Iteration s: MMAs on slice s while the same warps dequantize slice s + 1 and slice s + 1's activations and
-  // slice s + 2's raw stage are in flight. One barrier per slice.
+  // Iteration s: MMAs on slice s while the same warps dequantize slice s + 1, and the copies of the next AHEAD
+  // slices are in flight. One barrier per slice.
   for (int s = 0; s < slices; ++s) {
-    // Everything issued so far has landed (x of slice s, raw for slice s + 1), ws[s & 1] is written, and
-    // every warp is done with slice s - 1, whose buffers are refilled next.
-    cp_async_wait_all();
+    // Group s - AHEAD has landed (x of slice s, raw for slice s + 1), ws[s & 1] is written, and every warp
+    // is done with slice s - 1, whose activation buffer (and, AHEAD raw stages on, raw buffer) is refilled next.
+    cp_async_wait<AHEAD - 1>();
     __syncthreads();
-    if (s + 1 < slices) load_x(s + 1, (s + 1) & 1);
-    if ((s + 2) % Raw::SLICES == 0 && (s + 2) / Raw::SLICES < stages) {
-      load_raw((s + 2) / Raw::SLICES, ((s + 2) / Raw::SLICES) & 1);
-    }
-    cp_async_commit();
+    issue(s);
     mma_slice(s);
     if (s + 1 < slices) dequant(s + 1);
   }
