@@ -1,8 +1,7 @@
 """Paged causal grouped-query attention over the fp16 KV cache (kernels/attention.cu).
 
 Decode sequences (one new token) go to a split-KV kernel: all query heads of a kv group together on tensor cores,
-one split of the context at a time; the last CTA of a sequence and kv head to finish merges the splits
-(log-sum-exp), so a decode step is one launch. A sequence's splits
+one split of the context at a time, then a second kernel merges the splits (log-sum-exp). A sequence's splits
 depend on its own context length alone (64 keys each, at most 32 splits), so its bits never depend on the batch;
 how many CTAs share a sequence's splits is chosen from the batch to fill the GPU, which moves work, not results.
 Prefill chunks (two or more new tokens) go to a flash-attention kernel. A mixed batch launches both; each kernel
@@ -16,7 +15,7 @@ import ctypes
 import numpy as np
 
 from infero.backends.cuda import driver, runtime
-from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
+from infero.backends.cuda.tensor import DeviceTensor, Workspace
 
 FILE = "attention.cu"
 HEAD_DIMS = (64, 128)
@@ -28,26 +27,13 @@ DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at
 _BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 
-runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode") for hd in HEAD_DIMS])
+runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
 
-_ATTENTION_TYPES = (ctypes.c_void_p,) * 10 + (ctypes.c_int,) * 5 + (ctypes.c_float,)
+_ATTENTION_TYPES = (ctypes.c_void_p,) * 9 + (ctypes.c_int,) * 5 + (ctypes.c_float,)
+_MERGE_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 2
 _LOG2E = 1.4426950408889634
 _functions: dict[tuple[str, int], object] = {}
 _num_sms: list[int] = []
-# The decode kernel's split counters (one int per row tile and kv head, zero between launches: the last CTA
-# resets its own). Grown, never freed: a captured graph keeps the address it was captured with.
-_counters: list[DeviceTensor] = []
-_COUNTERS_MIN = 1 << 16
-
-
-def _split_counters(needed: int, stream: driver.Stream) -> DeviceTensor:
-    if not _counters or _counters[-1].shape[0] < needed:
-        if driver.capturing():
-            raise RuntimeError("attention: split counters must grow before a graph capture (warm up eagerly first)")
-        counters = empty((max(needed, _COUNTERS_MIN),), np.int32)
-        driver.memset_d8(counters.ptr, 0, counters.nbytes, stream)
-        _counters.append(counters)
-    return _counters[-1]
 
 
 def tile_shared_bytes(head_dim: int) -> int:
@@ -107,7 +93,7 @@ def paged_attention(
     if num_seqs == 0 or num_tokens == 0 or max_query_len < 1:
         return
     group = num_heads // num_kv_heads
-    args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0, 0,
+    args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0,
             num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E]  # fmt: skip
     smem = tile_shared_bytes(head_dim)
 
@@ -125,20 +111,24 @@ def paged_attention(
         part_out = workspace.empty((num_seqs, num_heads, max_splits, head_dim), np.float32)
         part_ml = workspace.empty((num_seqs, num_heads, max_splits, 2), np.float32)
         args[7], args[8] = part_out.ptr, part_ml.ptr
-        args[9] = _split_counters(num_seqs * row_tiles * num_kv_heads, stream).ptr
-    args[14] = max_splits
+    args[13] = max_splits
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
     driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
-    workspace.offset = mark  # the partials are dead once the decode kernel (queued on this stream) has run
+    if max_splits > 1:
+        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits)
+        driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
+                      _MERGE_TYPES, stream, pdl=True)  # fmt: skip
+    workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
 
 
 def _function(kind: str, head_dim: int):
     fn = _functions.get((kind, head_dim))
     if fn is None:
         fn = runtime.kernel(FILE, f"attention_{kind}<{head_dim}>")
-        driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
+        if kind != "merge_splits":
+            driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
         _functions[(kind, head_dim)] = fn
     return fn
 

@@ -216,11 +216,6 @@ _configs = threading.local()
 _capturing = threading.local()
 
 
-def capturing() -> bool:
-    """Whether this thread is recording a graph (what it allocates or memsets now would not happen on replay)."""
-    return getattr(_capturing, "on", False)
-
-
 def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0, pdl: bool = False) -> None:
     """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p.
 
@@ -228,7 +223,7 @@ def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: i
     a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it."""
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    if not (pdl and PDL[0] and capturing()):
+    if not (pdl and PDL[0] and getattr(_capturing, "on", False)):
         check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
         return
     config = getattr(_configs, "config", None)

@@ -1,5 +1,5 @@
-// Paged causal grouped-query attention over an fp16 KV cache: a split-KV decode kernel (whose last CTA per
-// sequence and kv head merges the splits) and a tensor-core flash kernel for prefill chunks.
+// Paged causal grouped-query attention over an fp16 KV cache: a split-KV decode kernel, a tensor-core
+// flash kernel for prefill chunks, and the pass that merges decode splits.
 //
 // Layouts (per layer):
 //   q            float32 [num_tokens, num_heads, HD]     sequences back to back (query_starts)
@@ -27,9 +27,8 @@
 //                      the GPU (one CTA per split at batch 1: context 5,000 gives 27 x num_kv_heads busy
 //                      CTAs; one CTA per sequence and kv head at large batches), which changes who
 //                      computes a split, never what it computes.
-//                      With more than one split, each split's normalised partial output goes to workspace
-//                      and the last CTA of the (row tile, kv head) to finish merges them (merge_splits):
-//                      one kernel per decode step, not a second merge launch (~3 us each in a graph).
+//   attention_merge_splits: for decode sequences with more than one split, the log-sum-exp merge of the
+//                      splits' normalised partial outputs (written to workspace) into out.
 // A mixed batch launches both attention kernels; each skips the sequences the other one owns.
 //
 // Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
@@ -115,55 +114,14 @@ constexpr int tile_smem_bytes() {
   return STAGES * 2 * BLOCK_N * (HD + 8) * 2;
 }
 
-// The last of a decode row tile's `ctas` CTAs to finish merges its splits' normalised partials into out:
-// out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m), splits in order (whichever CTA is last, the
-// sums run in the same order). The CTAs count themselves on split_counters[(z, kv head)], which the last one
-// resets to 0 for the next launch; the fences order each CTA's partial stores before its count and the last
-// CTA's loads (through L2: __ldcg) after it.
-template <int HD, int ROWS, int NT>
-__device__ __forceinline__ void merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
-                                             const float2* __restrict__ part_ml, int* __restrict__ split_counters,
-                                             int ctas, int num_splits, int seq, int q_start, int kvh, int group,
-                                             int row_base, int num_rows, int num_heads, int max_splits) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = split_counters + (size_t)blockIdx.z * gridDim.y + blockIdx.y;
-    last = atomicAdd(counter, 1) == ctas - 1;
-    if (last) *counter = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
-    const int row = e / HD, d = e % HD;
-    const int r = row_base + row;
-    if (r >= num_rows) break;  // rows grow with e
-    const int head = kvh * group + r % group;
-    const size_t first = ((size_t)seq * num_heads + head) * max_splits;
-    float m = neg_inf();
-    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, __ldcg(part_ml + first + s).x);
-    float l = 0.f, acc = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      const float2 ml = __ldcg(part_ml + first + s);
-      const float w = ml.y * exp2f(ml.x - m);
-      l += w;
-      acc += w * __ldcg(part_out + (first + s) * HD + d);
-    }
-    out[((size_t)q_start * num_heads + head) * HD + d] = acc / l;
-  }
-}
-
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
 // keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
 template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
-    const int* __restrict__ query_starts, float* __restrict__ part_out, float2* __restrict__ part_ml,
-    int* __restrict__ split_counters, int num_heads, int num_kv_heads, int block_size, int max_blocks, int max_splits,
-    float scale_log2) {
+    const int* __restrict__ query_starts, float* __restrict__ part_out, float2* __restrict__ part_ml, int num_heads,
+    int num_kv_heads, int block_size, int max_blocks, int max_splits, float scale_log2) {
   constexpr int NT = 32 * WARPS_M * WARPS_N;
   constexpr int ROWS = 16 * WARPS_M;
   constexpr int NW = BLOCK_N / WARPS_N;  // keys of a tile one warp handles
@@ -433,9 +391,6 @@ __device__ __forceinline__ void attention_tile(
     }
     __syncthreads();  // the merge memory is the next split's tile memory
   }
-  if (DECODE && num_splits > 1 && (int)blockIdx.x < num_splits) merge_splits<HD, ROWS, NT>(
-      out, part_out, part_ml, split_counters, min((int)gridDim.x, num_splits), num_splits, seq, q_start, kvh,
-      group, row_base, num_rows, num_heads, max_splits);
 }
 
 }  // namespace
@@ -444,11 +399,11 @@ __device__ __forceinline__ void attention_tile(
   float *__restrict__ out, const float *__restrict__ q, const __half *__restrict__ k_cache,                     \
       const __half *__restrict__ v_cache, const int *__restrict__ block_tables,                                 \
       const int *__restrict__ context_lens, const int *__restrict__ query_starts, float *__restrict__ part_out, \
-      float2 *__restrict__ part_ml, int *__restrict__ split_counters, int num_heads, int num_kv_heads,           \
-      int block_size, int max_blocks, int max_splits, float scale_log2
+      float2 *__restrict__ part_ml, int num_heads, int num_kv_heads, int block_size, int max_blocks,            \
+      int max_splits, float scale_log2
 #define ATTENTION_ARGS                                                                                       \
-  out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, split_counters, num_heads, \
-      num_kv_heads, block_size, max_blocks, max_splits, scale_log2
+  out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, num_heads, num_kv_heads, \
+      block_size, max_blocks, max_splits, scale_log2
 
 // __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
 // Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 114 / 158; no spills on sm_80/89/90a.
@@ -466,4 +421,31 @@ template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
   pdl_enter();
   attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
+}
+
+// grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
+// splits in order. Only decode sequences (q_len == 1) with more than one split.
+template <int HD>
+__global__ void __launch_bounds__(HD)
+    attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
+                           const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
+                           const int* __restrict__ query_starts, int num_heads, int max_splits) {
+  pdl_enter();
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int q_start = query_starts[seq];
+  if (query_starts[seq + 1] - q_start != 1) return;
+  int partition;
+  const int num_splits = decode_splits(context_lens[seq], partition);
+  if (num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
+  const size_t first = ((size_t)seq * num_heads + head) * max_splits;
+  float m = neg_inf();
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[first + s].x);
+  float l = 0.f, acc = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float2 ml = part_ml[first + s];
+    const float w = ml.y * exp2f(ml.x - m);
+    l += w;
+    acc += w * part_out[(first + s) * HD + threadIdx.x];
+  }
+  out[((size_t)q_start * num_heads + head) * HD + threadIdx.x] = acc / l;
 }
