@@ -63,8 +63,10 @@ def main() -> None:
     shapes = [s for key in args.shapes.split(",") for s in SHAPES[key]]
     big_n = next(b for b in matvec.TOKEN_BUCKETS if b >= n)
     types = sorted({int(GGMLType[name]) for name, _, _ in shapes})
+    # n = 1: rows per warp and prefetch depth; batches (no prefetch ring): two or four rows per warp.
+    variants = [(rpw, a) for rpw in (1, 2) for a in (-1, 1, 2, 3, 4)] if big_n == 1 else [(2, -1), (4, -1)]
     runtime.declare(
-        "matvec.cu", [f"matvec_q<{t}, {big_n}, {rpw}, {a}>" for t in types for rpw in (1, 2) for a in (-1, 1, 2, 3, 4)]
+        "matvec.cu", [f"matvec_q<{t}, {big_n}, {rpw}, {a}>" for t in types for rpw, a in variants]
     )  # fmt: skip  (one compile for the whole sweep)
     for name, rows, cols in shapes:
         qtype = int(GGMLType[name])
@@ -83,13 +85,12 @@ def main() -> None:
             stream.synchronize()
             continue
         results = []
-        for rpw in (1, 2):
-            for ahead in (-1, 1, 2, 3, 4):
-                fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw}, {ahead}>")
-                for wpb in (1, 2, 4):
-                    us = time_variant(stream, fn, (-(-rows // (rpw * wpb)),), (32 * wpb,), ws, xq, xs, out, n)
-                    default = (rpw, wpb, ahead) == (rpw0, wpb0, ahead0)
-                    results.append((us, rpw, wpb, ahead, default))
+        for rpw, ahead in variants:
+            fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw}, {ahead}>")
+            for wpb in (1, 2, 4):
+                us = time_variant(stream, fn, (-(-rows // (rpw * wpb)),), (32 * wpb,), ws, xq, xs, out, n)
+                default = (rpw, wpb, ahead) == (rpw0, wpb0, ahead0)
+                results.append((us, rpw, wpb, ahead, default))
         results.sort()
         print(f"\n{name} {rows}x{cols} n={n}: {nbytes / 2**20:.1f} MiB, {len(ws)} copies; fastest first")
         print(f"{'us':>8} {'GB/s':>7}  rpw wpb ahead")

@@ -39,7 +39,7 @@ runtime.declare(
     SOURCE,
     ["matvec_quantize_x"]
     + [f"matvec_q<{t}, 1, {r}, {a}>" for t in QUANT_TYPES for r, a in N1_VARIANTS]
-    + [f"matvec_q<{t}, {n}, 2, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:]]
+    + [f"matvec_q<{t}, {n}, {r}, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
     + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()],
 )
 

@@ -60,6 +60,20 @@ __device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__usho
 __device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
 __device__ __forceinline__ uint32_t byte_of(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
 
+// Aligned weight loads that do not allocate in L1: each weight byte is read once, and the L1 is left to the
+// activations, which every row of a batched mat-vec re-reads (at N = 8-16 those re-reads, not the weights, bound
+// the kernel once they spill to L2).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ uint32_t ldg_u16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
 __device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
@@ -79,13 +93,13 @@ struct Win {
     if constexpr (MODE == 16) {
 #pragma unroll
       for (int i = 0; i < NW / 4; ++i) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        const uint4 v = ld_stream(reinterpret_cast<const uint4*>(p) + i);
         w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
       }
     } else if constexpr (MODE == 8) {
 #pragma unroll
       for (int i = 0; i < NW / 2; ++i) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + i);
+        const uint2 v = ld_stream(reinterpret_cast<const uint2*>(p) + i);
         w[2 * i] = v.x; w[2 * i + 1] = v.y;
       }
     } else if constexpr (MODE == 4) {
