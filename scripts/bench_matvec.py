@@ -34,11 +34,15 @@ def weights(qtype: int, rows: int, cols: int, copies: int, rng) -> list[QuantWei
     return [QuantWeight(from_host(blocks), qtype, rows, cols) for _ in range(copies)]
 
 
+def launch_args(out, w, xq, xs, n) -> tuple:
+    """matvec_q's arguments for one matrix (a single segment)."""
+    return (matvec.segments([out], [w], [None]), xq.ptr, xs.ptr, n, w.cols, w.data.shape[1])
+
+
 def time_variant(stream, fn, grid, block, ws, xq, xs, out, n) -> float:
     def launch_all():
         for w in ws:
-            args = (out.ptr, w.data.ptr, xq.ptr, xs.ptr, 0, n, w.rows, w.cols, w.data.shape[1])
-            driver.launch(fn, grid, block, args, ARGS, stream, pdl=True)
+            driver.launch(fn, grid, block, launch_args(out, w, xq, xs, n), ARGS, stream, pdl=True)
 
     graph = driver.Graph(stream, launch_all)
     graph.replay(stream)
@@ -80,7 +84,7 @@ def main() -> None:
         big_n, rpw0, wpb0, ahead0 = matvec.plan(rows, n, sms, qtype, cols // matvec.UNIT_ELEMS.get(qtype, 32))
         if args.once:
             fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw0}, {ahead0}>")
-            args_ = (out.ptr, ws[0].data.ptr, xq.ptr, xs.ptr, 0, n, rows, cols, ws[0].data.shape[1])
+            args_ = launch_args(out, ws[0], xq, xs, n)
             driver.launch(fn, (-(-rows // (rpw0 * wpb0)),), (32 * wpb0,), args_, ARGS, stream)
             stream.synchronize()
             continue

@@ -155,6 +155,10 @@ class _TimedOps:
             if name == "linear":
                 w = args[1]
                 label = f"linear {_type_name(w)} {w.rows}x{w.cols}"
+            elif name == "linears":
+                ws = args[1]
+                types, rows = "+".join(_type_name(w) for w in ws), "+".join(str(w.rows) for w in ws)
+                label = f"linears {types} {rows}x{ws[0].cols}"
             start = self._timer.mark()
             result = fn(*args, **kwargs)
             self.marks.append((label, start, self._timer.mark()))

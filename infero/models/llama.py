@@ -102,9 +102,10 @@ class LlamaModel:
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
-            q = ops.linear(h, layer.wq, layer.bq).reshape(n, c.num_heads, c.head_dim)
-            k = ops.linear(h, layer.wk, layer.bk).reshape(n, c.num_kv_heads, c.head_dim)
-            v = ops.linear(h, layer.wv, layer.bv).reshape(n, c.num_kv_heads, c.head_dim)
+            q, k, v = ops.linears(h, (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv))
+            q = q.reshape(n, c.num_heads, c.head_dim)
+            k = k.reshape(n, c.num_kv_heads, c.head_dim)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
@@ -112,7 +113,8 @@ class LlamaModel:
             attn = ops.attention(q, cache, i, batch, self.scale)
             x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
             h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
-            x = ops.linear(ops.swiglu(ops.linear(h, layer.w_gate), ops.linear(h, layer.w_up)), layer.w_down)
+            gate, up = ops.linears(h, (layer.w_gate, layer.w_up))
+            x = ops.linear(ops.swiglu(gate, up), layer.w_down)
         rows = batch.logits_indices
         x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
         h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)

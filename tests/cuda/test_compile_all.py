@@ -43,3 +43,21 @@ def test_compiled_kernels_are_found_in_the_disk_cache(tmp_path, monkeypatch):
     assert not compiler.is_cached("embedding.cu", "sm_80", names)
     again = compiler.compile_cached("embedding.cu", "sm_90a", None, names)
     assert again.cubin == first.cubin and again.lowered == first.lowered
+
+
+def test_matvec_segments_layout_matches_the_kernel():
+    """matvec_q takes its matrices as one struct by value: the launcher's ctypes copy must lay it out exactly as
+    the kernel's mv::Segments (checked by static_asserts compiled against matvec.cu)."""
+    import ctypes
+
+    from infero.backends.cuda import matvec
+
+    segments = matvec.Segments
+    checks = [f"static_assert(sizeof(mv::Segments) == {ctypes.sizeof(segments)}, \"size\");",
+              f"static_assert(alignof(mv::Segments) == {ctypes.alignment(segments)}, \"alignment\");",
+              f"static_assert(mv::MAX_SEGMENTS == {matvec.MAX_SEGMENTS}, \"segments\");"]  # fmt: skip
+    for field, _ in segments._fields_:
+        offset = getattr(segments, field).offset
+        checks.append(f'static_assert(__builtin_offsetof(mv::Segments, {field}) == {offset}, "{field}");')
+    source = (compiler.KERNEL_DIR / "matvec.cu").read_text() + "\n" + "\n".join(checks) + "\n"
+    compiler.compile_source(source, "matvec.cu", "sm_90a")  # raises CompileError naming a failed assert

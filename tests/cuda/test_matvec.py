@@ -48,11 +48,11 @@ CASES = (
 
 
 @functools.cache
-def weight_case(qtype: Q, rows: int, cols: int):
+def weight_case(qtype: Q, rows: int, cols: int, seed: int = 0):
     """(QuantWeight on the GPU, float64 dequantized [rows, cols]) for random valid blocks of qtype."""
     from infero.backends.cuda.tensor import QuantWeight, from_host
 
-    rng = np.random.default_rng(rows * 7919 + cols * 31 + int(qtype))
+    rng = np.random.default_rng(rows * 7919 + cols * 31 + int(qtype) + 1_000_003 * seed)
     data, _ = encode_weight(rng.normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype, rng)
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
     w = np.asarray(dequantize(raw, qtype), np.float64).reshape(rows, cols)
@@ -97,6 +97,24 @@ def run_matvec(weight, x, bias: np.ndarray | None) -> np.ndarray:
     assert ws.offset == 0, "matvec must hand its scratch back"
     stream.synchronize()
     return out.to_host()
+
+
+def run_matvec_many(weights, x: np.ndarray, biases) -> list[np.ndarray]:
+    """matvec_many's outputs for x (numpy), each poisoned with NaN before the launch."""
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    stream = runtime.stream()
+    n = x.shape[0]
+    outs = [empty((n, w.rows), np.float32) for w in weights]
+    for out in outs:
+        driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)
+    ws = Workspace(n * weights[0].cols * 3 + (1 << 16))
+    bd = [from_host(b.astype(np.float32)) if b is not None else None for b in biases]
+    matvec.matvec_many(outs, weights, from_host(np.ascontiguousarray(x, np.float32)), bd, stream, ws)
+    assert ws.offset == 0, "matvec_many must hand its scratch back"
+    stream.synchronize()
+    return [out.to_host() for out in outs]
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
@@ -274,3 +292,65 @@ def test_matvec_rejects_more_than_16_tokens(gpu):
     out = empty((17, 64), np.float32)
     with pytest.raises(ValueError, match="at most 16"):
         matvec.matvec(out, weight, x, None, runtime.stream(), Workspace(1 << 16))
+
+
+# One launch for several matrices that read the same x (q/k/v, gate/up). Segment row counts that are odd or not
+# multiples of a block's rows check that no warp straddles two matrices; equal row counts get different weights
+# (seed), so a swapped segment shows. The grouped launch is planned on the total rows, so it often runs another
+# variant than the separate ones: bitwise equality also pins the variant-independent reduction order.
+GROUPS = [
+    (Q.Q8_0, (896, 128, 128), 896, (True, True, True)),  # Qwen2.5-0.5B's q/k/v, with their biases
+    (Q.Q8_0, (4864, 4864), 896, (False, False)),  # its gate/up
+    (Q.Q4_K, (1024, 4096, 4096), 4096, (False, False, False)),
+    (Q.Q6_K, (999, 1001), 1024, (False, True)),
+    (Q.IQ4_NL, (3, 257, 65), 512, (True, False, True)),
+    (Q.Q3_K, (129, 7, 300), 2048, (False, True, False)),
+]
+
+
+@pytest.mark.parametrize(
+    "qtype, rows, cols, with_bias", GROUPS, ids=[f"{t.name}-{'+'.join(map(str, r))}x{c}" for t, r, c, _ in GROUPS]
+)
+def test_grouped_matvec_is_bitwise_the_separate_matvecs(gpu, qtype, rows, cols, with_bias):
+    weights = [weight_case(qtype, r, cols, seed=i)[0] for i, r in enumerate(rows)]
+    rng = np.random.default_rng(sum(rows) + cols)
+    biases = [
+        rng.normal(0, 0.5, size=r).astype(np.float32) if b else None for r, b in zip(rows, with_bias, strict=True)
+    ]
+    x = rng.normal(0, 1, size=(16, cols)).astype(np.float32)
+    failures = []
+    for n in (1, 3, 16):
+        grouped = run_matvec_many(weights, x[:n], biases)
+        for i, (weight, bias, out) in enumerate(zip(weights, biases, grouped, strict=True)):
+            alone = run_matvec(weight, x[:n], bias)
+            label = f"{qtype.name} segment {i} ({weight.rows}x{cols}) n={n}"
+            if np.isnan(out).any():
+                failures.append(f"{label}: {int(np.isnan(out).sum())} NaN (unwritten) elements")
+            differ = np.argwhere(out.view(np.uint32) != alone.view(np.uint32))
+            if len(differ):
+                t, r = differ[0]
+                failures.append(f"{label}: {len(differ)} elements differ from the separate launch, first (token "
+                                f"{t}, row {r}): {out[t, r]!r} grouped vs {alone[t, r]!r} alone")  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+def test_grouped_matvec_rejects_what_one_launch_cannot_take(gpu):
+    from infero.backends.cuda import matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty
+
+    q8, q4k, wide, f32 = (weight_case(Q.Q8_0, 64, 256)[0], weight_case(Q.Q4_K, 64, 256)[0],
+                          weight_case(Q.Q8_0, 64, 512)[0], weight_case(Q.F32, 64, 256)[0])  # fmt: skip
+    x = empty((2, 256), np.float32)
+
+    def call(*weights):
+        outs = [empty((2, w.rows), np.float32) for w in weights]
+        matvec.matvec_many(outs, list(weights), x, None, runtime.stream(), Workspace(1 << 16))
+
+    with pytest.raises(ValueError, match="one type and one width"):
+        call(q8, q4k)
+    with pytest.raises(ValueError, match="one type and one width"):
+        call(q8, wide)
+    with pytest.raises(ValueError, match="1 to 3"):
+        call(q8, q8, q8, q8)
+    with pytest.raises(ValueError, match="float weights"):
+        call(f32, f32)

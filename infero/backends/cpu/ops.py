@@ -65,6 +65,11 @@ class CpuOps:
             y[i] = x[i] @ wt
         return y if bias is None else y + bias
 
+    def linears(self, x: np.ndarray, weights, biases=None) -> list[np.ndarray]:
+        """[linear(x, w, b) for each weight] (the CUDA backend shares launches between them)."""
+        biases = (None,) * len(weights) if biases is None else biases
+        return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 

@@ -217,7 +217,8 @@ _capturing = threading.local()
 
 
 def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0, pdl: bool = False) -> None:
-    """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p.
+    """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p; a struct passed by
+    value is a ctypes.Structure typed None (cuda.bindings passes its address; the launch copies its bytes).
 
     pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so inside
     a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it."""

@@ -7,6 +7,9 @@ the packed weights with __dp4a and combines them in integers. Float weights
 (F32/F16/BF16) multiply float32 activations. Each weight byte is read once for all n tokens. The variant (tokens
 N, rows per warp RPW, warps per block) is chosen from n and the matrix shape; each output element's reduction
 order depends on none of them, so results are bitwise batch invariant.
+
+matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
+give: a layer's q/k/v and gate/up take two launches instead of five (~2.5 us each in a CUDA graph on the H200).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 
 from infero.backends.cuda import driver, runtime
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
+from infero.checkpoint.tensor_types import GGMLType
 
 SOURCE = "matvec.cu"
 MAX_TOKENS = 16
@@ -43,11 +47,21 @@ runtime.declare(
     + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()],
 )
 
+MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_Q_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _L)
+
+
+class Segments(ctypes.Structure):
+    """matvec.cu's mv::Segments, passed to matvec_q by value (unused segments: rows 0)."""
+
+    _fields_ = [("weight", _P * MAX_SEGMENTS), ("bias", _P * MAX_SEGMENTS), ("out", _P * MAX_SEGMENTS),
+                ("rows", _I * MAX_SEGMENTS)]  # fmt: skip
+
+
+_Q_ARGS = (None, _P, _P, _I, _I, _L)  # None: a ctypes.Structure, passed by value (driver.launch)
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
-_launches: dict[tuple[int, int, int], tuple] = {}  # (type, rows, n) -> (function, grid, block)
+_launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n) -> (function, grid, block)
 _functions: dict[str, object] = {}
 _num_sms: list[int] = []
 
@@ -116,6 +130,29 @@ def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver
                   (xq.ptr, xs.ptr, x.ptr, n, cols), _QUANTIZE_ARGS, stream, pdl=True)  # fmt: skip
 
 
+def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[DeviceTensor | None]) -> Segments:
+    """The Segments argument of matvec_q for these matrices (at most MAX_SEGMENTS)."""
+    seg = Segments()
+    for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+        seg.weight[i], seg.out[i], seg.rows[i] = weight.data.ptr, out.ptr, weight.rows
+        seg.bias[i] = bias.ptr if bias is not None else None
+    return seg
+
+
+def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
+    """(function, grid, block) of matvec_q for matrices of these row counts, planned on the rows their warps
+    cover together (each matrix but the last rounded up to the largest rows per warp)."""
+    key = (t, rows, n)
+    launch = _launches.get(key)
+    if launch is None:
+        covered = sum(-(-r // 2) * 2 for r in rows[:-1]) + rows[-1]
+        big_n, rpw, wpb, ahead = plan(covered, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
+        warps = sum(-(-r // rpw) for r in rows)
+        fn = _kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>")
+        launch = _launches[key] = (fn, (-(-warps // wpb),), (32 * wpb,))
+    return launch
+
+
 def matvec(
     out: DeviceTensor,
     weight: QuantWeight,
@@ -128,6 +165,9 @@ def matvec(
     """out [n, rows] float32 = x [n, cols] float32 @ dequant(weight)^T (+ bias [rows]), 1 <= n <= 16.
     quantized: (xq, xs) already holding x in the activation format (see quantize); else the block formats
     quantize x into the workspace first. Float weights read x itself."""
+    if weight.ggml_type not in FLOAT_TYPES:
+        _matvec_q("matvec", [out], [weight], x, [bias], stream, workspace, quantized)
+        return
     t, rows, cols = weight.ggml_type, weight.rows, weight.cols
     n = x.shape[0]
     error = _check(out, weight, x, bias)
@@ -135,20 +175,42 @@ def matvec(
         raise ValueError(f"matvec: {error}")
     if n == 0 or rows == 0:
         return
-    key = (t, rows, n)
+    key = (t, (rows,), n)
     launch = _launches.get(key)
     if launch is None:
-        big_n, rpw, wpb, ahead = plan(rows, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
-        expression = f"matvec_f<{t}, {big_n}, {rpw}>" if t in FLOAT_TYPES else f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>"
-        launch = _launches[key] = (_kernel(expression), (-(-rows // (rpw * wpb)),), (32 * wpb,))
+        big_n, rpw, wpb, _ = plan(rows, n, _sms(), t)
+        launch = _launches[key] = (_kernel(f"matvec_f<{t}, {big_n}, {rpw}>"), (-(-rows // (rpw * wpb)),), (32 * wpb,))
     fn, grid, block = launch
     row_bytes = weight.data.shape[1]
-    bias_ptr = bias.ptr if bias is not None else 0
-    if t in FLOAT_TYPES:
-        vec = int(x.ptr % 16 == 0 and weight.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
-        args = (out.ptr, weight.data.ptr, x.ptr, bias_ptr, n, rows, cols, row_bytes, vec)
-        driver.launch(fn, grid, block, args, _F_ARGS, stream, pdl=True)
+    vec = int(x.ptr % 16 == 0 and weight.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
+    args = (out.ptr, weight.data.ptr, x.ptr, bias.ptr if bias is not None else 0, n, rows, cols, row_bytes, vec)
+    driver.launch(fn, grid, block, args, _F_ARGS, stream, pdl=True)
+
+
+def matvec_many(
+    outs: list[DeviceTensor],
+    weights: list[QuantWeight],
+    x: DeviceTensor,
+    biases: list[DeviceTensor | None] | None,
+    stream: driver.Stream,
+    workspace: Workspace,
+    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
+) -> None:
+    """outs[i] [n, rows_i] = x [n, cols] @ dequant(weights[i])^T (+ biases[i]) for 1 to MAX_SEGMENTS block-format
+    matrices of one type and cols, in one launch; bitwise what matvec gives for each. quantized: as for matvec."""
+    biases = [None] * len(weights) if biases is None else list(biases)
+    _matvec_q("matvec_many", list(outs), list(weights), x, biases, stream, workspace, quantized)
+
+
+def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized) -> None:
+    error = _check_many(outs, weights, x, biases)
+    if error:
+        raise ValueError(f"{name}: {error}")
+    n, rows = x.shape[0], tuple(w.rows for w in weights)
+    if n == 0 or sum(rows) == 0:
         return
+    t, cols = weights[0].ggml_type, weights[0].cols
+    fn, grid, block = _launch_q(t, rows, n, cols)
     mark = workspace.offset
     if quantized is None:
         q_shape, s_shape = activation_shapes(n, cols)
@@ -156,10 +218,32 @@ def matvec(
         quantize(*quantized, x, stream)
     xq, xs = quantized
     if (xq.shape, xs.shape) != activation_shapes(n, cols):
-        raise ValueError(f"matvec: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
-    args = (out.ptr, weight.data.ptr, xq.ptr, xs.ptr, bias_ptr, n, rows, cols, row_bytes)
+        raise ValueError(f"{name}: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
+    args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1])
     driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
+
+
+def _check_many(
+    outs: list[DeviceTensor], weights: list[QuantWeight], x: DeviceTensor, biases: list[DeviceTensor | None]
+) -> str | None:
+    """What is wrong with a grouped call's arguments, or None."""
+    if not 1 <= len(weights) <= MAX_SEGMENTS:
+        return f"{len(weights)} weights; one launch takes 1 to {MAX_SEGMENTS}"
+    if len(outs) != len(weights) or len(biases) != len(weights):
+        return f"{len(weights)} weights need as many outs and biases, got {len(outs)} and {len(biases)}"
+    first = weights[0]
+    if first.ggml_type in FLOAT_TYPES:
+        return f"float weights ({_type_name(first.ggml_type)}) take matvec, one matrix per launch"
+    for i, w in enumerate(weights[1:], 1):
+        if (w.ggml_type, w.cols, w.data.shape[1]) != (first.ggml_type, first.cols, first.data.shape[1]):
+            return (f"weight {i} ({_type_name(w.ggml_type)}, {w.cols} columns) differs from weight 0 "
+                    f"({_type_name(first.ggml_type)}, {first.cols} columns); one launch takes one type and one "
+                    "width: run the others separately")  # fmt: skip
+    for i, (out, w, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+        if (error := _check(out, w, x, bias)) is not None:
+            return error if len(weights) == 1 else f"weight {i}: {error}"
+    return None
 
 
 def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: DeviceTensor | None) -> str | None:
@@ -181,3 +265,7 @@ def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: Device
     if t not in FLOAT_TYPES and x.ptr % 16:
         return "x must be 16-byte aligned for the block formats"
     return None
+
+
+def _type_name(t: int) -> str:
+    return GGMLType(t).name if t in GGMLType.__members__.values() else f"GGML type {t}"

@@ -121,6 +121,28 @@ class CudaOps:
             gemm.gemm(out, weight, x, bias, self.stream, self.ws)
         return out
 
+    def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
+        """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
+        (q/k/v, gate/up; a launch costs ~2.5 us in a graph): bitwise what separate launches give."""
+        biases = (None,) * len(weights) if biases is None else tuple(biases)
+        if x.shape[0] > MATVEC_MAX_TOKENS:
+            return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        outs: list = [None] * len(weights)
+        groups: dict[tuple[int, int], list[int]] = {}  # Q4_K_M stores some layers' V as Q6_K: Q and K still share
+        for i, w in enumerate(weights):
+            if w.ggml_type in matvec.FLOAT_TYPES:
+                outs[i] = self.linear(x, w, biases[i])
+            else:
+                groups.setdefault((w.ggml_type, w.cols), []).append(i)
+        for members in groups.values():
+            for start in range(0, len(members), matvec.MAX_SEGMENTS):
+                group = members[start : start + matvec.MAX_SEGMENTS]
+                for i in group:
+                    outs[i] = self.ws.empty((x.shape[0], weights[i].rows), np.float32)
+                matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
+                                   [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
+        return outs
+
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)
         aligned = out.ptr % 16 == 0 and gate.ptr % 16 == 0 and up.ptr % 16 == 0

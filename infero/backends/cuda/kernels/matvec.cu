@@ -1,8 +1,11 @@
 // Mat-vec for decode and small batches: out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias), n <= 16,
-// streaming each weight byte once for all n tokens.
+// streaming each weight byte once for all n tokens. matvec_q takes up to three such matrices that read the same x
+// (q/k/v, gate/up) in one launch: at ~2.5 us per launch in a graph on the H200, launches are most of a small
+// model's decode step.
 //
 // Layouts. W: GGUF blocks of type T, [rows, row_bytes] row-major exactly as the file stores them (tensor base
 // 16-byte aligned). x: float32 [n, cols] row-major. bias: float32 [rows] or null. out: float32 [n, rows].
+// matvec_q's segments (mv::Segments) share T, cols and row_bytes; each has its own W, bias, out and rows.
 //
 // Block formats go through integers. matvec_quantize_x first writes each activation row as two int8 planes in
 // 32-element groups: plane 0 is x itself (q0 = rint(x / d0), d0 = amax / 127, 0 where d0 = 0), plane 1 the
@@ -14,7 +17,8 @@
 // token, plane).
 // F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA.
 //
-// Threads. One warp computes RPW consecutive rows for all N tokens; blocks hold 1, 2 or 4 warps (the launcher
+// Threads. One warp computes RPW consecutive rows of one segment for all N tokens; the warps cover the segments
+// one after another, each segment's rows rounded up to a whole warp. Blocks hold 1, 2 or 4 warps (the launcher
 // picks the most that still gives a grid of at least 2 blocks per SM). Lane l walks the row in units
 // l, l + 32, ... (a unit: one 32-element block for the 32-element formats and IQ4_XS; 16 bytes of the quant
 // array for the K-quants: 32 elements for Q4_K/Q5_K/Q6_K, 64 for Q2_K/Q3_K; 8 elements for float weights), so
@@ -33,8 +37,9 @@
 // units in increasing unit order (one __fadd_rn per unit; a unit's contribution is a fixed expression of exact
 // integer dot products and the fp16/fp32 scales, written with _rn intrinsics so no FMA contraction can differ
 // between instantiations), then the 32 lane sums are combined by a fixed xor butterfly (offsets 16, 8, 4, 2,
-// 1), then bias is added once. Nothing depends on n, N, RPW or the block size: a row's result is bitwise the
-// same for every batch width and position in the batch. The activation quantization is per token.
+// 1), then bias is added once. Nothing depends on n, N, RPW, the block size or the other segments of the launch:
+// a row's result is bitwise the same for every batch width and position in the batch, and whether its matrix
+// runs alone or grouped. The activation quantization is per token.
 //
 // Numerics. The integer dots are exact; a unit's scale products and the sums are fp32. One int8 plane alone
 // (d = amax / 127) leaves rms d / sqrt(12) per element: ~0.54% of a Gaussian row's rms, and 0.6-1.2% on real LLM
@@ -589,6 +594,24 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __rest
     }
 }
 
+// The matrices of one matvec_q launch, passed by value (__grid_constant__: read in place from the parameter
+// bank): all of type T with the same cols and row_bytes; unused segments have rows 0. pick() selects among
+// constant indices; of the forms tried (a variable index, a search loop, no __grid_constant__) this one left the
+// fewest added registers and spills in ptxas' allocation of the hot instantiations.
+constexpr int MAX_SEGMENTS = 3;
+struct Segments {
+  const uint8_t* weight[MAX_SEGMENTS];
+  const float* bias[MAX_SEGMENTS];
+  float* out[MAX_SEGMENTS];
+  int rows[MAX_SEGMENTS];
+};
+
+template <class V>
+__device__ __forceinline__ V pick(const V (&v)[MAX_SEGMENTS], int s) {
+  static_assert(MAX_SEGMENTS == 3, "pick selects among three");
+  return s == 0 ? v[0] : s == 1 ? v[1] : v[2];
+}
+
 }  // namespace mv
 
 // x float32 [n, cols] -> the activation format of act_quant.cuh (two int8 planes; the error is at most
@@ -612,12 +635,12 @@ extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* 
   aq::quantize_store<8>(v, live, xq, xs, n, cols, row, 8 * i - row * cols);
 }
 
-// Block formats. grid: ceil(rows / (RPW * warps per block)), block: 32 * warps per block (<= 128).
+// Block formats. grid: ceil(sum over segments of ceil(rows / RPW) / warps per block), block: 32 * warps per block
+// (<= 128).
 template <int T, int N, int RPW, int AHEAD_ = -1>
-__global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const uint8_t* __restrict__ weight,
+__global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segments seg,
                                                 const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                const float* __restrict__ bias, int n, int rows, int cols,
-                                                long long row_bytes) {
+                                                int n, int cols, long long row_bytes) {
   using U = mv::Unit<T>;
   // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
   // keep more warps resident instead), one up to N = 4, none from N = 8 on (there __dp4a issue, not memory, binds).
@@ -625,8 +648,13 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
   constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
   const int lane = threadIdx.x & 31;
   const int k = lane & 7;  // u % 8 for every unit u this lane visits (u = lane + 32 i): the unit's slot in its block
-  const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW;
+  // This warp's segment s (segment i's warps follow segment i - 1's) and its first row there.
+  const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
+  const int s = (warp >= end0) + (warp >= end1);
+  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
   if (row0 >= rows) return;
+  const uint8_t* weight = mv::pick(seg.weight, s);
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
@@ -675,7 +703,7 @@ __global__ void __launch_bounds__(128) matvec_q(float* __restrict__ out, const u
       }
     }
   }
-  mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
+  mv::reduce_store<N, RPW>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, lane);
 }
 
 // Float weights: lane l walks 8-element units l, l + 32, ...; within a unit the 8 products are accumulated in

@@ -1,0 +1,78 @@
+"""CudaOps.linears groups matrices into mat-vec launches: one per block format and width (at most three
+matrices each), float weights and more than 16 tokens one linear call per matrix. Runs without a GPU: the
+launchers are replaced by recorders."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from infero.backends.cuda import matvec
+from infero.backends.cuda.ops import CudaOps
+from infero.checkpoint.tensor_types import GGMLType as T
+
+
+class _Workspace:
+    generation = 0
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """(ops, calls): calls lists ("many", [weight indices]) and ("linear", index) in launch order."""
+    calls = []
+    monkeypatch.setattr(matvec, "matvec_many", lambda outs, weights, *rest: calls.append(
+        ("many", [w.index for w in weights], [o.shape for o in outs])))  # fmt: skip
+
+    def linear(self, x, weight, bias=None):
+        calls.append(("linear", weight.index))
+        return np.empty((x.shape[0], weight.rows), np.float32)
+
+    monkeypatch.setattr(CudaOps, "linear", linear)
+    ops = CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None))
+    return ops, calls
+
+
+def activations(n: int, cols: int = 256):
+    return SimpleNamespace(ptr=1 << 20, shape=(n, cols))
+
+
+def weights(*types, cols=256):
+    return [SimpleNamespace(index=i, ggml_type=int(t), rows=32 * (i + 1), cols=cols) for i, t in enumerate(types)]
+
+
+@pytest.mark.parametrize(
+    "types, launches",
+    [
+        ((T.Q8_0, T.Q8_0, T.Q8_0), [("many", [0, 1, 2])]),
+        ((T.Q4_K, T.Q4_K, T.Q6_K), [("many", [0, 1]), ("many", [2])]),  # Q4_K_M's Q6_K layers of V
+        ((T.Q4_K, T.Q6_K, T.Q4_K), [("many", [0, 2]), ("many", [1])]),
+        ((T.F16, T.Q8_0, T.Q8_0), [("linear", 0), ("many", [1, 2])]),
+        ((T.Q8_0,) * 4, [("many", [0, 1, 2]), ("many", [3])]),
+    ],
+)
+def test_linears_share_one_launch_per_type_and_width(recorded, types, launches):
+    ops, calls = recorded
+    ws = weights(*types)
+    outs = ops.linears(activations(3), ws)
+    assert [c[:2] for c in calls] == launches
+    assert [o.shape for o in outs] == [(3, w.rows) for w in ws]  # in the order of the weights
+    for call in calls:
+        if call[0] == "many":
+            assert call[2] == [(3, ws[i].rows) for i in call[1]]
+
+
+def test_linears_of_different_widths_launch_apart(recorded):
+    ops, calls = recorded
+    ws = weights(T.Q8_0, T.Q8_0)
+    ws[1].cols = 512
+    ops.linears(activations(1), ws)
+    assert [c[:2] for c in calls] == [("many", [0]), ("many", [1])]
+
+
+def test_linears_beyond_the_matvec_take_one_gemm_each(recorded):
+    ops, calls = recorded
+    ops.linears(activations(17), weights(T.Q8_0, T.Q8_0))
+    assert calls == [("linear", 0), ("linear", 1)]
