@@ -141,11 +141,11 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
 
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block) of matvec_q for matrices of these row counts, planned on the rows their warps
-    cover together (each matrix but the last rounded up to the largest rows per warp)."""
+    cover together (each matrix but the last rounded up to the most rows per warp a variant has)."""
     key = (t, rows, n)
     launch = _launches.get(key)
     if launch is None:
-        covered = sum(-(-r // 2) * 2 for r in rows[:-1]) + rows[-1]
+        covered = sum(-(-r // 4) * 4 for r in rows[:-1]) + rows[-1]
         big_n, rpw, wpb, ahead = plan(covered, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
         warps = sum(-(-r // rpw) for r in rows)
         fn = _kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>")
