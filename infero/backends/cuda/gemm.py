@@ -19,7 +19,7 @@ from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, SUPPORTED_TYPES, GGMLT
 
 SOURCE = "gemm.cu"
 SLICE = 64  # k per main-loop step (BK in gemm.cu)
-TILES = ((32, 64), (128, 128), (128, 256))  # (weight rows, tokens) per block, smallest first
+TILES = ((16, 64), (32, 64), (128, 128), (128, 256))  # (weight rows, tokens) per block, smallest first
 TYPES = tuple(sorted(int(t) for t in SUPPORTED_TYPES))
 
 runtime.declare(SOURCE, [f"gemm<{t}, {bm}, {bn}>" for t in TYPES for bm, bn in TILES])
@@ -77,16 +77,18 @@ def _gemm_function(ggml_type: int, tile: tuple[int, int]) -> tuple[object | None
 
 # Per tile, measured on the H200 (Q4_K, Q6_K, Q8_0; k = 4096): (us for one block alone on an SM, us per further
 # block per SM once the grid fills them). Time ~ max(alone, ceil(blocks / SMs) * further); k scales both alike.
-# (A 128 x 64 tile never beat these three by more than a few percent.)
-_TILE_COST = {(32, 64): (47, 18), (128, 128): (120, 87), (128, 256): (155, 147)}
+# The two small tiles (4 stages) from scripts/bench_gemm.py at n = 8..32 on llama-3.1-8b's shapes; the large
+# ones from the first sweep (a 128 x 64 tile never beat them by more than a few percent).
+_TILE_COST = {(16, 64): (28, 14), (32, 64): (50, 27.5), (128, 128): (120, 87), (128, 256): (155, 147)}
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_tile(n: int, rows: int) -> tuple[int, int]:
     """The block tile for an [n, rows] output; every tile gives the same bits, only the time differs.
 
-    Small grids want the 32-row tile (more blocks, each short); full grids want the 256-token tile (it
-    dequantizes each weight once per 256 tokens and reuses each activation tile for 128 rows).
+    Small batches want the 16- and 32-row tiles (more blocks, each short: a block's slices are a latency
+    chain); full grids want the 256-token tile (it dequantizes each weight once per 256 tokens and reuses each
+    activation tile for 128 rows).
     """
     if not _num_sms:
         _num_sms.append(runtime.context().info.num_sms)

@@ -106,6 +106,12 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
             rpw = 1
     elif big_n == 1:
         rpw = 1 if rows < 16 * num_sms else 2
+    elif big_n >= 8 and t not in FLOAT_TYPES:
+        # Batches re-read each token's activations per row: four rows per warp halve that traffic, which binds at
+        # N = 16 and on long or Q6_K rows at N = 8; short Q4_K matrices keep the occupancy of two (sweep, n = 8, 16).
+        few = rows <= 16 * num_sms and t not in _LARGE_UNIT_TYPES
+        if not few and (big_n == 16 or t in _LARGE_UNIT_TYPES or rows >= 64 * num_sms):
+            rpw = 4
     warps = -(-rows // rpw)
     wpb = 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1
     return big_n, rpw, wpb, ahead

@@ -22,6 +22,11 @@ struct ActScale {
 
 namespace aq {
 
+// The low bytes of four ints, a in the lowest.
+__device__ __forceinline__ uint32_t pack4(int a, int b, int c, int d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
 // Quantize this lane's V values of element e0 (a multiple of V) of row `row`. A group's 32 values lie V per
 // lane in LANES = 32 / V consecutive lanes (the group's first lane at a multiple of LANES); all 32 lanes of the
 // warp must call. live: whether the values exist (lanes past the row's end take part in the shuffles, writing
@@ -57,8 +62,8 @@ __device__ __forceinline__ void quantize_store(const float (&v)[V], bool live, i
   uint32_t w0[V / 4], w1[V / 4];
 #pragma unroll
   for (int i = 0; i < V / 4; ++i) {
-    w0[i] = __byte_perm(__byte_perm(q0[4 * i], q0[4 * i + 1], 0x0040), __byte_perm(q0[4 * i + 2], q0[4 * i + 3], 0x0040), 0x5410);
-    w1[i] = __byte_perm(__byte_perm(q1[4 * i], q1[4 * i + 1], 0x0040), __byte_perm(q1[4 * i + 2], q1[4 * i + 3], 0x0040), 0x5410);
+    w0[i] = pack4(q0[4 * i], q0[4 * i + 1], q0[4 * i + 2], q0[4 * i + 3]);
+    w1[i] = pack4(q1[4 * i], q1[4 * i + 1], q1[4 * i + 2], q1[4 * i + 3]);
   }
   int8_t* p0 = xq + at;
   int8_t* p1 = xq + (long long)n * cols + at;

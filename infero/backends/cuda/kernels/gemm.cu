@@ -5,10 +5,10 @@
 // exactly as the file stores them. bias: float32 [rows] or null. out: float32 [n, rows] row-major.
 //
 // Tiling. A block computes BM weight rows x BN tokens: 128 x 128 and 128 x 256 (8 / 16 warps of 64 x 32) for
-// large batches, 32 x 64 (4 warps of 32 x 16) for small ones; the launcher picks by shape. Each warp holds
-// MI x NI fp32 accumulator tiles of mma.sync.m16n8k16 (fp16 x fp16 -> fp32), A = weights, B = activations,
-// both fed by ldmatrix.x4 from shared memory (144-byte rows: conflict-free). The k loop walks 64-wide slices;
-// iteration s (one barrier) does:
+// large batches, 32 x 64 and 16 x 64 (4 warps of 32 x 16 / 16 x 16) for small ones; the launcher picks by
+// shape. Each warp holds MI x NI fp32 accumulator tiles of mma.sync.m16n8k16 (fp16 x fp16 -> fp32), A =
+// weights, B = activations, both fed by ldmatrix.x4 from shared memory (144-byte rows: conflict-free). The k
+// loop walks 64-wide slices; iteration s (one barrier) does:
 //   1. cp.async (16-byte, L2 only) of slice s + AHEAD's activations (BN x 64 fp16) and, when a new raw stage
 //      starts at slice s + AHEAD + 1, of that stage's raw weight bytes (BM rows x max(64, block elements) k:
 //      one K-quant block, two 32-element blocks or 64 floats per row), into rings of STAGES = AHEAD + 1
