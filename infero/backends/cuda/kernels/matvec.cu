@@ -1,35 +1,36 @@
 // Mat-vec for decode and small batches: out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias), n <= 16,
 // streaming each weight byte once for all n tokens. matvec_q takes up to three such matrices that read the same x
-// (q/k/v, gate/up) in one launch: at ~2.5 us per launch in a graph on the H200, launches are most of a small
-// model's decode step.
+// (q/k/v, gate/up) in one launch (fewer graph nodes; on the H200 PDL already hid most of the launch gaps, so the
+// measured gain was small).
 //
 // Layouts. W: GGUF blocks of type T, [rows, row_bytes] row-major exactly as the file stores them (tensor base
 // 16-byte aligned). x: float32 [n, cols] row-major. bias: float32 [rows] or null. out: float32 [n, rows].
 // matvec_q's segments (mv::Segments) share T, cols and row_bytes; each has its own W, bias, out and rows.
 //
-// Block formats go through integers. matvec_quantize_x first writes each activation row as two int8 planes in
-// 32-element groups: plane 0 is x itself (q0 = rint(x / d0), d0 = amax / 127, 0 where d0 = 0), plane 1 the
-// residual x - d0 q0 quantized the same way, so x ~ d0 q0 + d1 q1 (xq int8 [2, n, cols]; xs [2, n, cols / 32] of
-// {d as float, the int sums of the group's two 16-element halves packed lo | hi << 16}; a NaN/Inf input makes
-// both d NaN). matvec_q then dots the packed weights against both planes with __dp4a (4 weights x 4 activations
-// per instruction); no float weight is ever formed. Weight offsets (Q4_0's -8 ...) and minimums (Q4_1's m, the
-// K-quants' dmin * m) are applied through the activation sums, scales through one float expression per (unit,
-// token, plane).
+// Block formats go through integers. The activation arrives in act_quant.cuh's format: per 32-element group
+// x ~ D (256 q0 + q1), two int8 planes (x at d0 = amax / 127, and its rounding residual at D = d0 / 256), with
+// D and each 16-element half's sum of 256 q0 + q1. matvec_q dots the packed weights against both planes with
+// __dp4a (4 weights x 4 activations per instruction) and combines them in integers, 256 dot(q0) + dot(q1), so
+// a run's scales and float work come once, not per plane; no float weight is ever formed. Weight offsets
+// (Q4_0's -8 ...) and minimums (Q4_1's m, the K-quants' dmin * m) are applied through the half sums, scales
+// through one float expression per (unit, token).
 // F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA.
 //
-// Threads. One warp computes RPW consecutive rows of one segment for all N tokens; the warps cover the segments
-// one after another, each segment's rows rounded up to a whole warp. Blocks hold 1, 2 or 4 warps (the launcher
-// picks the most that still gives a grid of at least 2 blocks per SM). Lane l walks the row in units
+// Threads. One warp computes RPW (1, 2 or 4) consecutive rows of one segment for all N tokens; the warps cover
+// the segments one after another, each segment's rows rounded up to a whole warp. Blocks hold 1, 2 or 4 warps
+// (the launcher picks the most that still gives a grid of at least 2 blocks per SM). Lane l walks the row in units
 // l, l + 32, ... (a unit: one 32-element block for the 32-element formats and IQ4_XS; 16 bytes of the quant
 // array for the K-quants: 32 elements for Q4_K/Q5_K/Q6_K, 64 for Q2_K/Q3_K; 8 elements for float weights), so
 // a warp's loads of one unit cover a contiguous stretch of the row. Per unit a lane loads the unit's bytes of
 // each of its RPW rows with the widest loads the block alignment allows (16-byte loads for Q4_K/Q5_K, 8-byte
 // for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 16-byte aligned chunks holding the bytes, shifted into
-// place in registers), then each token's activation (16 bytes per 16-element run + its group scale) once for
-// all RPW rows. For N <= 4 the weight loads are software-pipelined (a ring of raw bytes: at N = 1 the next two
-// units per row are in flight while this unit's dot products run, one for Q3_K/Q6_K and for N = 2..4); from
-// N = 8 on the kernel is bound by __dp4a issue, not memory, and loads as it goes. The float kernel does the same
-// with 16-byte weight loads.
+// place in registers; aligned weight loads skip L1), then each token's activation (16 bytes per plane and
+// 16-element run + its scale) once for all RPW rows. A lane's units are u = lane + 32 i, so its slot in a block
+// (u % 8) is fixed: the K-quants' selectors and shifts are computed once per lane. For N <= 4 the weight loads
+// are software-pipelined (a ring of raw bytes: at N = 1 the next two units per row are in flight while this
+// unit's dot products run, one for Q3_K/Q6_K and for N = 2..4; the loop is unrolled by the ring's length so the
+// ring does not cost moves); from N = 8 on the kernel is bound by re-reading each token's activations per row
+// (four rows per warp halve that) and loads as it goes. The float kernel does the same with 16-byte weight loads.
 // The copies of the 16-byte chunks around a block may read up to 14 bytes outside the tensor's bytes, never
 // outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still report them).
 //
@@ -41,18 +42,18 @@
 // a row's result is bitwise the same for every batch width and position in the batch, and whether its matrix
 // runs alone or grouped. The activation quantization is per token.
 //
-// Numerics. The integer dots are exact; a unit's scale products and the sums are fp32. One int8 plane alone
-// (d = amax / 127) leaves rms d / sqrt(12) per element: ~0.54% of a Gaussian row's rms, and 0.6-1.2% on real LLM
-// hidden states, whose per-channel outliers set amax for their groups. Through 30 layers that left SmolLM2-135M's
-// logits 3-13% (relative L2) off (numpy forward with the linears' inputs so quantized; 1-7% measured on the H200).
-// The residual plane divides the error by >= 254 (|x - d0 q0| <= d0 / 2, so d1 <= d0 / 254): ~2e-5 of x relative,
-// logits within 0.05% of the float forward, below the GEMM's own rounding. Against the same math in float64 (x
-// replaced by d0 q0 + d1 q1) the kernel agrees to ~1e-7.
+// Numerics. The integer dots are exact (|256 q0 + q1| <= 32639: a 16-element run times any format's values and
+// sub-block scale stays below 2^31, see the units); a unit's scale products and the sums are fp32. One int8 plane
+// alone (d = amax / 127) leaves rms d / sqrt(12) per element: ~0.54% of a Gaussian row's rms, and 0.6-1.2% on
+// real LLM hidden states, whose per-channel outliers set amax for their groups. Through 30 layers that left
+// SmolLM2-135M's logits 3-13% (relative L2) off (numpy forward with the linears' inputs so quantized; 1-7%
+// measured on the H200). The residual plane divides the error by 256 (|x - d0 q0| <= d0 / 2): ~1e-5 of x
+// relative, below the GEMM's own rounding. Against the same math in float64 (x replaced by D (256 q0 + q1)) the
+// kernel agrees to ~1e-7.
 //
-// Speed on the H200 (n = 1, scripts/bench_matvec.py, docs/performance.md): 2.1-2.2 TB/s of weights on the large
-// Q4_K matrices, 1.85 on Q6_K 4096x14336, 2.7-3.5 on the vocabulary heads, under 1.7 on matrices of one wave or
-// less. Nsight Compute on Q4_K 14336x4096: issue- and latency-bound (102 registers -> 25% occupancy, ~5
-// thread-instructions per weight, DRAM at 36% of peak), not bandwidth-bound.
+// Speed on the H200 (n = 1, scripts/bench_matvec.py, docs/performance.md): 2.3-2.6 TB/s of weights on the large
+// Q4_K matrices, 2.2 on Q6_K 4096x14336, 3.1-3.5 on the vocabulary heads, 1.2-1.7 on matrices of one wave or
+// less (latency-bound: few loads in flight per SM). Q4_K: 160 SASS instructions per 2 rows x 32 weights.
 
 #include "pdl.cuh"
 #include "act_quant.cuh"
