@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_matvec import L2_BYTES, SHAPES, weights
+from bench_matvec import L2_BYTES, SHAPES, time_in_graph, weights
 
-from infero.backends.cuda import driver, gemm, runtime
+from infero.backends.cuda import gemm, runtime
 from infero.backends.cuda.tensor import Workspace, empty, from_host
 from infero.checkpoint.tensor_types import GGMLType
 
@@ -26,17 +26,7 @@ def time_tile(stream, ws, x, out, workspace, tile) -> float:
         for w in ws:
             gemm.gemm(out, w, x, None, stream, workspace, tile=tile)
 
-    graph = driver.Graph(stream, launch_all)
-    graph.replay(stream)
-    stream.synchronize()
-    start, end, times = driver.Event(), driver.Event(), []
-    for _ in range(5):
-        start.record(stream)
-        graph.replay(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(end.elapsed_ms(start) * 1e3 / len(ws))
-    return float(np.median(times))
+    return time_in_graph(stream, launch_all, len(ws), replays=5)
 
 
 def main() -> None:

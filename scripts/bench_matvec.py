@@ -39,22 +39,27 @@ def launch_args(out, w, xq, xs, n) -> tuple:
     return (matvec.segments([out], [w], [None]), xq.ptr, xs.ptr, n, w.cols, w.data.shape[1])
 
 
+def time_in_graph(stream, launch_all, launches: int, replays: int = 7) -> float:
+    """Median microseconds per launch of launch_all() (which makes `launches` launches), captured as one graph."""
+    graph = driver.Graph(stream, launch_all)
+    graph.replay(stream)
+    stream.synchronize()
+    start, end, times = driver.Event(), driver.Event(), []
+    for _ in range(replays):
+        start.record(stream)
+        graph.replay(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(end.elapsed_ms(start) * 1e3 / launches)
+    return float(np.median(times))
+
+
 def time_variant(stream, fn, grid, block, ws, xq, xs, out, n) -> float:
     def launch_all():
         for w in ws:
             driver.launch(fn, grid, block, launch_args(out, w, xq, xs, n), ARGS, stream, pdl=True)
 
-    graph = driver.Graph(stream, launch_all)
-    graph.replay(stream)
-    stream.synchronize()
-    start, end, times = driver.Event(), driver.Event(), []
-    for _ in range(7):
-        start.record(stream)
-        graph.replay(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(end.elapsed_ms(start) * 1e3 / len(ws))
-    return float(np.median(times))
+    return time_in_graph(stream, launch_all, len(ws))
 
 
 def main() -> None:
