@@ -379,7 +379,8 @@ __device__ __forceinline__ void k4_scales_mins(const uint32_t (&h)[4], int c, in
   const uint32_t low_mask = high ? 0x0F0Fu : 0x3F3Fu, top_mask = high ? 0x3030u : 0u;
   const uint32_t sel = high ? (uint32_t)((4 + b) | ((5 + b) << 4)) : (uint32_t)(b | ((b + 1) << 4));
   const uint32_t scales = (__byte_perm(h[1], h[3], sel) & low_mask) | ((h[1] >> (8 * b + 2)) & top_mask);
-  const uint32_t mins = ((__byte_perm(h[2], h[3], sel) >> (high ? 4 : 0)) & low_mask) | ((h[2] >> (8 * b + 2)) & top_mask);
+  const uint32_t mins =
+      ((__byte_perm(h[2], h[3], sel) >> (high ? 4 : 0)) & low_mask) | ((h[2] >> (8 * b + 2)) & top_mask);
   sc[0] = (int)(scales & 0xFFu);
   sc[1] = (int)(scales >> 8);
   m[0] = (int)(mins & 0xFFu);
@@ -616,7 +617,7 @@ __device__ __forceinline__ V pick(const V (&v)[MAX_SEGMENTS], int s) {
 }  // namespace mv
 
 // x float32 [n, cols] -> the activation format of act_quant.cuh (two int8 planes; the error is at most
-// d1 / 2 <= amax / 64516 per element). One thread per 8 elements, 4 threads per group. cols % 32 == 0; x 16-byte
+// D / 2 = amax / 65024 per element). One thread per 8 elements, 4 threads per group. cols % 32 == 0; x 16-byte
 // aligned.
 extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* __restrict__ xs,
                                              const float* __restrict__ x, int n, int cols) {
@@ -644,7 +645,7 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
                                                 int n, int cols, long long row_bytes) {
   using U = mv::Unit<T>;
   // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
-  // keep more warps resident instead), one up to N = 4, none from N = 8 on (there __dp4a issue, not memory, binds).
+  // keep more warps resident instead), one up to N = 4, none from N = 8 on (there re-reading the activations binds).
   // AHEAD_ >= 0 overrides this (scripts/bench_matvec.py sweeps it).
   constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
   const int lane = threadIdx.x & 31;
