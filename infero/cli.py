@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-tokens", type=int, default=512)
     d.add_argument("--decode-tokens", type=int, default=64)
     d.add_argument("--profile", action="store_true", help="also time each op of a decode step (GPU, graphs off)")
-    d.add_argument("--batch", type=lambda v: [int(b) for b in v.split(",")], default=[], metavar="B[,B...]",
+    d.add_argument("--batch", type=_batch_sizes, default=[], metavar="B[,B...]",
                    help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
     from infero.bench import serve as bench_serve
 
@@ -223,6 +223,16 @@ def _synth(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _batch_sizes(value: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in value.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {value!r}")
+    return sizes
 
 
 def _bench(args) -> int:

@@ -113,3 +113,10 @@ def test_entry_point_runs_as_a_program(tiny_model_path):
     proc = subprocess.run([sys.executable, "-m", "infero", "inspect", "--model", "/nonexistent.gguf"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith("infero: error:") and "Traceback" not in proc.stderr
+
+
+def test_bench_decode_batch_sizes_are_checked(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--batch", "1,x"])
+    assert exit_info.value.code == 2
+    assert "positive integers separated by commas" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from infero.engine.batch import SequenceStep, build_batch
+from infero.errors import InferoError
 
 
 def decode_step_bytes(model, backend, context_len: int) -> int:
@@ -69,6 +70,9 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
     """Median time (s) of a decode step of `batch` sequences, each after its own prompt_len-token prompt: what a
     server's step costs at that many concurrent requests (upload, forward, the batch's next tokens to the host)."""
     model, backend, block = llm.model, llm.backend, 16
+    limit = llm.engine.config.max_num_seqs
+    if not 1 <= batch <= limit:
+        raise InferoError(f"bench decode --batch: {batch} sequences; this engine steps 1 to {limit} (--max-num-seqs)")
     rng = np.random.default_rng(seed)
     per_seq = -(-(prompt_len + steps + 16) // block)
     cache = backend.allocate_kv_cache(model.config, per_seq * batch, block)
