@@ -169,9 +169,8 @@ __device__ __forceinline__ bool better(double v, int id, double bv, int bid) {
     return v > bv || (v == bv && id < bid);
 }
 
-template <int THREADS>
-__device__ __forceinline__ void block_argmax(double& v, int& id, double* sv, int* si) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// The warp's best (v, id) in every lane, by a fixed xor butterfly.
+__device__ __forceinline__ void warp_argmax(double& v, int& id) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const double ov = __shfl_xor_sync(0xffffffffu, v, o);
@@ -181,6 +180,12 @@ __device__ __forceinline__ void block_argmax(double& v, int& id, double* sv, int
             id = oi;
         }
     }
+}
+
+template <int THREADS>
+__device__ __forceinline__ void block_argmax(double& v, int& id, double* sv, int* si) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    warp_argmax(v, id);
     if (lane == 0) {
         sv[warp] = v;
         si[warp] = id;
@@ -189,15 +194,7 @@ __device__ __forceinline__ void block_argmax(double& v, int& id, double* sv, int
     if (warp == 0) {
         v = lane < THREADS / 32 ? sv[lane] : -INF;
         id = lane < THREADS / 32 ? si[lane] : INT_MAX_;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const double ov = __shfl_xor_sync(0xffffffffu, v, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, id, o);
-            if (better(ov, oi, v, id)) {
-                v = ov;
-                id = oi;
-            }
-        }
+        warp_argmax(v, id);
         if (lane == 0) {
             sv[32] = v;
             si[32] = id;
