@@ -255,7 +255,9 @@ def _join(a: str | None, b: str | None) -> str | None:
 
 
 @dataclass
-class ChatStreamContext:
+class StreamContext:
+    """What every chunk of one response carries, and how its tokens become text."""
+
     response_id: str
     created: int
     model: str
@@ -263,6 +265,10 @@ class ChatStreamContext:
     tokenizer: Tokenizer
     logprobs: bool
     include_usage: bool
+
+
+@dataclass
+class ChatStreamContext(StreamContext):
     parsers: OutputParsers | None = None  # None: the text is all content
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
@@ -320,14 +326,7 @@ def _chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) 
 
 
 @dataclass
-class CompletionStreamContext:
-    response_id: str
-    created: int
-    model: str
-    fingerprint: str
-    tokenizer: Tokenizer
-    logprobs: bool
-    include_usage: bool
+class CompletionStreamContext(StreamContext):
     echo_texts: list[str] | None  # per prompt, when echo is set
     score_only: bool  # echo with max_tokens 0: the one generated token is dropped
     offsets: dict[int, int] = field(default_factory=dict)
