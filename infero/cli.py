@@ -76,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     d.add_argument("--prompt-tokens", type=int, default=512)
     d.add_argument("--decode-tokens", type=int, default=64)
-    d.add_argument("--profile", action="store_true", help="also time each op of a decode step (GPU, graphs off)")
+    d.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time each op of a decode step, of 1 and of each --batch width (GPU, in a graph)",
+    )
     d.add_argument("--batch", type=_batch_sizes, default=[], metavar="B[,B...]",
                    help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
     from infero.bench import serve as bench_serve
@@ -251,8 +255,9 @@ def _bench(args) -> int:
         print()
         print(decode.format_batched([(b, decode.batched(llm, b, args.prompt_tokens)) for b in args.batch]))
     if args.profile:
-        print()
-        print(decode.format_profile(*decode.profile(llm, args.prompt_tokens)))
+        for b in [1] + [b for b in args.batch or () if b > 1]:
+            print()
+            print(decode.format_profile(*decode.profile(llm, args.prompt_tokens, batch=b), batch=b))
     return 0
 
 

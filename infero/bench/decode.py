@@ -13,6 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from infero.engine.batch import SequenceStep, build_batch
+from infero.engine.sampling import SamplingParams
 from infero.errors import InferoError
 
 
@@ -68,7 +69,8 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
 
 def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int = 0) -> float:
     """Median time (s) of a decode step of `batch` sequences, each after its own prompt_len-token prompt: what a
-    server's step costs at that many concurrent requests (upload, forward, the batch's next tokens to the host)."""
+    server's step costs at that many concurrent requests (upload, forward, the engine's sampler picking the batch's
+    greedy next tokens and bringing them to the host)."""
     model, backend, block = llm.model, llm.backend, 16
     limit = llm.engine.config.max_num_seqs
     if not 1 <= batch <= limit:
@@ -78,6 +80,15 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
     cache = backend.allocate_kv_cache(model.config, per_seq * batch, block)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompts = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len)).tolist()
+    params = [SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)] * batch
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+
+    def sample(logits) -> list[int]:
+        results = llm.engine.sampler.sample(logits, list(range(batch)), params, prompts, outputs)
+        for out, r in zip(outputs, results, strict=True):
+            out.append(r.token_id)
+        return [r.token_id for r in results]
+
     tokens = []
     for prompt, table in zip(prompts, tables, strict=True):
         logits = backend.forward(model, build_batch([SequenceStep(prompt, 0, table)], block), cache)
@@ -86,8 +97,7 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
     for i in range(steps):
         t = time.perf_counter()
         steps_ = [SequenceStep([tok], prompt_len + i, table) for tok, table in zip(tokens, tables, strict=True)]
-        logits = backend.forward(model, build_batch(steps_, block), cache)
-        tokens = np.argmax(backend.to_host(logits, 0, batch), axis=-1).tolist()
+        tokens = sample(backend.forward(model, build_batch(steps_, block), cache))
         times.append(time.perf_counter() - t)
     return float(np.median(times[2:] or times))
 
@@ -98,9 +108,9 @@ def format_batched(results: list[tuple[int, float]]) -> str:
     return "\n".join(lines)
 
 
-def profile(llm, prompt_len: int = 512, steps: int = 16) -> tuple[list[tuple[str, float, int]], float]:
-    """Where a decode step's time goes on the GPU: (op, microseconds per step, calls per step), and the step's
-    GPU time as the engine replays it (microseconds, median).
+def profile(llm, prompt_len: int = 512, steps: int = 16, batch: int = 1) -> tuple[list[tuple[str, float, int]], float]:
+    """Where a decode step of `batch` sequences spends its time on the GPU: (op, microseconds per step, calls per
+    step), and the step's GPU time as the engine replays it (microseconds, median).
 
     The step is captured into its own CUDA graph with an event-record node between consecutive ops and replayed,
     so the ops run back to back as in serving and the events time the kernels, not Python's launches (timing
@@ -111,16 +121,18 @@ def profile(llm, prompt_len: int = 512, steps: int = 16) -> tuple[list[tuple[str
     if not hasattr(backend, "capture_decode_step"):
         raise ValueError("--profile needs the CUDA backend")
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, model.config.vocab_size, size=prompt_len + steps).tolist()
+    ids = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len + steps)).tolist()
     blocks = -(-(prompt_len + steps + 16) // 16)
-    cache = backend.allocate_kv_cache(model.config, blocks, 16)
-    table = list(range(blocks))
+    cache = backend.allocate_kv_cache(model.config, blocks * batch, 16)
+    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
 
     def decode_batch(i: int):
-        return build_batch([SequenceStep([ids[prompt_len + i]], prompt_len + i, table)], 16)
+        seqs = [SequenceStep([ids[b][prompt_len + i]], prompt_len + i, tables[b]) for b in range(batch)]
+        return build_batch(seqs, 16)
 
-    backend.forward(model, build_batch([SequenceStep(ids[:prompt_len], 0, table)], 16), cache)
-    backend.forward(model, decode_batch(0), cache)  # the engine's graph for batch 1, and every kernel loaded
+    for b in range(batch):
+        backend.forward(model, build_batch([SequenceStep(ids[b][:prompt_len], 0, tables[b])], 16), cache)
+    backend.forward(model, decode_batch(0), cache)  # the engine's graph for this width, and every kernel loaded
     timer = backend.event_timer(in_graph=True)
     timed = _TimedOps(model.ops, timer)
     model.ops = timed
@@ -191,9 +203,10 @@ def format_table(name: str, device: str, r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def format_profile(rows: list[tuple[str, float, int]], step_us: float) -> str:
+def format_profile(rows: list[tuple[str, float, int]], step_us: float, batch: int = 1) -> str:
     total = sum(us for _, us, _ in rows)
-    lines = [f"{'op (inside a replayed graph)':<40} {'us/step':>10} {'calls':>6} {'share':>6}"]
+    title = "op (inside a replayed graph)" if batch == 1 else f"op, {batch} sequences (in a graph)"
+    lines = [f"{title:<40} {'us/step':>10} {'calls':>6} {'share':>6}"]
     lines += [f"{label:<40} {us:>10.1f} {n:>6} {us / total:>6.1%}" for label, us, n in rows]
     lines.append(f"{'sum of the ops':<40} {total:>10.1f}")
     lines.append(f"{'step on the GPU (graph without events)':<40} {step_us:>10.1f}")

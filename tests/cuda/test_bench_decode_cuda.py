@@ -44,3 +44,10 @@ def test_batched_decode_times_steps_of_several_sequences(llm):
     table = decode.format_batched([(1, one), (4, four)])
     assert table.splitlines()[2].split()[0] == "4" and float(table.splitlines()[2].split()[-1].replace(",", "")) > 0
     print(table)
+
+
+def test_profile_of_several_sequences_times_one_step_of_them_all(llm):
+    rows, step_us = decode.profile(llm, prompt_len=32, steps=3, batch=4)
+    calls = {label: n for label, _, n in rows}
+    assert calls["attention"] == llm.config.num_layers and step_us > 0
+    assert decode.format_profile(rows, step_us, batch=4).splitlines()[0].startswith("op, 4 sequences")

@@ -101,7 +101,7 @@ def test_a_request_is_bit_identical_whichever_requests_share_a_batch_of_its_widt
 
 
 def test_batched_greedy_outputs_track_solo_runs(gpu, models):
-    """Kernels may change with the batch's width (ops.MATVEC_MAX_TOKENS switches mat-vec to GEMM); measured, and
+    """Kernels change with the batch's width (mat-vec, skinny GEMM, GEMM: ops.linear); measured, and
     reported in docs/performance.md: how far greedy output in a batch tracks the solo run."""
     path = write_tiny_model(models / "track.gguf", Q.Q4_K, seed=17)
     llm = LLM(path, device="cuda")

@@ -1,6 +1,6 @@
 """CudaOps.linears groups matrices into mat-vec launches: one per block format and width (at most three
-matrices each), float weights and more than 16 tokens one linear call per matrix. Runs without a GPU: the
-launchers are replaced by recorders."""
+matrices each); float weights, K-quants on the skinny GEMM and more than 16 tokens one linear call per matrix.
+Runs without a GPU: the launchers are replaced by recorders."""
 
 from types import SimpleNamespace
 
@@ -76,3 +76,16 @@ def test_linears_beyond_the_matvec_take_one_gemm_each(recorded):
     ops, calls = recorded
     ops.linears(activations(17), weights(T.Q8_0, T.Q8_0))
     assert calls == [("linear", 0), ("linear", 1)]
+
+
+def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
+    """Once the skinny GEMM's buffers exist, Q4_K / Q6_K matrices of a 3-16 token batch run one linear each (its
+    kernel), while other block formats still share mat-vec launches; below SKINNY_MIN_TOKENS all share."""
+    from infero.backends.cuda import ops as ops_module
+
+    ops, calls = recorded
+    ops._skinny = {int(T.Q4_K): None, int(T.Q6_K): None}
+    ops.linears(activations(ops_module.SKINNY_MIN_TOKENS), weights(T.Q4_K, T.Q4_K, T.Q6_K))
+    ops.linears(activations(8), weights(T.Q8_0, T.Q8_0))
+    ops.linears(activations(ops_module.SKINNY_MIN_TOKENS - 1), weights(T.Q4_K, T.Q4_K))
+    assert [c[:2] for c in calls] == [("linear", 0), ("linear", 1), ("linear", 2), ("many", [0, 1]), ("many", [0, 1])]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec
+from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
@@ -16,9 +16,14 @@ from infero.errors import UnsupportedModelError
 from infero.models.rotary import Rotary
 
 # Up to this many tokens a linear layer runs the int8 mat-vec kernels (matvec.cu: each weight byte read once for
-# all tokens), beyond it the tensor-core GEMM. The activations go in as two int8 planes (x and its rounding
-# residual): one plane alone left SmolLM2's logits 1-7% off on the H200 (docs/performance.md).
+# all tokens; the activations go in as two int8 planes, x and its rounding residual: one plane alone left SmolLM2's
+# logits 1-7% off on the H200, docs/performance.md). Beyond it K-quants take the skinny tensor-core GEMM up to
+# skinny_gemm.MAX_TOKENS tokens, everything else the GEMM.
 MATVEC_MAX_TOKENS = 16
+# From this many tokens K-quant linears take the skinny GEMM even below MATVEC_MAX_TOKENS: on the H200 it beats the
+# batched mat-vec from 3-4 tokens (llama-3.1-8b decode steps of 4 / 8 / 16 sequences: 5.3 / 8.3 / 15.9 ms on the
+# mat-vec, 4.9 / 5.4 / 6.4 ms on the skinny GEMM; at 2 the mat-vec wins, 3.5 vs 4.7 ms; docs/performance.md).
+SKINNY_MIN_TOKENS = 3
 
 
 class CudaKVCache:
@@ -34,6 +39,8 @@ class CudaOps:
         self._rotary_tables: dict[int, DeviceTensor] = {}
         self._xq = self._xs = None  # the mat-vec's quantized activation (one at a time, see _quantized)
         self._quantized_key = None
+        self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
+        self._skinny_keys: dict[int, tuple] = {}
 
     def prepare(self, config) -> None:
         """The fixed buffer of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -46,6 +53,20 @@ class CudaOps:
         self._xq = empty((int(np.prod(q_shape)),), np.int8, arena)
         self._xs = empty((int(np.prod(s_shape)),), np.int32, arena)
         self._quantized_key = None
+        skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
+        self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
+        self._skinny_keys = {}
+
+    def _skinny_input(self, x: DeviceTensor, ggml_type: int) -> DeviceTensor:
+        """x converted for the skinny GEMM of ggml_type, once per activation (q and k, gate and up share it)."""
+        n, cols = x.shape
+        buffer = self._skinny[ggml_type]
+        xa = DeviceTensor(buffer.ptr, skinny_gemm.activation_shape(n, cols), np.dtype(np.uint32), buffer)
+        key = (x.ptr, x.shape, self.ws.generation)
+        if self._skinny_keys.get(ggml_type) != key:
+            skinny_gemm.convert(xa, x, ggml_type, self.stream)
+            self._skinny_keys[ggml_type] = key
+        return xa
 
     def _quantize_into(self, x: DeviceTensor):
         """The quantized-activation buffers viewed for x [n, cols], now owned by x; or None where x cannot
@@ -111,10 +132,18 @@ class CudaOps:
         elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized)
         return out, residual
 
+    def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
+        n = x.shape[0]
+        return (bool(self._skinny) and n >= SKINNY_MIN_TOKENS and skinny_gemm.supports(weight, n)
+                and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
+
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
         out = self.ws.empty((n, weight.rows), np.float32)
-        if n <= MATVEC_MAX_TOKENS:
+        if self._takes_skinny(x, weight):
+            xa = self._skinny_input(x, weight.ggml_type)
+            skinny_gemm.skinny_gemm(out, weight, xa, bias, self.stream, self.ws)
+        elif n <= MATVEC_MAX_TOKENS:
             quantized = None if weight.ggml_type in matvec.FLOAT_TYPES else self._quantized(x)
             matvec.matvec(out, weight, x, bias, self.stream, self.ws, quantized)
         else:
@@ -123,14 +152,15 @@ class CudaOps:
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
-        (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many)."""
+        (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many). Float
+        weights, and K-quants where the skinny GEMM takes them, run one linear call each."""
         biases = (None,) * len(weights) if biases is None else tuple(biases)
         if x.shape[0] > MATVEC_MAX_TOKENS:
             return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         outs: list = [None] * len(weights)
         groups: dict[tuple[int, int], list[int]] = {}  # Q4_K_M stores some layers' V as Q6_K: Q and K still share
         for i, w in enumerate(weights):
-            if w.ggml_type in matvec.FLOAT_TYPES:
+            if w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w):
                 outs[i] = self.linear(x, w, biases[i])
             else:
                 groups.setdefault((w.ggml_type, w.cols), []).append(i)

@@ -369,24 +369,6 @@ struct Unit<GGML_IQ4_XS> : Block32 {
 
 // Q4_K / Q5_K: unit u = 16 bytes of qs: block u/8, k = u%8 covers l in [16(k%2), +16) of sub-blocks 2(k/2) (low
 // nibbles, run 0) and 2(k/2) + 1 (high nibbles, run 1).
-// Scales and mins of sub-blocks 2c and 2c + 1 from the 12 scale bytes h[1..3] (s[j] = byte j % 4 of h[1 + j / 4]):
-// for c < 2 the low 6 bits of s[j] (scale) and s[j + 4] (min); for c >= 2 the low / high nibble of s[j + 4] with
-// the top 2 bits of s[j - 4] / s[j]. Both sub-blocks' bytes sit at 2 (c % 2) and the next of their words, so the
-// selectors, shifts and masks depend on c alone: on the lane, computed once.
-__device__ __forceinline__ void k4_scales_mins(const uint32_t (&h)[4], int c, int (&sc)[2], int (&m)[2]) {
-  const bool high = c >= 2;
-  const int b = 2 * (c & 1);
-  const uint32_t low_mask = high ? 0x0F0Fu : 0x3F3Fu, top_mask = high ? 0x3030u : 0u;
-  const uint32_t sel = high ? (uint32_t)((4 + b) | ((5 + b) << 4)) : (uint32_t)(b | ((b + 1) << 4));
-  const uint32_t scales = (__byte_perm(h[1], h[3], sel) & low_mask) | ((h[1] >> (8 * b + 2)) & top_mask);
-  const uint32_t mins =
-      ((__byte_perm(h[2], h[3], sel) >> (high ? 4 : 0)) & low_mask) | ((h[2] >> (8 * b + 2)) & top_mask);
-  sc[0] = (int)(scales & 0xFFu);
-  sc[1] = (int)(scales >> 8);
-  m[0] = (int)(mins & 0xFFu);
-  m[1] = (int)(mins >> 8);
-}
-
 template <int T>
 struct UnitK45 {
   static constexpr int ELEMS = 32, RUNS = 2, BYTES = T == GGML_Q4_K ? 144 : 176, QS = T == GGML_Q4_K ? 16 : 48;
@@ -415,7 +397,7 @@ struct UnitK45 {
         w.q[1][i] |= (int)(((raw.qh.w[i] >> (2 * c + 1)) & 0x01010101u) << 4);
       }
     }
-    k4_scales_mins(raw.hd.w, c, w.sc, w.m);
+    quant::k4_scales_mins(raw.hd.w, c, w.sc, w.m);
     w.d = f16_lo(raw.hd.w[0]);
     w.dmin = f16_hi(raw.hd.w[0]);
   }

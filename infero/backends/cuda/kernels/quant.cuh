@@ -132,6 +132,25 @@ __device__ __forceinline__ int byte_s8(uint32_t w, int i) { return (int)(int8_t)
 
 // ---- K-quant scale unpacking ---------------------------------------------------------------------------------
 
+// Q4_K / Q5_K: scales and mins of sub-blocks 2c and 2c + 1 from a block's first 16 bytes h[0..3] (the 12 scale
+// bytes are h[1..3]: s[j] = byte j % 4 of h[1 + j / 4]): for c < 2 the low 6 bits of s[j] (scale) and s[j + 4]
+// (min); for c >= 2 the low / high nibble of s[j + 4] with the top 2 bits of s[j - 4] / s[j]. Both sub-blocks'
+// bytes sit at 2 (c % 2) and the next of their words, so the selectors, shifts and masks depend on c alone: where
+// c is fixed per lane (the mat-vec, the skinny GEMM), computed once.
+__device__ __forceinline__ void k4_scales_mins(const uint32_t (&h)[4], int c, int (&sc)[2], int (&m)[2]) {
+  const bool high = c >= 2;
+  const int b = 2 * (c & 1);
+  const uint32_t low_mask = high ? 0x0F0Fu : 0x3F3Fu, top_mask = high ? 0x3030u : 0u;
+  const uint32_t sel = high ? (uint32_t)((4 + b) | ((5 + b) << 4)) : (uint32_t)(b | ((b + 1) << 4));
+  const uint32_t scales = (__byte_perm(h[1], h[3], sel) & low_mask) | ((h[1] >> (8 * b + 2)) & top_mask);
+  const uint32_t mins =
+      ((__byte_perm(h[2], h[3], sel) >> (high ? 4 : 0)) & low_mask) | ((h[2] >> (8 * b + 2)) & top_mask);
+  sc[0] = (int)(scales & 0xFFu);
+  sc[1] = (int)(scales >> 8);
+  m[0] = (int)(mins & 0xFFu);
+  m[1] = (int)(mins >> 8);
+}
+
 // Q4_K / Q5_K: 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes s.
 __device__ __forceinline__ void k4_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {

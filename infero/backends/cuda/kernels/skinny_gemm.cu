@@ -1,0 +1,407 @@
+// Skinny GEMM for batches of a few tokens (decode steps of many sequences): out[n, rows] = x[n, cols] @
+// dequant(W)[rows, cols]^T (+ bias), n <= 64, W a K-quant (Q4_K, Q6_K) in its GGUF encoding.
+//
+// Why not the GEMM of gemm.cu: at 3-64 tokens a weight byte feeds so few MMAs that the kernel must stream weights
+// like a mat-vec, and gemm.cu's blocks (weights copied to shared memory, dequantized to a shared fp16 tile, a
+// barrier per 64-k slice) ran at 200-370 GB/s there. Here each warp loads its own rows' blocks straight from global
+// memory into registers (16-byte loads that skip L1; the next superblock's in flight while this one is multiplied)
+// and dequantizes them in registers to the fp16 A fragments of mma.sync.m16n8k16; the activations (B), the same
+// for every warp of a block, are copied per superblock into shared memory (cp.async, double buffered, two
+// barriers per superblock) in a layout made for them.
+//
+// The k permutation. An MMA sums over its 16 k slots; which weight column sits in which slot is free as long as A
+// and B agree. Lane (g = lane / 4, c = lane % 4) holds A's slots {2c, 2c+1, 2c+8, 2c+9} of rows g and g + 8, and
+// B's same slots of token g; so each lane c owns a fixed set of 64 columns of every 256-column superblock
+// (Fmt<T>::column), chosen so its weight bytes are contiguous, and consumes them as 8 words of 8 columns: a word's
+// low halves (4 columns) in one MMA, its high halves in the next. skinny_x_to_f16 writes x in exactly that order,
+// [sb][word][tile][lane][8] fp16, so a lane's B operands for both MMAs of a word are one 16-byte shared-memory
+// load, and the 32 lanes' loads are 512 contiguous bytes (no bank conflict).
+//
+// Dequantization in fp16 registers: nibbles are OR-ed into the mantissa of a magic fp16 (1024 + q, or 64 + q for
+// the high nibbles, which sit 4 bits up), the magic is subtracted exactly, and one fma.f16x2 applies the
+// sub-block's scale and min (fp16: d * sc and dmin * m rounded once, as gemm.cu rounds each dequantized weight).
+//
+// Blocks and split-k. A block is 8 warps x ROWS_PER_WARP rows (Q4_K 32, Q6_K 16) x all tokens (NT = 8 NI, n
+// rounded up: the weights are read once). Where rows / block rows would leave SMs idle, the superblocks are split
+// into SPLITS contiguous ranges (the launcher picks SPLITS from rows and cols only): each block writes its fp32
+// partial sums to `part`, and skinny_reduce adds the SPLITS partials in split order and the bias, one thread an
+// output over the whole GPU. (A first version let the last block of a row tile do that sum alone: at 32 tokens
+// and 8 splits its 65k dependent loads took ~30 us, more than the multiplication.)
+//
+// Reduction order (batch invariance). Each output is one fp32 accumulator per split, updated by one MMA per word
+// half in increasing k, then the splits summed in order, then bias: nothing depends on n, NI or the token's
+// position, so a row's result is bitwise the same for every batch that runs this kernel
+// (tests/cuda/test_skinny_gemm.py).
+//
+// Rows past `rows` reload the last row and are not stored; tokens past n are zero columns of x and not stored.
+//
+// Speed on the H200 (scripts/bench_skinny.py, llama-3.1-8b shapes): Q4_K 14336 x 4096 21.5 us at 1-8 tokens, 30
+// us at 32 (1.1-1.5 TB/s of weights), vs 47 / 90 us before (batched mat-vec / gemm.cu); flat in n up to ~16:
+// bound by bytes in flight (one superblock per warp ahead, 8 warps an SM at ~230 registers), not by the MMAs.
+
+#include "pdl.cuh"
+#include "quant.cuh"
+
+namespace sk {
+
+constexpr int WARPS = 8;
+constexpr int SB = 256;  // columns per superblock (K-quant block)
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {  // weights: read once, past L1
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+}
+constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // (a & b) | c
+
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t half2_of(float v) {  // (v, v) in fp16, rounded to nearest, saturating
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {  // 16 bytes, global -> shared, L2 only
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>  // wait until at most PENDING of this thread's most recent groups are in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+__device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))); }
+__device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+
+// d += a (16x16, row) * b (16x8, col), fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Magic fp16 pairs: 1024 + q for a nibble in bits 0-3 of each half, 64 + q for one in bits 4-7 (or, Q6_K, a 6-bit
+// q in bits 4-9), and the values to subtract (Q6_K: also its -32 offset).
+constexpr uint32_t MAGIC_LO = 0x64006400u, MAGIC_HI = 0x54005400u;
+constexpr uint32_t Q6_LO = 0x64206420u /* 1056 */, Q6_HI = 0x56005600u /* 96 */;
+
+template <int T>
+struct Fmt;
+
+// Q4_K: lane c owns qs bytes [32c, 32c + 32) of each block: word i's low nibbles are columns 64c + 4i + p, its high
+// nibbles 64c + 32 + 4i + p (p = byte 0..3), sub-blocks 2c and 2c + 1.
+template <>
+struct Fmt<GGML_Q4_K> {
+  static constexpr int BYTES = 144, ROWS_PER_WARP = 32;
+  struct Raw { uint32_t h[4], q[8]; };
+  struct Scale { uint32_t s_lo, m_lo, s_hi, m_hi; };  // fp16 pairs: d * sc, -dmin * m per sub-block
+  __host__ __device__ static constexpr int column(int c, int word, int high, int p) {
+    return 64 * c + 32 * high + 4 * word + p;
+  }
+  __device__ static void fetch(Raw& r, const uint8_t* block, int c) {
+    const uint4 h = ld_stream(block), a = ld_stream(block + 16 + 32 * c), b = ld_stream(block + 32 + 32 * c);
+    r.h[0] = h.x; r.h[1] = h.y; r.h[2] = h.z; r.h[3] = h.w;
+    r.q[0] = a.x; r.q[1] = a.y; r.q[2] = a.z; r.q[3] = a.w;
+    r.q[4] = b.x; r.q[5] = b.y; r.q[6] = b.z; r.q[7] = b.w;
+  }
+  __device__ static void scales(Scale& s, const Raw& r, int c) {
+    int sc[2], m[2];
+    quant::k4_scales_mins(r.h, c, sc, m);
+    const float d = f16_lo(r.h[0]), dmin = f16_hi(r.h[0]);
+    s.s_lo = half2_of(d * (float)sc[0]);
+    s.m_lo = half2_of(-dmin * (float)m[0]);
+    s.s_hi = half2_of(d * (float)sc[1]);
+    s.m_hi = half2_of(-dmin * (float)m[1]);
+  }
+  // Word i as four fp16 pairs: (p0, p2) and (p1, p3) of the low nibbles, then of the high nibbles.
+  __device__ static void word(uint32_t (&a)[4], const Raw& r, const Scale& s, int i, int) {
+    const uint32_t w = r.q[i], w8 = w >> 8;
+    a[0] = hfma2(hsub2(lop3<AND_OR>(w, 0x000F000Fu, MAGIC_LO), MAGIC_LO), s.s_lo, s.m_lo);
+    a[1] = hfma2(hsub2(lop3<AND_OR>(w8, 0x000F000Fu, MAGIC_LO), MAGIC_LO), s.s_lo, s.m_lo);
+    a[2] = hfma2(hsub2(lop3<AND_OR>(w, 0x00F000F0u, MAGIC_HI), MAGIC_HI), s.s_hi, s.m_hi);
+    a[3] = hfma2(hsub2(lop3<AND_OR>(w8, 0x00F000F0u, MAGIC_HI), MAGIC_HI), s.s_hi, s.m_hi);
+  }
+};
+
+// Q6_K: lane c owns ql bytes [64h + 16c, +16) and qh bytes [32h + 16 (c % 2), +16) of each half h: word i (h = i / 4,
+// j = i % 4) holds columns 128h + 16c + 4j + p (low nibbles, sub-block 8h + c) and 128h + 64 + 16c + 4j + p (high
+// nibbles, sub-block 8h + 4 + c); their top 2 bits are qh's bits 2 (c / 2) and 2 (c / 2) + 4. Blocks (210 bytes) are
+// only 2-byte aligned: each 16-byte run is two aligned 16-byte loads, shifted into place in registers.
+template <>
+struct Fmt<GGML_Q6_K> {
+  static constexpr int BYTES = 210, ROWS_PER_WARP = 16;
+  struct Raw { uint4 ql[2][2], qh[2][2], sd[2]; int off; };
+  struct Scale { uint32_t s[4]; };  // fp16 pairs d * sc for sub-blocks c, 4 + c, 8 + c, 12 + c
+  struct Bits { uint32_t ql[8], qh[8]; };
+  __host__ __device__ static constexpr int column(int c, int word, int high, int p) {
+    return 128 * (word / 4) + 64 * high + 16 * c + 4 * (word % 4) + p;
+  }
+  __device__ static void fetch(Raw& r, const uint8_t* block, int c) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(block);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(a & ~15ull);
+    r.off = (int)(a & 15);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.ql[h][0] = ld_stream(base + 64 * h + 16 * c);
+      r.ql[h][1] = ld_stream(base + 64 * h + 16 * c + 16);
+      r.qh[h][0] = ld_stream(base + 128 + 32 * h + 16 * (c & 1));
+      r.qh[h][1] = ld_stream(base + 128 + 32 * h + 16 * (c & 1) + 16);
+    }
+    r.sd[0] = ld_stream(base + 192);
+    r.sd[1] = ld_stream(base + 208);  // the chunk holding d (bytes 208-209 of the block), inside the tensor
+  }
+  // The 4 words at byte `off` (even) of the 32 bytes lo, hi: a two-stage rotate by words, then by 2 bytes.
+  __device__ static void align(uint32_t (&out)[4], const uint4& lo, const uint4& hi, int off) {
+    const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    uint32_t u[6], t[5];
+#pragma unroll
+    for (int k = 0; k < 6; ++k) u[k] = (off & 8) ? v[k + 2] : v[k];
+#pragma unroll
+    for (int k = 0; k < 5; ++k) t[k] = (off & 4) ? u[k + 1] : u[k];
+    const uint32_t sel = (off & 2) ? 0x5432u : 0x3210u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[k] = __byte_perm(t[k], t[k + 1], sel);
+  }
+  __device__ static void bits(Bits& b, const Raw& r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t q[4], e[4];
+      align(q, r.ql[h][0], r.ql[h][1], r.off);
+      align(e, r.qh[h][0], r.qh[h][1], r.off);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        b.ql[4 * h + k] = q[k];
+        b.qh[4 * h + k] = e[k];
+      }
+    }
+  }
+  __device__ static void scales(Scale& s, const Raw& r, int c) {
+    uint32_t sd[4];
+    align(sd, r.sd[0], r.sd[1], r.off);  // the 16 scale bytes
+    const uint4 hi = r.sd[1];  // d: block bytes 208-209, at byte `off` of the chunk loaded from base + 208
+    const int o = r.off;
+    const uint32_t dword = (o & 8) ? ((o & 4) ? hi.w : hi.z) : ((o & 4) ? hi.y : hi.x);
+    const float d = (o & 2) ? f16_hi(dword) : f16_lo(dword);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s.s[k] = half2_of(d * (float)quant::byte_s8(sd[k], c));
+  }
+  __device__ static void word(uint32_t (&a)[4], const Bits& b, const Scale& s, int i, int c) {
+    const int shift = 2 * (c >> 1);
+    const uint32_t ql = b.ql[i], qh = b.qh[i], ql8 = ql >> 8;
+    const uint32_t t = qh << (4 - shift), t8 = qh >> (4 + shift);  // the 2 top bits at 4-5 (low) / 8-9 (high)
+    const uint32_t s_lo = s.s[2 * (i >> 2)], s_hi = s.s[2 * (i >> 2) + 1];
+    a[0] = hmul2(hsub2(lop3<AND_OR>(ql, 0x000F000Fu, lop3<AND_OR>(t, 0x00300030u, MAGIC_LO)), Q6_LO), s_lo);
+    a[1] = hmul2(hsub2(lop3<AND_OR>(ql8, 0x000F000Fu, lop3<AND_OR>(t8, 0x00300030u, MAGIC_LO)), Q6_LO), s_lo);
+    a[2] = hmul2(hsub2(lop3<AND_OR>(ql, 0x00F000F0u, lop3<AND_OR>(t, 0x03000300u, MAGIC_HI)), Q6_HI), s_hi);
+    a[3] = hmul2(hsub2(lop3<AND_OR>(ql8, 0x00F000F0u, lop3<AND_OR>(t8, 0x03000300u, MAGIC_HI)), Q6_HI), s_hi);
+  }
+};
+
+}  // namespace sk
+
+namespace sk {
+
+// Q4_K's words decode straight from the loaded bytes; Q6_K's are first shifted into place.
+template <int T>
+struct Words {
+  using F = Fmt<T>;
+  using type = typename F::Raw;
+  __device__ static void make(type& b, const typename F::Raw& r) { b = r; }
+};
+template <>
+struct Words<GGML_Q6_K> {
+  using type = Fmt<GGML_Q6_K>::Bits;
+  __device__ static void make(type& b, const Fmt<GGML_Q6_K>::Raw& r) { Fmt<GGML_Q6_K>::bits(b, r); }
+};
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+}  // namespace sk
+
+// x float32 [n, cols] -> xa fp16 in Fmt<T>'s column order, 16 bytes per (superblock, word, token tile, lane):
+// slot ((sb * 8 + word) * tiles + tile) * 32 + lane holds token 8 tile + lane / 4's columns (p0, p2, p1, p3) of the
+// word's low half, then of its high half, for c = lane % 4. Tokens in [n, 8 tiles) are zeros. One thread a slot.
+template <int T>
+__global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict__ x, int n, int cols, int tiles) {
+  using F = sk::Fmt<T>;
+  pdl_enter();
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)(cols / sk::SB) * 8 * tiles * 32) return;
+  const int lane = (int)(i & 31);
+  const long long rest = i >> 5;
+  const int tile = (int)(rest % tiles), word = (int)((rest / tiles) & 7);
+  const long long sb = rest / tiles >> 3;
+  const int token = tile * 8 + (lane >> 2), c = lane & 3;
+  uint4 o = make_uint4(0, 0, 0, 0);
+  if (token < n) {
+    const float* row = x + (long long)token * cols + sb * sk::SB;
+    const float4 lo = *reinterpret_cast<const float4*>(row + F::column(c, word, 0, 0));
+    const float4 hi = *reinterpret_cast<const float4*>(row + F::column(c, word, 1, 0));
+    o.x = sk::pack_half2(lo.x, lo.z);
+    o.y = sk::pack_half2(lo.y, lo.w);
+    o.z = sk::pack_half2(hi.x, hi.z);
+    o.w = sk::pack_half2(hi.y, hi.w);
+  }
+  xa[i] = o;
+}
+
+// grid row_tiles * splits blocks (1-D; the row tiles of one split consecutive, so blocks in flight read the same
+// activations), 256 threads, dynamic shared memory 2 * 8 * NI * 512 bytes. xa: skinny_x_to_f16's layout with NI
+// tiles. splits == 1: out = x W^T + bias. splits > 1: part[split] (float32 [splits, n, rows]) = this split's sum,
+// for skinny_reduce to add up.
+template <int T, int NI>
+__global__ void __launch_bounds__(sk::WARPS * 32)
+    skinny_gemm(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
+                const uint4* __restrict__ xa, const float* __restrict__ bias, int n, int rows, int cols,
+                int row_bytes, int splits) {
+  using namespace sk;
+  using F = Fmt<T>;
+  constexpr int RW = F::ROWS_PER_WARP, MI = RW / 16, RPL = 2 * MI, BLOCK_ROWS = WARPS * RW;
+  constexpr int X_SLOTS = 8 * NI * 32;  // 16-byte activation slots per superblock
+  extern __shared__ uint4 x_tiles[];    // [2][X_SLOTS]: superblock sb's activations in buffer (sb - sb0) % 2
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int row_tiles = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int tile = blockIdx.x % row_tiles, split = blockIdx.x / row_tiles;
+  const int sbs = cols / SB;
+  const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
+  const int row0 = tile * BLOCK_ROWS + warp * RW;
+
+  // Lane rows: g, g + 8 (MMA tile 0), g + 16, g + 24 (tile 1) of the warp's rows.
+  const uint8_t* rowp[RPL];
+#pragma unroll
+  for (int r = 0; r < RPL; ++r) rowp[r] = weight + (long long)min(row0 + 8 * r + g, rows - 1) * row_bytes;
+
+  typename F::Raw raw[2][RPL];
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
+
+  auto fetch = [&](typename F::Raw (&rw)[RPL], int sb) {
+#pragma unroll
+    for (int r = 0; r < RPL; ++r) F::fetch(rw[r], rowp[r] + (long long)sb * F::BYTES, c);
+  };
+  auto load_x = [&](int sb, int buf) {
+    const uint4* src = xa + (long long)sb * X_SLOTS;
+    uint4* dst = x_tiles + buf * X_SLOTS;
+#pragma unroll
+    for (int k = threadIdx.x; k < X_SLOTS; k += WARPS * 32) cp_async16(dst + k, src + k);
+    cp_async_commit();
+  };
+  auto compute = [&](const typename F::Raw (&rw)[RPL], const uint4* xs) {
+    typename F::Scale s[RPL];
+    typename Words<T>::type bits[RPL];
+#pragma unroll
+    for (int r = 0; r < RPL; ++r) {
+      F::scales(s[r], rw[r], c);
+      Words<T>::make(bits[r], rw[r]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      uint4 b[NI];
+#pragma unroll
+      for (int j = 0; j < NI; ++j) b[j] = xs[(i * NI + j) * 32 + lane];
+      uint32_t a[RPL][4];
+#pragma unroll
+      for (int r = 0; r < RPL; ++r) F::word(a[r], bits[r], s[r], i, c);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+          mma_16816(acc[mi][j], a[2 * mi][0], a[2 * mi + 1][0], a[2 * mi][1], a[2 * mi + 1][1], b[j].x, b[j].y);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+          mma_16816(acc[mi][j], a[2 * mi][2], a[2 * mi + 1][2], a[2 * mi][3], a[2 * mi + 1][3], b[j].z, b[j].w);
+    }
+  };
+  // One superblock: the next one's weights (registers) and activations (shared memory) go in flight, then this
+  // one is multiplied. The first barrier: every warp is done with the buffer the copy refills; the second: this
+  // superblock's copies (each thread's own, waited for) are all in.
+  auto step = [&](const typename F::Raw (&cur)[RPL], typename F::Raw (&next)[RPL], int sb, int buf) {
+    __syncthreads();
+    if (sb + 1 < sb1) {
+      fetch(next, sb + 1);
+      load_x(sb + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    compute(cur, x_tiles + buf * X_SLOTS);
+  };
+
+  // Weights are immutable: the first superblock's loads start before the previous kernel has finished.
+  fetch(raw[0], sb0);
+  pdl_enter();
+  load_x(sb0, 0);
+  for (int sb = sb0; sb < sb1; sb += 2) {
+    step(raw[0], raw[1], sb, 0);
+    if (sb + 1 >= sb1) break;
+    step(raw[1], raw[0], sb + 1, 1);
+  }
+
+  // Accumulator e of tile (mi, j): row mi * 16 + g (+ 8 for e >= 2), token 8 j + 2 c + e % 2.
+  float* dst = splits == 1 ? out : part + (long long)split * n * rows;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + mi * 16 + g + (e >= 2 ? 8 : 0);
+      if (row >= rows) continue;
+      const float b = (splits == 1 && bias != nullptr) ? bias[row] : 0.f;
+#pragma unroll
+      for (int j = 0; j < NI; ++j) {
+        const int token = 8 * j + 2 * c + (e & 1);
+        if (token < n) dst[(long long)token * rows + row] = splits == 1 ? acc[mi][j][e] + b : acc[mi][j][e];
+      }
+    }
+  }
+}
+
+// out[i] = part[0][i] + part[1][i] + ... (in split order) + bias[row], for the n * rows outputs of a split launch.
+// One thread an output.
+extern "C" __global__ void skinny_reduce(float* __restrict__ out, const float* __restrict__ part,
+                                         const float* __restrict__ bias, int n, int rows, int splits) {
+  pdl_enter();
+  const long long size = (long long)n * rows, i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= size) return;
+  float v = part[i];
+#pragma unroll 4
+  for (int s = 1; s < splits; ++s) v += part[s * size + i];
+  if (bias != nullptr) v += bias[i % rows];
+  out[i] = v;
+}

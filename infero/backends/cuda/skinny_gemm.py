@@ -1,0 +1,145 @@
+"""Skinny GEMM for decode steps of a few sequences on K-quant weights: out[n, rows] = x[n, cols] @ W.T (+ bias).
+
+`convert` writes x (float32) as fp16 in the column order the weight type's kernel consumes (one conversion serves
+every matrix of that type reading x), then `skinny_gemm` streams the weights once for all n <= MAX_TOKENS tokens
+on the tensor cores, splitting k over blocks where the row tiles alone leave SMs idle, the splits' partial sums
+added by a second kernel (kernels/skinny_gemm.cu says how). A row's result does not depend on n or the token's
+position in the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
+from infero.checkpoint.tensor_types import GGMLType
+
+SOURCE = "skinny_gemm.cu"
+TYPES = (int(GGMLType.Q4_K), int(GGMLType.Q6_K))
+TILE_COUNTS = (1, 2, 4, 8)  # 8-token MMA tiles per launch: the kernel's NI
+MAX_TOKENS = 8 * TILE_COUNTS[-1]
+SUPERBLOCK = 256
+WARPS = 8
+ROWS_PER_WARP = {int(GGMLType.Q4_K): 32, int(GGMLType.Q6_K): 16}  # Fmt<T>::ROWS_PER_WARP
+MAX_SPLITS = 16
+_THREADS = 256
+
+runtime.declare(SOURCE, ["skinny_reduce"] + [f"skinny_x_to_f16<{t}>" for t in TYPES]
+                + [f"skinny_gemm<{t}, {ni}>" for t in TYPES for ni in TILE_COUNTS])  # fmt: skip
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
+_CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
+_REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
+_state: dict[str, object] = {}
+
+
+def supports(weight: QuantWeight, n: int) -> bool:
+    return weight.ggml_type in TYPES and 0 < n <= MAX_TOKENS and weight.cols % SUPERBLOCK == 0
+
+
+def tiles(n: int) -> int:
+    """The kernel's NI for n tokens: 8-token tiles, rounded up to an instantiated count."""
+    if not 0 < n <= MAX_TOKENS:
+        raise ValueError(f"skinny_gemm: {n} tokens; it takes 1 to {MAX_TOKENS}")
+    return next(t for t in TILE_COUNTS if 8 * t >= n)
+
+
+def activation_shape(n: int, cols: int) -> tuple[int, int]:
+    """x for `n` tokens in the kernel's layout: uint32 [slots, 4], 16 bytes per (superblock, word, tile, lane)."""
+    return (cols // SUPERBLOCK * 8 * tiles(n) * 32, 4)
+
+
+def block_rows(ggml_type: int) -> int:
+    return WARPS * ROWS_PER_WARP[ggml_type]
+
+
+@functools.lru_cache(maxsize=1024)
+def splits(ggml_type: int, rows: int, cols: int, num_sms: int) -> int:
+    """Contiguous k ranges per row tile: the fewest superblocks per block in the fewest waves (one block per SM;
+    each split costs a partial-sum round trip, counted as a quarter superblock). From the shape only, never n."""
+    row_tiles = -(-rows // block_rows(ggml_type))
+    superblocks = cols // SUPERBLOCK
+
+    def cost(s: int) -> float:
+        return -(-row_tiles * s // num_sms) * -(-superblocks // s) + 0.25 * (s - 1)
+
+    return min(range(1, min(MAX_SPLITS, superblocks) + 1), key=cost)
+
+
+def shared_bytes(n: int) -> int:
+    """Dynamic shared memory of skinny_gemm<T, tiles(n)>: two superblocks of activations."""
+    return 2 * 8 * tiles(n) * 32 * 16
+
+
+def _gemm_function(ggml_type: int, n: int):
+    key = (ggml_type, tiles(n))
+    fn = _state.get(key)
+    if fn is None:
+        fn = _state[key] = runtime.kernel(SOURCE, f"skinny_gemm<{ggml_type}, {tiles(n)}>")
+        driver.set_max_dynamic_shared(fn, shared_bytes(n))
+    return fn
+
+
+def _num_sms() -> int:
+    if "num_sms" not in _state:
+        _state["num_sms"] = runtime.context().info.num_sms
+    return _state["num_sms"]
+
+
+def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream) -> None:
+    """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero."""
+    n, cols = x.shape
+    if ggml_type not in TYPES or cols % SUPERBLOCK or n > MAX_TOKENS:
+        raise ValueError(f"skinny_gemm.convert: no layout for type {ggml_type}, [{n}, {cols}]")
+    if x.dtype != np.float32 or x.ptr % 16 or xa.shape != activation_shape(n, cols) or xa.dtype != np.uint32:
+        raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
+    slots = xa.shape[0]
+    fn = runtime.kernel(SOURCE, f"skinny_x_to_f16<{ggml_type}>")
+    driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), (xa.ptr, x.ptr, n, cols, tiles(n)),
+                  _CONVERT_ARG_TYPES, stream, pdl=True)  # fmt: skip
+
+
+def skinny_gemm(
+    out: DeviceTensor,
+    weight: QuantWeight,
+    xa: DeviceTensor,
+    bias: DeviceTensor | None,
+    stream: driver.Stream,
+    workspace: Workspace,
+) -> None:
+    """out[n, rows] (float32) = x @ weight.T + bias, x given as `convert` wrote it for weight's type."""
+    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    _check(out, weight, xa, bias)
+    s = splits(weight.ggml_type, rows, cols, _num_sms())
+    row_tiles = -(-rows // block_rows(weight.ggml_type))
+    bias_ptr = bias.ptr if bias is not None else 0
+    mark = workspace.offset  # the partial sums are scratch, handed back after the launches (stream order)
+    part = workspace.empty((s, n, rows), np.float32) if s > 1 else out
+    args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s)
+    driver.launch(_gemm_function(weight.ggml_type, n), (row_tiles * s,), (_THREADS,), args, _GEMM_ARG_TYPES,
+                  stream, shared=shared_bytes(n), pdl=True)  # fmt: skip
+    if s > 1:
+        reduce = runtime.kernel(SOURCE, "skinny_reduce")
+        driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), (out.ptr, part.ptr, bias_ptr, n, rows, s),
+                      _REDUCE_ARG_TYPES, stream, pdl=True)  # fmt: skip
+    workspace.offset = mark
+
+
+def _check(out: DeviceTensor, weight: QuantWeight, xa: DeviceTensor, bias: DeviceTensor | None) -> None:
+    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    if not supports(weight, n):
+        raise ValueError(f"skinny_gemm: no kernel for type {weight.ggml_type} with {cols} columns at {n} tokens")
+    problem = weight.layout_error(TYPES)
+    if problem:
+        raise ValueError(f"skinny_gemm: {problem}")
+    if out.shape != (n, rows) or out.dtype != np.float32:
+        raise ValueError(f"skinny_gemm: out must be float32 [{n}, {rows}]; got {out.shape} {out.dtype}")
+    if xa.shape != activation_shape(n, cols) or xa.dtype != np.uint32:
+        raise ValueError(f"skinny_gemm: x must be {activation_shape(n, cols)} uint32 from convert; got {xa.shape}")
+    if bias is not None and (bias.shape != (rows,) or bias.dtype != np.float32):
+        raise ValueError(f"skinny_gemm: bias must be float32 [{rows}]; got {bias.shape} {bias.dtype}")

@@ -1,0 +1,100 @@
+"""The skinny tensor-core GEMM (2-64 tokens, K-quants) against float64 numpy on gguf's own dequantization.
+
+Bound: as the GEMM's (test_gemm.py): x rounded to fp16, each weight formed in fp16 from its scale and min (each
+rounded once to fp16), products summed in fp32: norm-relative error ~u = 4.9e-4; 2e-3 leaves headroom while a wrong
+nibble, scale, column order or split gives errors of order 1. Shapes cover both epilogues: 1000 x 4096 splits k
+over blocks (few row tiles), 40000 x 256 does not (more row tiles than SMs); 1000 rows is no multiple of a block's
+rows, and the token counts leave partial 8-token tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from test_gemm import describe, weight_case
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 2e-3
+TYPES = (Q.Q4_K, Q.Q6_K)
+SHAPES = ((1000, 4096), (40000, 256), (300, 14336))
+TOKEN_COUNTS = (1, 5, 8, 17, 33, 64)
+
+
+def run_skinny(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    from infero.backends.cuda import driver, runtime, skinny_gemm
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    stream = runtime.stream()
+    n, cols = x.shape
+    out = empty((n, weight.rows), np.float32)
+    driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)  # NaN everywhere: an unwritten element shows
+    xa = empty(skinny_gemm.activation_shape(n, cols), np.uint32)
+    ws = Workspace(skinny_gemm.MAX_SPLITS * n * weight.rows * 4 + (1 << 20))
+    xd = from_host(x.astype(np.float32))
+    bd = from_host(bias.astype(np.float32)) if bias is not None else None
+    skinny_gemm.convert(xa, xd, weight.ggml_type, stream)
+    skinny_gemm.skinny_gemm(out, weight, xa, bd, stream, ws)
+    assert ws.offset == 0, "skinny_gemm must hand its scratch back"
+    stream.synchronize()
+    return out.to_host()
+
+
+CASES = [(t, s) for t in TYPES for s in SHAPES]
+
+
+@pytest.mark.parametrize("qtype, shape", CASES, ids=[f"{t.name}-{r}x{c}" for t, (r, c) in CASES])
+def test_skinny_gemm_matches_float64_reference(gpu, qtype, shape):
+    from infero.backends.cuda import runtime, skinny_gemm
+
+    rows, cols = shape
+    weight, w = weight_case(qtype, rows, cols)
+    rng = np.random.default_rng(cols + 1)
+    splits = skinny_gemm.splits(int(qtype), rows, cols, runtime.context().info.num_sms)
+    lines, failed = [], False
+    for n in TOKEN_COUNTS:
+        x = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
+        bias = rng.normal(0, 0.5, size=rows).astype(np.float32) if n in (5, 33) else None
+        ref = x.astype(np.float64) @ w.T + (bias if bias is not None else 0.0)
+        err, text = describe(run_skinny(weight, x, bias), ref)
+        bad = not err < TOLERANCE
+        failed |= bad
+        lines.append(f"{'FAIL' if bad else 'ok  '} {qtype.name} {rows}x{cols} splits={splits} n={n:<3d} "
+                     f"bias={'yes' if bias is not None else 'no '} {text}")  # fmt: skip
+    print("\n".join(lines))
+    assert not failed, "skinny_gemm disagrees with the float64 reference:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_skinny_gemm_row_does_not_depend_on_batch(gpu, qtype):
+    """A token's outputs are bitwise the same alone, among 17 and among 64, at any position."""
+    weight, _ = weight_case(qtype, 1000, 4096)
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 1, size=(64, 4096)).astype(np.float32)
+    bias = rng.normal(0, 0.5, size=1000).astype(np.float32)
+    full = run_skinny(weight, x, bias)
+    picks = np.array([63, 0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40, 47, 48, 55, 62])
+    lines = []
+    for subset in (picks, picks[:5], picks[3:4]):
+        part = run_skinny(weight, x[subset], bias)
+        same = np.all(full[subset].view(np.uint32) == part.view(np.uint32), axis=1)
+        if not same.all():
+            lines.append(f"n={len(subset)}: tokens {subset[~same].tolist()} differ from the 64-token call")
+    assert not lines, "\n".join(lines)
+
+
+def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
+    from infero.backends.cuda import runtime, skinny_gemm
+    from infero.backends.cuda.tensor import Workspace, empty
+
+    weight, _ = weight_case(Q.Q4_K, 1000, 4096)
+    stream, ws = runtime.stream(), Workspace(1 << 20)
+    xa = empty(skinny_gemm.activation_shape(64, 4096), np.uint32)
+    with pytest.raises(ValueError, match="65 tokens"):
+        skinny_gemm.skinny_gemm(empty((65, 1000), np.float32), weight, xa, None, stream, ws)
+    with pytest.raises(ValueError, match="65 tokens"):
+        skinny_gemm.activation_shape(65, 4096)
+    q8, _ = weight_case(Q.Q8_0, 200, 1056)
+    with pytest.raises(ValueError, match="no kernel for type 8"):
+        skinny_gemm.skinny_gemm(empty((8, 200), np.float32), q8, xa, None, stream, ws)
