@@ -11,7 +11,9 @@ Per request: TTFT (request written -> first content chunk), ITL (gaps between co
 (`stream_options.include_usage`). Requests ask for `temperature: 0` and `ignore_eos: true`; when the server honours
 `ignore_eos`, an answer whose completion_tokens differs from `max_tokens` counts as an error. Prompts are synthetic,
 about `--prompt-tokens` common English words (about one token each), different from the first word on for every
-request so that prefix caches cannot help one server more than another.
+request so that prefix caches cannot help one server more than another. Where the server reports usage, the
+warm-up rescales the word count until its prompt comes to within 15% of `--prompt-tokens` tokens (a synthetic
+model's tokenizer splits a word into several tokens: 256 words were 1,100 tokens on `infero synth`'s).
 
 Aggregates: generated tok/s and requests/s over the measured window (clients start -> last request done), and
 mean/p50/p90/p99 of each latency. Latency statistics cover every request that streamed tokens.
@@ -504,19 +506,22 @@ async def fetch_model(conn: Connection, target: Target, api_key: str | None) -> 
     return ids[0]
 
 
-async def warm_up(conn: Connection, target: Target, cfg: ServeBenchConfig, model: str) -> tuple[bool, bool, list[str]]:
-    """One short request that checks the endpoint, the key and the stream format, and warms the server up.
+async def warm_up(
+    conn: Connection, target: Target, cfg: ServeBenchConfig, model: str
+) -> tuple[bool, bool, list[str], int]:
+    """Short requests that check the endpoint, the key and the stream format, warm the server up and size the
+    prompts.
 
-    Returns whether the server takes `ignore_eos`, whether it reports usage, and notes for the report."""
+    Returns whether the server takes `ignore_eos`, whether it reports usage, notes for the report, and the words
+    per prompt that come to about cfg.prompt_tokens tokens (cfg.prompt_tokens where the server reports no usage)."""
     path, notes = _endpoint_path(target, cfg.endpoint), []
     max_tokens = min(cfg.max_tokens, WARMUP_MAX_TOKENS)
-    ignore_eos = True
+    ignore_eos, words, sizings, first = True, cfg.prompt_tokens, 0, None
     while True:
         rec = RequestRecord(-1)
-        payload = make_payload(cfg, model, make_prompt(cfg.seed, -1, cfg.prompt_tokens), max_tokens, ignore_eos)
+        payload = make_payload(cfg, model, make_prompt(cfg.seed, -1, words), max_tokens, ignore_eos)
         try:
             await asyncio.wait_for(stream_request(conn, path, payload, rec), cfg.timeout)
-            break
         except RequestError as e:
             conn.close()
             if e.status == 400 and ignore_eos:
@@ -528,18 +533,27 @@ async def warm_up(conn: Connection, target: Target, cfg: ServeBenchConfig, model
         except Exception as e:
             conn.close()
             raise _user_error(target, f"POST {path.removeprefix(target.base_path)}", e, cfg.api_key) from e
+        measured = rec.usage_prompt
+        if measured is None or abs(measured - cfg.prompt_tokens) <= 0.15 * cfg.prompt_tokens or sizings == 3:
+            break
+        first = first or (words, measured)
+        words, sizings = max(1, round(words * cfg.prompt_tokens / max(measured, 1))), sizings + 1
+    if first is not None:
+        notes.append(f"{first[0]} words made {first[1]:,} prompt tokens on this server: prompts are {words} words")
     if rec.usage_completion is None:
         notes.append("the server sent no usage (stream_options.include_usage): tokens are counted as content "
                      "chunks, and answers are not checked against --max-tokens")  # fmt: skip
     elif ignore_eos and rec.usage_completion != max_tokens:
         notes.append(f"the warm-up answer had {rec.usage_completion} of {max_tokens} tokens with ignore_eos: the "
                      "server may ignore the field")  # fmt: skip
-    return ignore_eos, rec.usage_completion is not None, notes
+    return ignore_eos, rec.usage_completion is not None, notes, words
 
 
 class _Run:
-    def __init__(self, cfg: ServeBenchConfig, target: Target, model: str, ignore_eos: bool, check_tokens: bool):
+    def __init__(self, cfg: ServeBenchConfig, target: Target, model: str, ignore_eos: bool, check_tokens: bool,
+                 words: int):  # fmt: skip
         self.cfg, self.model, self.ignore_eos, self.check_tokens = cfg, model, ignore_eos, check_tokens
+        self.words = words
         self.path = _endpoint_path(target, cfg.endpoint)
         self.records: list[RequestRecord] = []
         self.deadline = float("inf")
@@ -556,7 +570,7 @@ class _Run:
     async def client(self, conn: Connection) -> None:
         cfg = self.cfg
         while (rec := self.next_request()) is not None:
-            prompt = make_prompt(cfg.seed, rec.index, cfg.prompt_tokens)
+            prompt = make_prompt(cfg.seed, rec.index, self.words)
             payload = make_payload(cfg, self.model, prompt, cfg.max_tokens, self.ignore_eos)
             try:
                 await stream_request(conn, self.path, payload, rec)
@@ -591,11 +605,11 @@ async def run_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None = N
         model = cfg.model or await fetch_model(conn, target, cfg.api_key)
         if log:
             log(f"bench serve: {target.url} ({cfg.endpoint}), model {model}: warming up")
-        ignore_eos, has_usage, notes = await warm_up(conn, target, cfg, model)
+        ignore_eos, has_usage, notes, words = await warm_up(conn, target, cfg, model)
     finally:
         conn.close()
     check_tokens = ignore_eos and has_usage
-    run = _Run(cfg, target, model, ignore_eos, check_tokens)
+    run = _Run(cfg, target, model, ignore_eos, check_tokens, words)
     conns = [Connection(target, headers) for _ in range(cfg.clients)]
     await asyncio.gather(*(c.connect() for c in conns), return_exceptions=True)  # a failure reconnects later
     for c in conns:

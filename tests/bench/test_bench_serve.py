@@ -27,6 +27,7 @@ class FakeServer:
         self.api_key: str | None = None
         self.reject_ignore_eos = False  # answer 400 to requests with ignore_eos, as a strict server does
         self.send_usage = True
+        self.tokens_per_word = 1  # prompt tokens the usage reports per word (a synthetic tokenizer: several)
         self.fail_every = 0  # answer every k-th completion request with HTTP 500
         self.html = False  # answer everything with an HTML page, as a web server that is not an API does
         self.framing = "chunked"  # or "close": Connection: close and a body that ends when the connection does
@@ -137,7 +138,8 @@ class FakeServer:
             await event(chunk(f" w{i}"))
         await event(chunk("", "length" if n == req["max_tokens"] else "stop"))
         if self.send_usage and req.get("stream_options", {}).get("include_usage"):
-            prompt_tokens = len(req["messages"][0]["content"].split() if chat else req["prompt"].split())
+            words = len(req["messages"][0]["content"].split() if chat else req["prompt"].split())
+            prompt_tokens = words * self.tokens_per_word
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
             await event(json.dumps({"id": "x", "choices": [], "usage": usage}))
         await event("[DONE]")
@@ -256,6 +258,14 @@ def test_prompts_differ_per_request_and_have_about_the_asked_length(fake):
     assert len(set(prompts)) == len(prompts)
     assert len({tuple(p.split()[:3]) for p in prompts}) == len(prompts)  # they differ from the start
     assert all(len(p.split()) == 50 for p in prompts)
+
+
+def test_prompts_are_resized_to_the_asked_tokens_where_words_make_several(fake):
+    fake.tokens_per_word = 4  # 256 words were 1,100 tokens on infero synth's tokenizer
+    r = bench(fake, clients=2, requests=4, prompt_tokens=200)
+    assert all(len(q["messages"][0]["content"].split()) == 50 for q in fake.requests[-4:])
+    assert r["prompt_tokens_mean"] == 200
+    assert any("200 words made 800 prompt tokens" in n and "50 words" in n for n in r["notes"])
 
 
 def test_requests_in_flight_at_the_end_are_awaited_and_counted(fake):
