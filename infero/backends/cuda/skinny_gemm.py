@@ -35,7 +35,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
-_state: dict[str, object] = {}
+_functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
+_num_sms: list[int] = []
 
 
 def supports(weight: QuantWeight, n: int) -> bool:
@@ -61,7 +62,8 @@ def block_rows(ggml_type: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def splits(ggml_type: int, rows: int, cols: int, num_sms: int) -> int:
     """Contiguous k ranges per row tile: the fewest superblocks per block in the fewest waves (one block per SM;
-    each split costs a partial-sum round trip, counted as a quarter superblock). From the shape only, never n."""
+    each split costs a partial-sum round trip, counted as a quarter superblock). From the shape only, never n; at
+    most one split per superblock (the kernel relies on every split holding one)."""
     row_tiles = -(-rows // block_rows(ggml_type))
     superblocks = cols // SUPERBLOCK
 
@@ -78,17 +80,17 @@ def shared_bytes(n: int) -> int:
 
 def _gemm_function(ggml_type: int, n: int):
     key = (ggml_type, tiles(n))
-    fn = _state.get(key)
+    fn = _functions.get(key)
     if fn is None:
-        fn = _state[key] = runtime.kernel(SOURCE, f"skinny_gemm<{ggml_type}, {tiles(n)}>")
+        fn = _functions[key] = runtime.kernel(SOURCE, f"skinny_gemm<{ggml_type}, {tiles(n)}>")
         driver.set_max_dynamic_shared(fn, shared_bytes(n))
     return fn
 
 
-def _num_sms() -> int:
-    if "num_sms" not in _state:
-        _state["num_sms"] = runtime.context().info.num_sms
-    return _state["num_sms"]
+def _sms() -> int:
+    if not _num_sms:
+        _num_sms.append(runtime.context().info.num_sms)
+    return _num_sms[0]
 
 
 def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream) -> None:
@@ -115,7 +117,7 @@ def skinny_gemm(
     """out[n, rows] (float32) = x @ weight.T + bias, x given as `convert` wrote it for weight's type."""
     n, rows, cols = out.shape[0], weight.rows, weight.cols
     _check(out, weight, xa, bias)
-    s = splits(weight.ggml_type, rows, cols, _num_sms())
+    s = splits(weight.ggml_type, rows, cols, _sms())
     row_tiles = -(-rows // block_rows(weight.ggml_type))
     bias_ptr = bias.ptr if bias is not None else 0
     mark = workspace.offset  # the partial sums are scratch, handed back after the launches (stream order)

@@ -151,7 +151,9 @@ struct Fmt<GGML_Q4_K> {
 // Q6_K: lane c owns ql bytes [64h + 16c, +16) and qh bytes [32h + 16 (c % 2), +16) of each half h: word i (h = i / 4,
 // j = i % 4) holds columns 128h + 16c + 4j + p (low nibbles, sub-block 8h + c) and 128h + 64 + 16c + 4j + p (high
 // nibbles, sub-block 8h + 4 + c); their top 2 bits are qh's bits 2 (c / 2) and 2 (c / 2) + 4. Blocks (210 bytes) are
-// only 2-byte aligned: each 16-byte run is two aligned 16-byte loads, shifted into place in registers.
+// only 2-byte aligned: each 16-byte run is two aligned 16-byte loads, shifted into place in registers. The chunk
+// holding d may reach up to 14 bytes past the block, never past the 16-byte chunk of its last byte (so never
+// outside the tensor's 256-byte-aligned allocation).
 template <>
 struct Fmt<GGML_Q6_K> {
   static constexpr int BYTES = 210, ROWS_PER_WARP = 16;
@@ -275,7 +277,7 @@ __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict_
 }
 
 // grid row_tiles * splits blocks (1-D; the row tiles of one split consecutive, so blocks in flight read the same
-// activations), 256 threads, dynamic shared memory 2 * 8 * NI * 512 bytes. xa: skinny_x_to_f16's layout with NI
+// activations; splits <= cols / 256, so every split holds a superblock), 256 threads, dynamic shared memory 2 * 8 * NI * 512 bytes. xa: skinny_x_to_f16's layout with NI
 // tiles. splits == 1: out = x W^T + bias. splits > 1: part[split] (float32 [splits, n, rows]) = this split's sum,
 // for skinny_reduce to add up.
 template <int T, int NI>
