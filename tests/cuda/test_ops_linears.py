@@ -79,13 +79,15 @@ def test_linears_beyond_the_matvec_take_one_gemm_each(recorded):
 
 
 def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
-    """Once the skinny GEMM's buffers exist, Q4_K / Q6_K matrices of a 3-16 token batch run one linear each (its
-    kernel), while other block formats still share mat-vec launches; below SKINNY_MIN_TOKENS all share."""
-    from infero.backends.cuda import ops as ops_module
+    """Once the skinny GEMM's buffers exist, Q4_K / Q6_K / Q8_0 matrices run one linear each (its kernel) from their
+    type's SKINNY_MIN_TOKENS on, while other block formats, and narrower batches, still share mat-vec launches."""
+    from infero.backends.cuda.ops import SKINNY_MIN_TOKENS
 
     ops, calls = recorded
-    ops._skinny = {int(T.Q4_K): None, int(T.Q6_K): None}
-    ops.linears(activations(ops_module.SKINNY_MIN_TOKENS), weights(T.Q4_K, T.Q4_K, T.Q6_K))
-    ops.linears(activations(8), weights(T.Q8_0, T.Q8_0))
-    ops.linears(activations(ops_module.SKINNY_MIN_TOKENS - 1), weights(T.Q4_K, T.Q4_K))
-    assert [c[:2] for c in calls] == [("linear", 0), ("linear", 1), ("linear", 2), ("many", [0, 1]), ("many", [0, 1])]
+    ops._skinny = {int(T.Q4_K): None, int(T.Q6_K): None, int(T.Q8_0): None}
+    ops.linears(activations(SKINNY_MIN_TOKENS[T.Q8_0]), weights(T.Q4_K, T.Q8_0, T.Q6_K))
+    ops.linears(activations(8), weights(T.Q5_0, T.Q5_0))
+    ops.linears(activations(SKINNY_MIN_TOKENS[T.Q4_K] - 1), weights(T.Q4_K, T.Q4_K))
+    ops.linears(activations(SKINNY_MIN_TOKENS[T.Q8_0] - 1), weights(T.Q4_K, T.Q8_0, T.Q8_0))
+    assert [c[:2] for c in calls] == [("linear", 0), ("linear", 1), ("linear", 2), ("many", [0, 1]),
+                                      ("many", [0, 1]), ("linear", 0), ("many", [1, 2])]  # fmt: skip

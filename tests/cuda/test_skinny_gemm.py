@@ -1,4 +1,4 @@
-"""The skinny tensor-core GEMM (2-64 tokens, K-quants) against float64 numpy on gguf's own dequantization.
+"""The skinny tensor-core GEMM (3-64 tokens; Q4_K, Q6_K, Q8_0) against float64 numpy on gguf's dequantization.
 
 Bound: as the GEMM's (test_gemm.py): x rounded to fp16, each weight formed in fp16 from its scale and min (each
 rounded once to fp16), products summed in fp32: norm-relative error ~u = 4.9e-4; 2e-3 leaves headroom while a wrong
@@ -17,8 +17,10 @@ from test_gemm import describe, weight_case
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = 2e-3
-TYPES = (Q.Q4_K, Q.Q6_K)
+TYPES = (Q.Q4_K, Q.Q6_K, Q.Q8_0)
 SHAPES = ((1000, 4096), (40000, 256), (300, 14336))
+# Q8_0 runs 128-column superblocks: 896 columns (qwen2.5-0.5b's width) is 7 of them, 4864 is 38.
+Q8_SHAPES = ((896, 896), (4864, 896), (200, 4864))
 TOKEN_COUNTS = (1, 5, 8, 17, 33, 64)
 
 
@@ -41,7 +43,7 @@ def run_skinny(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     return out.to_host()
 
 
-CASES = [(t, s) for t in TYPES for s in SHAPES]
+CASES = [(t, s) for t in TYPES for s in SHAPES] + [(Q.Q8_0, s) for s in Q8_SHAPES]
 
 
 @pytest.mark.parametrize("qtype, shape", CASES, ids=[f"{t.name}-{r}x{c}" for t, (r, c) in CASES])
@@ -95,6 +97,6 @@ def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
         skinny_gemm.skinny_gemm(empty((65, 1000), np.float32), weight, xa, None, stream, ws)
     with pytest.raises(ValueError, match="65 tokens"):
         skinny_gemm.activation_shape(65, 4096)
-    q8, _ = weight_case(Q.Q8_0, 200, 1056)
-    with pytest.raises(ValueError, match="no kernel for type 8"):
-        skinny_gemm.skinny_gemm(empty((8, 200), np.float32), q8, xa, None, stream, ws)
+    q5, _ = weight_case(Q.Q5_0, 200, 1056)
+    with pytest.raises(ValueError, match="no kernel for type 6"):
+        skinny_gemm.skinny_gemm(empty((8, 200), np.float32), q5, xa, None, stream, ws)

@@ -17,13 +17,14 @@ from infero.models.rotary import Rotary
 
 # Up to this many tokens a linear layer runs the int8 mat-vec kernels (matvec.cu: each weight byte read once for
 # all tokens; the activations go in as two int8 planes, x and its rounding residual: one plane alone left SmolLM2's
-# logits 1-7% off on the H200, docs/performance.md). Beyond it K-quants take the skinny tensor-core GEMM up to
-# skinny_gemm.MAX_TOKENS tokens, everything else the GEMM.
+# logits 1-7% off on the H200, docs/performance.md). Beyond it Q4_K / Q6_K / Q8_0 take the skinny tensor-core GEMM
+# up to skinny_gemm.MAX_TOKENS tokens, everything else the GEMM.
 MATVEC_MAX_TOKENS = 16
-# From this many tokens K-quant linears take the skinny GEMM even below MATVEC_MAX_TOKENS: on the H200 it beats the
-# batched mat-vec from 3-4 tokens (llama-3.1-8b decode steps of 4 / 8 / 16 sequences: 5.3 / 8.3 / 15.9 ms on the
-# mat-vec, 4.9 / 5.4 / 6.4 ms on the skinny GEMM; at 2 the mat-vec wins, 3.5 vs 4.7 ms; docs/performance.md).
-SKINNY_MIN_TOKENS = 3
+# From this many tokens a weight type takes the skinny GEMM even below MATVEC_MAX_TOKENS, where it beat the batched
+# mat-vec on the H200 (docs/performance.md): llama-3.1-8b Q4_K_M steps of 4 / 8 / 16 sequences 5.3 / 8.3 / 15.9 ms on
+# the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
+# sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
+SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
 
 
 class CudaKVCache:
@@ -134,7 +135,7 @@ class CudaOps:
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
         n = x.shape[0]
-        return (bool(self._skinny) and n >= SKINNY_MIN_TOKENS and skinny_gemm.supports(weight, n)
+        return (bool(self._skinny) and skinny_gemm.supports(weight, n) and n >= SKINNY_MIN_TOKENS[weight.ggml_type]
                 and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
 
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
@@ -153,7 +154,7 @@ class CudaOps:
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
         (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many). Float
-        weights, and K-quants where the skinny GEMM takes them, run one linear call each."""
+        weights, and matrices the skinny GEMM takes at this width, run one linear call each."""
         biases = (None,) * len(weights) if biases is None else tuple(biases)
         if x.shape[0] > MATVEC_MAX_TOKENS:
             return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]

@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode steps of a few sequences on K-quant weights: out[n, rows] = x[n, cols] @ W.T (+ bias).
+"""Skinny GEMM for decode steps of a few sequences (Q4_K, Q6_K, Q8_0): out[n, rows] = x[n, cols] @ W.T (+ bias).
 
 `convert` writes x (float32) as fp16 in the column order the weight type's kernel consumes (one conversion serves
 every matrix of that type reading x), then `skinny_gemm` streams the weights once for all n <= MAX_TOKENS tokens
@@ -19,12 +19,13 @@ from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
 from infero.checkpoint.tensor_types import GGMLType
 
 SOURCE = "skinny_gemm.cu"
-TYPES = (int(GGMLType.Q4_K), int(GGMLType.Q6_K))
+TYPES = (int(GGMLType.Q4_K), int(GGMLType.Q6_K), int(GGMLType.Q8_0))
 TILE_COUNTS = (1, 2, 4, 8)  # 8-token MMA tiles per launch: the kernel's NI
 MAX_TOKENS = 8 * TILE_COUNTS[-1]
-SUPERBLOCK = 256
+# Mirroring Fmt<T> in skinny_gemm.cu: columns per superblock (the unit of a split) and rows per warp.
+SUPERBLOCK = {int(GGMLType.Q4_K): 256, int(GGMLType.Q6_K): 256, int(GGMLType.Q8_0): 128}
+ROWS_PER_WARP = {int(GGMLType.Q4_K): 32, int(GGMLType.Q6_K): 16, int(GGMLType.Q8_0): 32}
 WARPS = 8
-ROWS_PER_WARP = {int(GGMLType.Q4_K): 32, int(GGMLType.Q6_K): 16}  # Fmt<T>::ROWS_PER_WARP
 MAX_SPLITS = 16
 _THREADS = 256
 
@@ -40,7 +41,7 @@ _num_sms: list[int] = []
 
 
 def supports(weight: QuantWeight, n: int) -> bool:
-    return weight.ggml_type in TYPES and 0 < n <= MAX_TOKENS and weight.cols % SUPERBLOCK == 0
+    return weight.ggml_type in TYPES and 0 < n <= MAX_TOKENS and weight.cols % SUPERBLOCK[weight.ggml_type] == 0
 
 
 def tiles(n: int) -> int:
@@ -51,8 +52,9 @@ def tiles(n: int) -> int:
 
 
 def activation_shape(n: int, cols: int) -> tuple[int, int]:
-    """x for `n` tokens in the kernel's layout: uint32 [slots, 4], 16 bytes per (superblock, word, tile, lane)."""
-    return (cols // SUPERBLOCK * 8 * tiles(n) * 32, 4)
+    """x for `n` tokens in the kernel's layout: uint32 [slots, 4], 16 bytes per (superblock, word, tile, lane); a
+    word is 8 columns of each of 4 lanes, whatever the type."""
+    return (cols // 32 * tiles(n) * 32, 4)
 
 
 def block_rows(ggml_type: int) -> int:
@@ -65,7 +67,7 @@ def splits(ggml_type: int, rows: int, cols: int, num_sms: int) -> int:
     each split costs a partial-sum round trip, counted as a quarter superblock). From the shape only, never n; at
     most one split per superblock (the kernel relies on every split holding one)."""
     row_tiles = -(-rows // block_rows(ggml_type))
-    superblocks = cols // SUPERBLOCK
+    superblocks = cols // SUPERBLOCK[ggml_type]
 
     def cost(s: int) -> float:
         return -(-row_tiles * s // num_sms) * -(-superblocks // s) + 0.25 * (s - 1)
@@ -73,9 +75,9 @@ def splits(ggml_type: int, rows: int, cols: int, num_sms: int) -> int:
     return min(range(1, min(MAX_SPLITS, superblocks) + 1), key=cost)
 
 
-def shared_bytes(n: int) -> int:
-    """Dynamic shared memory of skinny_gemm<T, tiles(n)>: two superblocks of activations."""
-    return 2 * 8 * tiles(n) * 32 * 16
+def shared_bytes(ggml_type: int, n: int) -> int:
+    """Dynamic shared memory of skinny_gemm<ggml_type, tiles(n)>: two superblocks of activations."""
+    return 2 * (SUPERBLOCK[ggml_type] // 32) * tiles(n) * 32 * 16
 
 
 def _gemm_function(ggml_type: int, n: int):
@@ -83,7 +85,7 @@ def _gemm_function(ggml_type: int, n: int):
     fn = _functions.get(key)
     if fn is None:
         fn = _functions[key] = runtime.kernel(SOURCE, f"skinny_gemm<{ggml_type}, {tiles(n)}>")
-        driver.set_max_dynamic_shared(fn, shared_bytes(n))
+        driver.set_max_dynamic_shared(fn, shared_bytes(ggml_type, n))
     return fn
 
 
@@ -96,7 +98,7 @@ def _sms() -> int:
 def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream) -> None:
     """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero."""
     n, cols = x.shape
-    if ggml_type not in TYPES or cols % SUPERBLOCK or n > MAX_TOKENS:
+    if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or n > MAX_TOKENS:
         raise ValueError(f"skinny_gemm.convert: no layout for type {ggml_type}, [{n}, {cols}]")
     if x.dtype != np.float32 or x.ptr % 16 or xa.shape != activation_shape(n, cols) or xa.dtype != np.uint32:
         raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
@@ -124,7 +126,7 @@ def skinny_gemm(
     part = workspace.empty((s, n, rows), np.float32) if s > 1 else out
     args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s)
     driver.launch(_gemm_function(weight.ggml_type, n), (row_tiles * s,), (_THREADS,), args, _GEMM_ARG_TYPES,
-                  stream, shared=shared_bytes(n), pdl=True)  # fmt: skip
+                  stream, shared=shared_bytes(weight.ggml_type, n), pdl=True)  # fmt: skip
     if s > 1:
         reduce = runtime.kernel(SOURCE, "skinny_reduce")
         driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), (out.ptr, part.ptr, bias_ptr, n, rows, s),

@@ -1,5 +1,6 @@
 // Skinny GEMM for batches of a few tokens (decode steps of many sequences): out[n, rows] = x[n, cols] @
-// dequant(W)[rows, cols]^T (+ bias), n <= 64, W a K-quant (Q4_K, Q6_K) in its GGUF encoding.
+// dequant(W)[rows, cols]^T (+ bias), n <= 64, W in its GGUF encoding: Q4_K, Q6_K (256-column superblocks) or Q8_0
+// (superblocks of 4 blocks, 128 columns).
 //
 // Why not the GEMM of gemm.cu: at 3-64 tokens a weight byte feeds so few MMAs that the kernel must stream weights
 // like a mat-vec, and gemm.cu's blocks (weights copied to shared memory, dequantized to a shared fp16 tile, a
@@ -11,10 +12,10 @@
 //
 // The k permutation. An MMA sums over its 16 k slots; which weight column sits in which slot is free as long as A
 // and B agree. Lane (g = lane / 4, c = lane % 4) holds A's slots {2c, 2c+1, 2c+8, 2c+9} of rows g and g + 8, and
-// B's same slots of token g; so each lane c owns a fixed set of 64 columns of every 256-column superblock
-// (Fmt<T>::column), chosen so its weight bytes are contiguous, and consumes them as 8 words of 8 columns: a word's
+// B's same slots of token g; so each lane c owns a fixed quarter of every superblock's columns (Fmt<T>::column),
+// chosen so its weight bytes are contiguous, and consumes them as WORDS words of 8 columns: a word's
 // low halves (4 columns) in one MMA, its high halves in the next. skinny_x_to_f16 writes x in exactly that order,
-// [sb][word][tile][lane][8] fp16, so a lane's B operands for both MMAs of a word are one 16-byte shared-memory
+// [sb][word][tile][lane][8] fp16 (a word of 4 lanes is 32 columns whatever the format), so a lane's B operands for both MMAs of a word are one 16-byte shared-memory
 // load, and the 32 lanes' loads are 512 contiguous bytes (no bank conflict).
 //
 // Dequantization in fp16 registers: nibbles are OR-ed into the mantissa of a magic fp16 (1024 + q, or 64 + q for
@@ -45,7 +46,6 @@
 namespace sk {
 
 constexpr int WARPS = 8;
-constexpr int SB = 256;  // columns per superblock (K-quant block)
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {  // weights: read once, past L1
   uint4 v;
@@ -117,8 +117,9 @@ struct Fmt;
 // nibbles 64c + 32 + 4i + p (p = byte 0..3), sub-blocks 2c and 2c + 1.
 template <>
 struct Fmt<GGML_Q4_K> {
-  static constexpr int BYTES = 144, ROWS_PER_WARP = 32;
+  static constexpr int SB = 256, WORDS = SB / 32, BYTES = 144, ROWS_PER_WARP = 32;
   struct Raw { uint32_t h[4], q[8]; };
+  using Bits = Raw;  // the words decode straight from the loaded bytes
   struct Scale { uint32_t s_lo, m_lo, s_hi, m_hi; };  // fp16 pairs: d * sc, -dmin * m per sub-block
   __host__ __device__ static constexpr int column(int c, int word, int high, int p) {
     return 64 * c + 32 * high + 4 * word + p;
@@ -138,6 +139,7 @@ struct Fmt<GGML_Q4_K> {
     s.s_hi = half2_of(d * (float)sc[1]);
     s.m_hi = half2_of(-dmin * (float)m[1]);
   }
+  __device__ static void bits(Bits& b, const Raw& r) { b = r; }
   // Word i as four fp16 pairs: (p0, p2) and (p1, p3) of the low nibbles, then of the high nibbles.
   __device__ static void word(uint32_t (&a)[4], const Raw& r, const Scale& s, int i, int) {
     const uint32_t w = r.q[i], w8 = w >> 8;
@@ -156,7 +158,7 @@ struct Fmt<GGML_Q4_K> {
 // outside the tensor's 256-byte-aligned allocation).
 template <>
 struct Fmt<GGML_Q6_K> {
-  static constexpr int BYTES = 210, ROWS_PER_WARP = 16;
+  static constexpr int SB = 256, WORDS = SB / 32, BYTES = 210, ROWS_PER_WARP = 16;
   struct Raw { uint4 ql[2][2], qh[2][2], sd[2]; int off; };
   struct Scale { uint32_t s[4]; };  // fp16 pairs d * sc for sub-blocks c, 4 + c, 8 + c, 12 + c
   struct Bits { uint32_t ql[8], qh[8]; };
@@ -224,21 +226,57 @@ struct Fmt<GGML_Q6_K> {
   }
 };
 
-}  // namespace sk
 
-namespace sk {
-
-// Q4_K's words decode straight from the loaded bytes; Q6_K's are first shifted into place.
-template <int T>
-struct Words {
-  using F = Fmt<T>;
-  using type = typename F::Raw;
-  __device__ static void make(type& b, const typename F::Raw& r) { b = r; }
-};
+// Q8_0: superblocks of 128 columns (4 blocks of 34 bytes); lane c owns block c: word i's low half is columns
+// 32c + 8i + p, its high half 32c + 8i + 4 + p. Blocks are only 2-byte aligned: a lane loads the three aligned
+// 16-byte chunks holding its 34 bytes (each holds some of them) and shifts d and the 32 quants into place.
+// int8 -> fp16: q + 128 OR-ed into the magic 1024, minus 1152, times d.
 template <>
-struct Words<GGML_Q6_K> {
-  using type = Fmt<GGML_Q6_K>::Bits;
-  __device__ static void make(type& b, const Fmt<GGML_Q6_K>::Raw& r) { Fmt<GGML_Q6_K>::bits(b, r); }
+struct Fmt<GGML_Q8_0> {
+  static constexpr int SB = 128, WORDS = SB / 32, BYTES = 4 * 34, ROWS_PER_WARP = 32;
+  struct Raw { uint32_t v[12]; int off; };
+  struct Scale { uint32_t d; };
+  struct Bits { uint32_t q[8]; };
+  __host__ __device__ static constexpr int column(int c, int word, int high, int p) {
+    return 32 * c + 8 * word + 4 * high + p;
+  }
+  __device__ static void fetch(Raw& r, const uint8_t* superblock, int c) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(superblock + 34 * c);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(a & ~15ull);
+    r.off = (int)(a & 15);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const uint4 v = ld_stream(base + 16 * k);
+      r.v[4 * k] = v.x; r.v[4 * k + 1] = v.y; r.v[4 * k + 2] = v.z; r.v[4 * k + 3] = v.w;
+    }
+  }
+  // The 32 quants start at byte o = off + 2 (even, 2..16) of the 48 loaded: rotate by 4, 2, 1 words, then 2 bytes.
+  __device__ static void bits(Bits& b, const Raw& r) {
+    const int o = r.off + 2;
+    uint32_t u[12], t[10], w[9];
+#pragma unroll
+    for (int k = 0; k < 12; ++k) u[k] = (o & 16) ? r.v[k + 4 < 12 ? k + 4 : 11] : r.v[k];
+#pragma unroll
+    for (int k = 0; k < 10; ++k) t[k] = (o & 8) ? u[k + 2] : u[k];
+#pragma unroll
+    for (int k = 0; k < 9; ++k) w[k] = (o & 4) ? t[k + 1] : t[k];
+    const uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b.q[k] = __byte_perm(w[k], w[k + 1], sel);
+  }
+  __device__ static void scales(Scale& s, const Raw& r, int) {
+    const int o = r.off;  // d: bytes o, o + 1 of the loaded 48 (o even, <= 14)
+    const uint32_t dword = (o & 8) ? ((o & 4) ? r.v[3] : r.v[2]) : ((o & 4) ? r.v[1] : r.v[0]);
+    s.d = half2_of((o & 2) ? f16_hi(dword) : f16_lo(dword));
+  }
+  __device__ static void word(uint32_t (&a)[4], const Bits& b, const Scale& s, int i, int) {
+    const uint32_t lo = b.q[2 * i] ^ 0x80808080u, hi = b.q[2 * i + 1] ^ 0x80808080u;
+    constexpr uint32_t MAGIC = 0x64646464u, OFFSET = 0x64806480u;  // 1024 in the high bytes; 1152
+    a[0] = hmul2(hsub2(__byte_perm(lo, MAGIC, 0x4240u), OFFSET), s.d);
+    a[1] = hmul2(hsub2(__byte_perm(lo, MAGIC, 0x4341u), OFFSET), s.d);
+    a[2] = hmul2(hsub2(__byte_perm(hi, MAGIC, 0x4240u), OFFSET), s.d);
+    a[3] = hmul2(hsub2(__byte_perm(hi, MAGIC, 0x4341u), OFFSET), s.d);
+  }
 };
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -250,22 +288,22 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 }  // namespace sk
 
 // x float32 [n, cols] -> xa fp16 in Fmt<T>'s column order, 16 bytes per (superblock, word, token tile, lane):
-// slot ((sb * 8 + word) * tiles + tile) * 32 + lane holds token 8 tile + lane / 4's columns (p0, p2, p1, p3) of the
+// slot ((sb * WORDS + word) * tiles + tile) * 32 + lane holds token 8 tile + lane / 4's columns (p0, p2, p1, p3) of the
 // word's low half, then of its high half, for c = lane % 4. Tokens in [n, 8 tiles) are zeros. One thread a slot.
 template <int T>
 __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict__ x, int n, int cols, int tiles) {
   using F = sk::Fmt<T>;
   pdl_enter();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (long long)(cols / sk::SB) * 8 * tiles * 32) return;
+  if (i >= (long long)(cols / 32) * tiles * 32) return;
   const int lane = (int)(i & 31);
   const long long rest = i >> 5;
-  const int tile = (int)(rest % tiles), word = (int)((rest / tiles) & 7);
-  const long long sb = rest / tiles >> 3;
+  const int tile = (int)(rest % tiles), word = (int)((rest / tiles) % F::WORDS);
+  const long long sb = rest / tiles / F::WORDS;
   const int token = tile * 8 + (lane >> 2), c = lane & 3;
   uint4 o = make_uint4(0, 0, 0, 0);
   if (token < n) {
-    const float* row = x + (long long)token * cols + sb * sk::SB;
+    const float* row = x + (long long)token * cols + sb * F::SB;
     const float4 lo = *reinterpret_cast<const float4*>(row + F::column(c, word, 0, 0));
     const float4 hi = *reinterpret_cast<const float4*>(row + F::column(c, word, 1, 0));
     o.x = sk::pack_half2(lo.x, lo.z);
@@ -288,12 +326,12 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   using namespace sk;
   using F = Fmt<T>;
   constexpr int RW = F::ROWS_PER_WARP, MI = RW / 16, RPL = 2 * MI, BLOCK_ROWS = WARPS * RW;
-  constexpr int X_SLOTS = 8 * NI * 32;  // 16-byte activation slots per superblock
+  constexpr int X_SLOTS = F::WORDS * NI * 32;  // 16-byte activation slots per superblock
   extern __shared__ uint4 x_tiles[];    // [2][X_SLOTS]: superblock sb's activations in buffer (sb - sb0) % 2
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int row_tiles = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
   const int tile = blockIdx.x % row_tiles, split = blockIdx.x / row_tiles;
-  const int sbs = cols / SB;
+  const int sbs = cols / F::SB;
   const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
   const int row0 = tile * BLOCK_ROWS + warp * RW;
 
@@ -324,14 +362,14 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   };
   auto compute = [&](const typename F::Raw (&rw)[RPL], const uint4* xs) {
     typename F::Scale s[RPL];
-    typename Words<T>::type bits[RPL];
+    typename F::Bits bits[RPL];
 #pragma unroll
     for (int r = 0; r < RPL; ++r) {
       F::scales(s[r], rw[r], c);
-      Words<T>::make(bits[r], rw[r]);
+      F::bits(bits[r], rw[r]);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < F::WORDS; ++i) {
       uint4 b[NI];
 #pragma unroll
       for (int j = 0; j < NI; ++j) b[j] = xs[(i * NI + j) * 32 + lane];
