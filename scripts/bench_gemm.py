@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_matvec import L2_BYTES, SHAPES, time_in_graph, weights
+from bench_matvec import SHAPES, time_in_graph, weights_past_l2
 
 from infero.backends.cuda import gemm, runtime
 from infero.backends.cuda.tensor import Workspace, empty, from_host
@@ -39,9 +39,8 @@ def main() -> None:
     print(f"{'weight':<22} {'n':>4}  " + "  ".join(f"{f'{bm}x{bn} us':>12}" for bm, bn in CANDIDATES) + "  chosen")
     for name, rows, cols in (s for key in args.shapes.split(",") for s in SHAPES[key]):
         qtype = int(GGMLType[name])
-        probe = weights(qtype, rows, cols, 1, rng)
-        nbytes = probe[0].data.nbytes
-        ws = probe + weights(qtype, rows, cols, max(1, -(-2 * L2_BYTES // nbytes) - 1), rng)
+        ws = weights_past_l2(qtype, rows, cols, rng)
+        nbytes = ws[0].data.nbytes
         for n in counts:
             x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
             out = empty((n, rows), np.float32)

@@ -34,6 +34,12 @@ def weights(qtype: int, rows: int, cols: int, copies: int, rng) -> list[QuantWei
     return [QuantWeight(from_host(blocks), qtype, rows, cols) for _ in range(copies)]
 
 
+def weights_past_l2(qtype: int, rows: int, cols: int, rng) -> list[QuantWeight]:
+    """Copies of one random weight holding about twice the L2 (at least two): timed back to back, none is cached."""
+    probe = weights(qtype, rows, cols, 1, rng)
+    return probe + weights(qtype, rows, cols, max(1, -(-2 * L2_BYTES // probe[0].data.nbytes) - 1), rng)
+
+
 def launch_args(out, w, xq, xs, n) -> tuple:
     """matvec_q's arguments for one matrix (a single segment)."""
     return (matvec.segments([out], [w], [None]), xq.ptr, xs.ptr, n, w.cols, w.data.shape[1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_matvec import L2_BYTES, SHAPES, time_in_graph, weights
+from bench_matvec import SHAPES, time_in_graph, weights_past_l2
 
 from infero.backends.cuda import gemm, matvec, ops, runtime, skinny_gemm
 from infero.backends.cuda.tensor import Workspace, empty, from_host
@@ -32,9 +32,8 @@ def main() -> None:
         qtype = int(GGMLType[name])
         if qtype not in skinny_gemm.TYPES:
             continue
-        probe = weights(qtype, rows, cols, 1, rng)
-        nbytes = probe[0].data.nbytes
-        ws = probe + weights(qtype, rows, cols, max(1, -(-2 * L2_BYTES // nbytes) - 1), rng)
+        ws = weights_past_l2(qtype, rows, cols, rng)
+        nbytes = ws[0].data.nbytes
         for n in counts:
             x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
             out = empty((n, rows), np.float32)

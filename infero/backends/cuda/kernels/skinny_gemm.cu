@@ -110,6 +110,24 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 constexpr uint32_t MAGIC_LO = 0x64006400u, MAGIC_HI = 0x54005400u;
 constexpr uint32_t Q6_LO = 0x64206420u /* 1056 */, Q6_HI = 0x56005600u /* 96 */;
 
+// OUT little-endian words starting at byte o (even, at most MAX_O) of the IN words v, v holding aligned chunks
+// around a 2-byte-aligned run: a barrel rotation by 4, 2 and 1 words (selects on o's bits, no local memory), then
+// by 2 bytes.
+template <int OUT, int IN, int MAX_O>
+__device__ __forceinline__ void words_at(uint32_t (&out)[OUT], const uint32_t (&v)[IN], int o) {
+  static_assert(MAX_O + 4 * OUT <= 4 * IN, "the run lies inside v");
+  uint32_t a[IN], b[IN], c[IN];
+#pragma unroll
+  for (int k = 0; k < IN; ++k) a[k] = (MAX_O >= 16 && (o & 16)) ? v[k + 4 < IN ? k + 4 : IN - 1] : v[k];
+#pragma unroll
+  for (int k = 0; k < IN; ++k) b[k] = (o & 8) ? a[k + 2 < IN ? k + 2 : IN - 1] : a[k];
+#pragma unroll
+  for (int k = 0; k < IN; ++k) c[k] = (o & 4) ? b[k + 1 < IN ? k + 1 : IN - 1] : b[k];
+  const uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
+#pragma unroll
+  for (int k = 0; k < OUT; ++k) out[k] = __byte_perm(c[k], c[k + 1], sel);
+}
+
 template <int T>
 struct Fmt;
 
@@ -179,17 +197,10 @@ struct Fmt<GGML_Q6_K> {
     r.sd[0] = ld_stream(base + 192);
     r.sd[1] = ld_stream(base + 208);  // the chunk holding d (bytes 208-209 of the block), inside the tensor
   }
-  // The 4 words at byte `off` (even) of the 32 bytes lo, hi: a two-stage rotate by words, then by 2 bytes.
+  // The 4 words at byte `off` (even, <= 14) of the 32 bytes lo, hi.
   __device__ static void align(uint32_t (&out)[4], const uint4& lo, const uint4& hi, int off) {
     const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    uint32_t u[6], t[5];
-#pragma unroll
-    for (int k = 0; k < 6; ++k) u[k] = (off & 8) ? v[k + 2] : v[k];
-#pragma unroll
-    for (int k = 0; k < 5; ++k) t[k] = (off & 4) ? u[k + 1] : u[k];
-    const uint32_t sel = (off & 2) ? 0x5432u : 0x3210u;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) out[k] = __byte_perm(t[k], t[k + 1], sel);
+    words_at<4, 8, 14>(out, v, off);
   }
   __device__ static void bits(Bits& b, const Raw& r) {
 #pragma unroll
@@ -250,20 +261,8 @@ struct Fmt<GGML_Q8_0> {
       r.v[4 * k] = v.x; r.v[4 * k + 1] = v.y; r.v[4 * k + 2] = v.z; r.v[4 * k + 3] = v.w;
     }
   }
-  // The 32 quants start at byte o = off + 2 (even, 2..16) of the 48 loaded: rotate by 4, 2, 1 words, then 2 bytes.
-  __device__ static void bits(Bits& b, const Raw& r) {
-    const int o = r.off + 2;
-    uint32_t u[12], t[10], w[9];
-#pragma unroll
-    for (int k = 0; k < 12; ++k) u[k] = (o & 16) ? r.v[k + 4 < 12 ? k + 4 : 11] : r.v[k];
-#pragma unroll
-    for (int k = 0; k < 10; ++k) t[k] = (o & 8) ? u[k + 2] : u[k];
-#pragma unroll
-    for (int k = 0; k < 9; ++k) w[k] = (o & 4) ? t[k + 1] : t[k];
-    const uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) b.q[k] = __byte_perm(w[k], w[k + 1], sel);
-  }
+  // The 32 quants start at byte off + 2 (even, 2..16) of the 48 loaded.
+  __device__ static void bits(Bits& b, const Raw& r) { words_at<8, 12, 16>(b.q, r.v, r.off + 2); }
   __device__ static void scales(Scale& s, const Raw& r, int) {
     const int o = r.off;  // d: bytes o, o + 1 of the loaded 48 (o even, <= 14)
     const uint32_t dword = (o & 8) ? ((o & 4) ? r.v[3] : r.v[2]) : ((o & 4) ? r.v[1] : r.v[0]);
