@@ -13,16 +13,18 @@
 // The k permutation. An MMA sums over its 16 k slots; which weight column sits in which slot is free as long as A
 // and B agree. Lane (g = lane / 4, c = lane % 4) holds A's slots {2c, 2c+1, 2c+8, 2c+9} of rows g and g + 8, and
 // B's same slots of token g; so each lane c owns a fixed quarter of every superblock's columns (Fmt<T>::column),
-// chosen so its weight bytes are contiguous, and consumes them as WORDS words of 8 columns: a word's
-// low halves (4 columns) in one MMA, its high halves in the next. skinny_x_to_f16 writes x in exactly that order,
-// [sb][word][tile][lane][8] fp16 (a word of 4 lanes is 32 columns whatever the format), so a lane's B operands for both MMAs of a word are one 16-byte shared-memory
-// load, and the 32 lanes' loads are 512 contiguous bytes (no bank conflict).
+// chosen so its weight bytes are contiguous, and consumes them as WORDS words of 8 columns: a word's low halves (4
+// columns) in one MMA, its high halves in the next. skinny_x_to_f16 writes x in exactly that order,
+// [sb][word][tile][lane][8] fp16 (a word of the 4 lanes is 32 columns whatever the format), so a lane's B operands
+// for both MMAs of a word are one 16-byte shared-memory load, and the 32 lanes' loads are 512 contiguous bytes (no
+// bank conflict).
 //
-// Dequantization in fp16 registers: nibbles are OR-ed into the mantissa of a magic fp16 (1024 + q, or 64 + q for
-// the high nibbles, which sit 4 bits up), the magic is subtracted exactly, and one fma.f16x2 applies the
-// sub-block's scale and min (fp16: d * sc and dmin * m rounded once, as gemm.cu rounds each dequantized weight).
+// Dequantization in fp16 registers: quants are OR-ed (nibbles) or byte-permuted (Q8_0's q + 128) into the mantissa
+// of a magic fp16 (1024 + q, or 64 + q for high nibbles, which sit 4 bits up), the magic is subtracted exactly, and
+// one fma.f16x2 / mul.f16x2 applies the sub-block's scale and min (fp16: d * sc and dmin * m rounded once, as
+// gemm.cu rounds each dequantized weight).
 //
-// Blocks and split-k. A block is 8 warps x ROWS_PER_WARP rows (Q4_K 32, Q6_K 16) x all tokens (NT = 8 NI, n
+// Blocks and split-k. A block is 8 warps x ROWS_PER_WARP rows (Q4_K, Q8_0 32, Q6_K 16) x all tokens (NT = 8 NI, n
 // rounded up: the weights are read once). Where rows / block rows would leave SMs idle, the superblocks are split
 // into SPLITS contiguous ranges (the launcher picks SPLITS from rows and cols only): each block writes its fp32
 // partial sums to `part`, and skinny_reduce adds the SPLITS partials in split order and the bias, one thread an
@@ -93,8 +95,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>  // wait until at most PENDING of this thread's most recent groups are in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
-__device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))); }
-__device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+__device__ __forceinline__ float f16_lo(uint32_t w) {
+  return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
+}
+__device__ __forceinline__ float f16_hi(uint32_t w) {
+  return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
 
 // d += a (16x16, row) * b (16x8, col), fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -115,7 +121,7 @@ constexpr uint32_t Q6_LO = 0x64206420u /* 1056 */, Q6_HI = 0x56005600u /* 96 */;
 // by 2 bytes.
 template <int OUT, int IN, int MAX_O>
 __device__ __forceinline__ void words_at(uint32_t (&out)[OUT], const uint32_t (&v)[IN], int o) {
-  static_assert(MAX_O + 4 * OUT <= 4 * IN, "the run lies inside v");
+  static_assert(MAX_O + 4 * OUT <= 4 * IN && OUT < IN, "the run lies inside v");
   uint32_t a[IN], b[IN], c[IN];
 #pragma unroll
   for (int k = 0; k < IN; ++k) a[k] = (MAX_O >= 16 && (o & 16)) ? v[k + 4 < IN ? k + 4 : IN - 1] : v[k];
@@ -314,9 +320,9 @@ __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict_
 }
 
 // grid row_tiles * splits blocks (1-D; the row tiles of one split consecutive, so blocks in flight read the same
-// activations; splits <= cols / 256, so every split holds a superblock), 256 threads, dynamic shared memory 2 * 8 * NI * 512 bytes. xa: skinny_x_to_f16's layout with NI
-// tiles. splits == 1: out = x W^T + bias. splits > 1: part[split] (float32 [splits, n, rows]) = this split's sum,
-// for skinny_reduce to add up.
+// activations; splits <= cols / SB, so every split holds a superblock), 256 threads, dynamic shared memory
+// 2 * WORDS * NI * 512 bytes. xa: skinny_x_to_f16's layout with NI tiles. splits == 1: out = x W^T + bias.
+// splits > 1: part[split] (float32 [splits, n, rows]) = this split's sum, for skinny_reduce to add up.
 template <int T, int NI>
 __global__ void __launch_bounds__(sk::WARPS * 32)
     skinny_gemm(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
