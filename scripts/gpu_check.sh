@@ -2,7 +2,8 @@
 # Run on the GPU machine from the repo root (see ../shared/gpu/README.md): installs what is missing from .whl, then
 # runs the named stages, logs in $OUT (or /tmp/infero-out):
 #   tests   the GPU tests (tests/cuda)               server  the openai-SDK server suite on --device cuda
-#   bench   bench decode --profile, synthetic qwen2.5-0.5b Q8_0 and llama-3.1-8b Q4_K_M (+ SmolLM2 if present)
+#   bench   bench decode --batch 1,4,8,16,32,64 --profile (a profile per width), synthetic qwen2.5-0.5b Q8_0 and
+#           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
 # e.g. scripts/gpu_check.sh tests server  |  PYTEST_ARGS="-k matvec" scripts/gpu_check.sh tests
 set -uo pipefail
@@ -34,7 +35,8 @@ for stage in "$@"; do
   bench)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       f=$(synth $spec)
-      python3 -m infero bench decode --model "$f" --device cuda --profile 2>&1 | tee "$out/bench-${spec// /-}.txt"
+      python3 -m infero bench decode --model "$f" --device cuda --batch 1,4,8,16,32,64 --profile 2>&1 \
+        | tee "$out/bench-${spec// /-}.txt"
     done
     [ -n "${INFERO_SMOLLM2:-}" ] && python3 -m infero bench decode --model "$INFERO_SMOLLM2" --device cuda --profile \
       2>&1 | tee "$out/bench-smollm2.txt" ;;
