@@ -48,6 +48,7 @@
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
+#include "tensor_core.cuh"
 
 namespace {
 
@@ -65,41 +66,17 @@ __device__ __forceinline__ int decode_splits(int ctx, int& partition) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // 16 bytes global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a * b for one 16x8x16 tile: fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using tc::cp_async_commit;
+using tc::cp_async_wait;
+using tc::ldmatrix_x4;
+using tc::ldmatrix_x4_trans;
+using tc::mma_16816;
+using tc::smem_addr;
 
 // Two floats as an fp16 pair, lo in the low 16 bits (the element with the lower column index).
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
@@ -229,8 +206,8 @@ __device__ __forceinline__ void attention_tile(
           offset = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * HD + chunk * 8;
         }
         const int dst = (stage * BLOCK_N + rr) * SK + chunk * 8;
-        cp_async_16(smem_u32(ks + dst), k_cache + offset, valid);
-        cp_async_16(smem_u32(vs + dst), v_cache + offset, valid);
+        cp_async_16(smem_addr(ks + dst), k_cache + offset, valid);
+        cp_async_16(smem_addr(vs + dst), v_cache + offset, valid);
       }
     };
 
@@ -259,7 +236,7 @@ __device__ __forceinline__ void attention_tile(
           unsigned b[4];
           const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int col = kc * 16 + (((lane >> 3) & 1) << 3);
-          ldmatrix_x4(b, smem_u32(kt + key * SK + col));
+          ldmatrix_x4(b, smem_addr(kt + key * SK + col));
           mma_16816(s[2 * np], qa[kc], b[0], b[1]);
           mma_16816(s[2 * np + 1], qa[kc], b[2], b[3]);
         }
@@ -318,7 +295,7 @@ __device__ __forceinline__ void attention_tile(
           unsigned b[4];
           const int key = kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
           const int col = dp * 16 + ((lane >> 4) << 3);
-          ldmatrix_x4_trans(b, smem_u32(vt + key * SK + col));
+          ldmatrix_x4_trans(b, smem_addr(vt + key * SK + col));
           mma_16816(o[2 * dp], pa, b[0], b[1]);
           mma_16816(o[2 * dp + 1], pa, b[2], b[3]);
         }

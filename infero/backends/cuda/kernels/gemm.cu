@@ -42,6 +42,7 @@
 
 #include "pdl.cuh"
 #include "quant.cuh"
+#include "tensor_core.cuh"
 
 namespace gemm_detail {
 
@@ -94,45 +95,6 @@ struct integral_constant {
   static constexpr bool value = V;
 };
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
-  if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES));
-  }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>  // wait until at most PENDING of the most recent groups are still in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
-
-// Two floats -> two fp16 in one register (lo in the low half), rounded to nearest, saturating at +-65504.
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a (16x16, row) * b (16x8, col), fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 }  // namespace gemm_detail
 
 // x float32 [n, cols] -> xh fp16 [n, kp], zeros in columns [cols, kp). One thread per 8 elements.
@@ -148,10 +110,10 @@ extern "C" __global__ void gemm_x_to_f16(unsigned short* __restrict__ xh, const 
   if (c < cols) {
     const float4 a = *reinterpret_cast<const float4*>(x + (long long)t * cols + c);
     const float4 b = *reinterpret_cast<const float4*>(x + (long long)t * cols + c + 4);
-    o.x = gemm_detail::pack_half2(a.x, a.y);
-    o.y = gemm_detail::pack_half2(a.z, a.w);
-    o.z = gemm_detail::pack_half2(b.x, b.y);
-    o.w = gemm_detail::pack_half2(b.z, b.w);
+    o.x = tc::pack_half2_sat(a.x, a.y);
+    o.y = tc::pack_half2_sat(a.z, a.w);
+    o.z = tc::pack_half2_sat(b.x, b.y);
+    o.w = tc::pack_half2_sat(b.z, b.w);
   }
   *reinterpret_cast<uint4*>(xh + (long long)t * kp + c) = o;
 }
@@ -163,6 +125,7 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     gemm(float* __restrict__ out, const uint8_t* __restrict__ weight, const unsigned short* __restrict__ xh,
          const float* __restrict__ bias, int n, int rows, int cols, int kp, int row_bytes) {
   using namespace gemm_detail;
+  using namespace tc;
   using Raw = RawStage<T>;
   using Tl = Tile<BM, BN>;
   constexpr int THREADS = Tl::THREADS, WARPS_M = Tl::WARPS_M, WM = Tl::WM, WN = Tl::WN, MI = Tl::MI, NI = Tl::NI;
@@ -258,10 +221,10 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
         for (int e = 0; e < 8; ++e) v[e] = inside ? v[e] : 0.f;
       }
       uint4 h;
-      h.x = pack_half2(v[0], v[1]);
-      h.y = pack_half2(v[2], v[3]);
-      h.z = pack_half2(v[4], v[5]);
-      h.w = pack_half2(v[6], v[7]);
+      h.x = pack_half2_sat(v[0], v[1]);
+      h.y = pack_half2_sat(v[2], v[3]);
+      h.z = pack_half2_sat(v[4], v[5]);
+      h.w = pack_half2_sat(v[6], v[7]);
       *reinterpret_cast<uint4*>(dst + rr * LDS + grp * 8) = h;
     }
   };

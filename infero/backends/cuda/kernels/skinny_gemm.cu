@@ -44,6 +44,7 @@
 
 #include "pdl.cuh"
 #include "quant.cuh"
+#include "tensor_core.cuh"
 
 namespace sk {
 
@@ -85,30 +86,11 @@ __device__ __forceinline__ uint32_t half2_of(float v) {  // (v, v) in fp16, roun
   asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
   return r;
 }
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {  // 16 bytes, global -> shared, L2 only
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>  // wait until at most PENDING of this thread's most recent groups are in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
-
 __device__ __forceinline__ float f16_lo(uint32_t w) {
   return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
 }
 __device__ __forceinline__ float f16_hi(uint32_t w) {
   return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
-}
-
-// d += a (16x16, row) * b (16x8, col), fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Magic fp16 pairs: 1024 + q for a nibble in bits 0-3 of each half, 64 + q for one in bits 4-7 (or, Q6_K, a 6-bit
@@ -284,12 +266,6 @@ struct Fmt<GGML_Q8_0> {
   }
 };
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 }  // namespace sk
 
 // x float32 [n, cols] -> xa fp16 in Fmt<T>'s column order, 16 bytes per (superblock, word, token tile, lane):
@@ -311,10 +287,10 @@ __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict_
     const float* row = x + (long long)token * cols + sb * F::SB;
     const float4 lo = *reinterpret_cast<const float4*>(row + F::column(c, word, 0, 0));
     const float4 hi = *reinterpret_cast<const float4*>(row + F::column(c, word, 1, 0));
-    o.x = sk::pack_half2(lo.x, lo.z);
-    o.y = sk::pack_half2(lo.y, lo.w);
-    o.z = sk::pack_half2(hi.x, hi.z);
-    o.w = sk::pack_half2(hi.y, hi.w);
+    o.x = tc::pack_half2_sat(lo.x, lo.z);
+    o.y = tc::pack_half2_sat(lo.y, lo.w);
+    o.z = tc::pack_half2_sat(hi.x, hi.z);
+    o.w = tc::pack_half2_sat(hi.y, hi.w);
   }
   xa[i] = o;
 }
@@ -362,8 +338,8 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
     const uint4* src = xa + (long long)sb * X_SLOTS;
     uint4* dst = x_tiles + buf * X_SLOTS;
 #pragma unroll
-    for (int k = threadIdx.x; k < X_SLOTS; k += WARPS * 32) cp_async16(dst + k, src + k);
-    cp_async_commit();
+    for (int k = threadIdx.x; k < X_SLOTS; k += WARPS * 32) tc::cp_async<16>(dst + k, src + k);
+    tc::cp_async_commit();
   };
   auto compute = [&](const typename F::Raw (&rw)[RPL], const uint4* xs) {
     typename F::Scale s[RPL];
@@ -381,16 +357,24 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
       uint32_t a[RPL][4];
 #pragma unroll
       for (int r = 0; r < RPL; ++r) F::word(a[r], bits[r], s[r], i, c);
+      // A fragments of MMA tile mi: rows g, g + 8 at slots (2c, 2c+1), then (2c+8, 2c+9); low halves, then high.
+      unsigned lo[MI][4], hi[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const unsigned (&r0)[4] = a[2 * mi], (&r1)[4] = a[2 * mi + 1];
+        lo[mi][0] = r0[0]; lo[mi][1] = r1[0]; lo[mi][2] = r0[1]; lo[mi][3] = r1[1];
+        hi[mi][0] = r0[2]; hi[mi][1] = r1[2]; hi[mi][2] = r0[3]; hi[mi][3] = r1[3];
+      }
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int j = 0; j < NI; ++j)
-          mma_16816(acc[mi][j], a[2 * mi][0], a[2 * mi + 1][0], a[2 * mi][1], a[2 * mi + 1][1], b[j].x, b[j].y);
+          tc::mma_16816(acc[mi][j], lo[mi], b[j].x, b[j].y);
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int j = 0; j < NI; ++j)
-          mma_16816(acc[mi][j], a[2 * mi][2], a[2 * mi + 1][2], a[2 * mi][3], a[2 * mi + 1][3], b[j].z, b[j].w);
+          tc::mma_16816(acc[mi][j], hi[mi], b[j].z, b[j].w);
     }
   };
   // One superblock: the next one's weights (registers) and activations (shared memory) go in flight, then this
@@ -401,9 +385,9 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
     if (sb + 1 < sb1) {
       fetch(next, sb + 1);
       load_x(sb + 1, buf ^ 1);
-      cp_async_wait<1>();
+      tc::cp_async_wait<1>();
     } else {
-      cp_async_wait<0>();
+      tc::cp_async_wait<0>();
     }
     __syncthreads();
     compute(cur, x_tiles + buf * X_SLOTS);
