@@ -107,7 +107,7 @@ def reference(case: Case) -> np.ndarray:
 _workspace = {}
 
 
-def run_gpu(case: Case, max_context_len: int | None = None, num_decode_seqs: int | None = None) -> np.ndarray:
+def run_gpu(case: Case, max_context_len: int | None = None, num_decode_seqs: int | None = None, quantized=None):
     from infero.backends.cuda import attention, driver, runtime, tensor
 
     stream = runtime.stream()
@@ -125,6 +125,7 @@ def run_gpu(case: Case, max_context_len: int | None = None, num_decode_seqs: int
     attention.paged_attention(
         out, q, k, v, tables, ctx, starts, case.scale, int(case.query_lens.max()),
         max_context_len or int(case.context_lens.max()), stream, ws, num_decode_seqs=num_decode_seqs,
+        quantized=quantized,
     )  # fmt: skip
     stream.synchronize()
     assert ws.offset == 0, f"paged_attention kept {ws.offset} bytes of workspace"
@@ -199,6 +200,41 @@ def test_decode_is_batch_invariant(gpu, config, monkeypatch):
     for s, n in enumerate(lens):
         alone = run_gpu(case.subset([s]))
         assert_bitwise(f"decode {config} ctx={n} alone vs in batch", alone, batch[case.rows_of(s)])
+
+
+@pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "gqa20_h20_kv1_d64"])
+def test_decode_writes_its_output_in_the_matvec_activation_format(gpu, config):
+    """Asked to, decode attention also writes its output quantized for the output projection's mat-vec: from
+    the decode kernel where a sequence has one split (context <= 64), from the merge otherwise. Bitwise numpy's
+    quantization of the float output, which itself stays bitwise what it is without quantizing."""
+    from test_matvec import assert_quantized_like_numpy
+
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import empty
+
+    lens = [1, 17, 64, 65, 300, 5000]
+    case = make_case([(1, n) for n in lens], config, seed=23)
+    plain = run_gpu(case)
+    num_heads, _, head_dim = CONFIGS[config]
+    q_shape, s_shape = matvec.activation_shapes(len(lens), num_heads * head_dim)
+    xq, xs = empty(q_shape, np.int8), empty(s_shape, np.int32)
+    stream = runtime.stream()
+    driver.memset_d8(xq.ptr, 0x7F, xq.nbytes, stream)
+    driver.memset_d8(xs.ptr, 0xFF, xs.nbytes, stream)
+    got = run_gpu(case, quantized=(xq, xs))
+    assert_bitwise(f"decode {config} out with quantizing vs without", got, plain)
+    assert_quantized_like_numpy(xq, xs, got.reshape(len(lens), -1))
+    print(f"decode {config} ctx={lens}: quantized output bitwise numpy's")
+
+
+def test_quantized_output_needs_a_decode_only_batch(gpu):
+    from infero.backends.cuda import matvec
+    from infero.backends.cuda.tensor import empty
+
+    case = make_case([(1, 100), (5, 40)], "smollm2_h9_kv3_d64", seed=29)
+    q_shape, s_shape = matvec.activation_shapes(6, 9 * 64)
+    with pytest.raises(ValueError, match="every token must be a decode token"):
+        run_gpu(case, quantized=(empty(q_shape, np.int8), empty(s_shape, np.int32)))
 
 
 def test_decode_context_beyond_max_context_len_gives_nan(gpu):

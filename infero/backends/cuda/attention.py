@@ -14,7 +14,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import driver, runtime
+from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import DeviceTensor, Workspace
 
 FILE = "attention.cu"
@@ -29,8 +29,9 @@ _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 
 runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
 
-_ATTENTION_TYPES = (ctypes.c_void_p,) * 9 + (ctypes.c_int,) * 5 + (ctypes.c_float,)
-_MERGE_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 2
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
+_MERGE_TYPES = (_P,) * 5 + (_I,) * 2 + (_P, _P, _I)
 _LOG2E = 1.4426950408889634
 _functions: dict[tuple[str, int], object] = {}
 _num_sms: list[int] = []
@@ -69,6 +70,7 @@ def paged_attention(
     stream: driver.Stream,
     workspace: Workspace,
     num_decode_seqs: int | None = None,
+    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
 ) -> None:
     """out[t, h] = softmax(scale * q[t, h] . K) V over each sequence's cached keys up to the token's position.
 
@@ -79,8 +81,11 @@ def paged_attention(
     lengths exit at once). max_context_len must be >= every context length (a decode sequence past it gets
     NaN); a captured graph may pass a fixed bound: past 8,192 it no longer grows the grid.
     num_decode_seqs: how many sequences have exactly one new token, or None if unknown; 0 with
-    max_query_len > 1 skips the decode launch. Borrows decode_workspace_bytes of workspace for the decode
-    splits and hands it back before returning (stream order makes the reuse safe); never synchronizes.
+    max_query_len > 1 skips the decode launch. quantized: (xq int8, xs int32) of
+    matvec.activation_shapes(num_tokens, num_heads * head_dim) to receive out in the mat-vec's activation format
+    as well (kernels/act_quant.cuh), only where every token is a decode token (max_query_len 1). Borrows
+    decode_workspace_bytes of workspace for the decode splits and hands it back before returning (stream order
+    makes the reuse safe); never synchronizes.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -90,11 +95,22 @@ def paged_attention(
         raise ValueError(f"attention supports head_dim {HEAD_DIMS}; got q {head_dim}, cache {kv_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads} kv heads")
+    xq = xs = 0
+    if quantized is not None:
+        if max_query_len != 1:
+            raise ValueError("attention: the quantized output is written by the decode kernels: every token must be "
+                             f"a decode token (max_query_len 1), got {max_query_len}")  # fmt: skip
+        xq_t, xs_t = quantized
+        q_shape, s_shape = matvec.activation_shapes(num_tokens, num_heads * head_dim)
+        if xq_t.dtype != np.int8 or xq_t.shape != q_shape or xs_t.dtype != np.int32 or xs_t.shape != s_shape:
+            raise ValueError(f"attention: quantized must be int8 {q_shape} and int32 {s_shape}, "
+                             f"got {xq_t.dtype} {xq_t.shape} and {xs_t.dtype} {xs_t.shape}")  # fmt: skip
+        xq, xs = xq_t.ptr, xs_t.ptr
     if num_seqs == 0 or num_tokens == 0 or max_query_len < 1:
         return
     group = num_heads // num_kv_heads
     args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0,
-            num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E]  # fmt: skip
+            num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E, xq, xs, num_tokens]  # fmt: skip
     smem = tile_shared_bytes(head_dim)
 
     if max_query_len > 1:
@@ -117,7 +133,8 @@ def paged_attention(
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
     driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
     if max_splits > 1:
-        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits)
+        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
+                      xq, xs, num_tokens)  # fmt: skip
         driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
                       _MERGE_TYPES, stream, pdl=True)  # fmt: skip
     workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run

@@ -193,9 +193,11 @@ class CudaOps:
 
     def attention(self, q: DeviceTensor, cache: CudaKVCache, layer: int, batch, scale: float) -> DeviceTensor:
         out = self.ws.empty(q.shape, np.float32)
+        # What follows is the output projection: a decode step's attention quantizes for its mat-vec on the way.
+        quantized = self._quantize_into(out.reshape(q.shape[0], -1)) if batch.max_query_len == 1 else None
         attention.paged_attention(
             out, q, cache.k[layer], cache.v[layer], batch.block_tables, batch.context_lens, batch.query_starts,
-            scale, batch.max_query_len, batch.max_context_len, self.stream, self.ws, batch.num_decode_seqs,
+            scale, batch.max_query_len, batch.max_context_len, self.stream, self.ws, batch.num_decode_seqs, quantized,
         )  # fmt: skip
         return out
 

@@ -1,5 +1,5 @@
 // The mat-vec's activation format, written by matvec_quantize_x and, fused, by the kernels whose output feeds a
-// mat-vec (add_rms_norm, swiglu). Each 32-element group of a row is x ~ D (256 q0 + q1) with two int8 planes:
+// mat-vec (add_rms_norm, swiglu, decode attention). Each 32-element group of a row is x ~ D (256 q0 + q1) with two int8 planes:
 //   d0 = amax / 127, q0 = rint(x / d0)                      (0 where d0 = 0)
 //   D = d0 / 256,    q1 = clamp(rint((x - d0 q0) / D), +-127)  (the rounding residual, |x - d0 q0| <= d0 / 2)
 // The residual plane's scale is a fixed fraction of the first's, so a mat-vec combines the planes in integers,
@@ -59,20 +59,25 @@ __device__ __forceinline__ void quantize_store(const float (&v)[V], bool live, i
   for (int o = 1; o < LANES / 2; o <<= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);  // this half's sum
   if (!live) return;
   const long long at = (long long)row * cols + e0;
-  uint32_t w0[V / 4], w1[V / 4];
-#pragma unroll
-  for (int i = 0; i < V / 4; ++i) {
-    w0[i] = pack4(q0[4 * i], q0[4 * i + 1], q0[4 * i + 2], q0[4 * i + 3]);
-    w1[i] = pack4(q1[4 * i], q1[4 * i + 1], q1[4 * i + 2], q1[4 * i + 3]);
-  }
   int8_t* p0 = xq + at;
   int8_t* p1 = xq + (long long)n * cols + at;
-  if constexpr (V == 8) {
-    *reinterpret_cast<uint2*>(p0) = make_uint2(w0[0], w0[1]);
-    *reinterpret_cast<uint2*>(p1) = make_uint2(w1[0], w1[1]);
+  if constexpr (V == 1) {
+    *p0 = (int8_t)q0[0];
+    *p1 = (int8_t)q1[0];
   } else {
-    *reinterpret_cast<uint32_t*>(p0) = w0[0];
-    *reinterpret_cast<uint32_t*>(p1) = w1[0];
+    uint32_t w0[V / 4], w1[V / 4];
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      w0[i] = pack4(q0[4 * i], q0[4 * i + 1], q0[4 * i + 2], q0[4 * i + 3]);
+      w1[i] = pack4(q1[4 * i], q1[4 * i + 1], q1[4 * i + 2], q1[4 * i + 3]);
+    }
+    if constexpr (V == 8) {
+      *reinterpret_cast<uint2*>(p0) = make_uint2(w0[0], w0[1]);
+      *reinterpret_cast<uint2*>(p1) = make_uint2(w1[0], w1[1]);
+    } else {
+      *reinterpret_cast<uint32_t*>(p0) = w0[0];
+      *reinterpret_cast<uint32_t*>(p1) = w1[0];
+    }
   }
   if (e0 % 16 == 0) xs[at / 16] = ActScale{__fadd_rn(d, probe), sum};
 }

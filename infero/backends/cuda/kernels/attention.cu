@@ -29,6 +29,9 @@
 //                      computes a split, never what it computes.
 //   attention_merge_splits: for decode sequences with more than one split, the log-sum-exp merge of the
 //                      splits' normalised partial outputs (written to workspace) into out.
+// xq / xs (decode only, every token a decode token): out is also written in the mat-vec's activation format
+// (act_quant.cuh), as rows of num_heads * HD, by whichever kernel writes the token's out (the decode kernel
+// for one split, else the merge), so the output projection's mat-vec needs no quantizing kernel of its own.
 // A mixed batch launches both attention kernels; each skips the sequences the other one owns.
 //
 // Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
@@ -47,6 +50,7 @@
 
 #include <cuda_fp16.h>
 
+#include "act_quant.cuh"
 #include "pdl.cuh"
 #include "tensor_core.cuh"
 
@@ -91,6 +95,19 @@ constexpr int tile_smem_bytes() {
   return STAGES * 2 * BLOCK_N * (HD + 8) * 2;
 }
 
+// out[token, head, d] = v, and with xq its group of 32 in the activation format: the 32 lanes of a warp call
+// together, for the 32 d of one group of one (token, head).
+template <int HD>
+__device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __restrict__ xq, ActScale* __restrict__ xs,
+                                          int num_tokens, int num_heads, int token, int head, int d, float v) {
+  const int cols = num_heads * HD, col = head * HD + d;
+  out[(size_t)token * cols + col] = v;
+  if (xq != nullptr) {
+    const float vs[1] = {v};
+    aq::quantize_store<1>(vs, true, xq, xs, num_tokens, cols, token, col);
+  }
+}
+
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
 // keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
 template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
@@ -98,7 +115,8 @@ __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
     const int* __restrict__ query_starts, float* __restrict__ part_out, float2* __restrict__ part_ml, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int max_splits, float scale_log2) {
+    int num_kv_heads, int block_size, int max_blocks, int max_splits, float scale_log2, int8_t* __restrict__ xq,
+    ActScale* __restrict__ xs, int num_tokens) {
   constexpr int NT = 32 * WARPS_M * WARPS_N;
   constexpr int ROWS = 16 * WARPS_M;
   constexpr int NW = BLOCK_N / WARPS_N;  // keys of a tile one warp handles
@@ -142,9 +160,9 @@ __device__ __forceinline__ void attention_tile(
       // The caller's max_context_len is below this context: make the breach visible, not plausible.
       if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
-          const int r = row_base + e / HD;
+          const int r = row_base + e / HD;  // the same for a warp's 32 lanes
           if (r < num_rows)
-            out[((size_t)q_start * num_heads + kvh * group + r) * HD + e % HD] = __int_as_float(0x7fc00000);
+            store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, kvh * group + r, e % HD, __int_as_float(0x7fc00000));
         }
       return;
     }
@@ -357,8 +375,8 @@ __device__ __forceinline__ void attention_tile(
           acc += red_o[(w * ROWS + row) * HD + d] * f;
         }
         const int head = kvh * group + r % group;
-        if (num_splits == 1) {
-          out[((size_t)(q_start + r / group) * num_heads + head) * HD + d] = acc / l;
+        if (num_splits == 1) {  // a warp's 32 lanes: one group of one row
+          store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start + r / group, head, d, acc / l);
         } else {
           const size_t slot = ((size_t)seq * num_heads + head) * max_splits + split;
           part_out[slot * HD + d] = acc / l;
@@ -377,10 +395,10 @@ __device__ __forceinline__ void attention_tile(
       const __half *__restrict__ v_cache, const int *__restrict__ block_tables,                                 \
       const int *__restrict__ context_lens, const int *__restrict__ query_starts, float *__restrict__ part_out, \
       float2 *__restrict__ part_ml, int num_heads, int num_kv_heads, int block_size, int max_blocks,            \
-      int max_splits, float scale_log2
+      int max_splits, float scale_log2, int8_t *__restrict__ xq, ActScale *__restrict__ xs, int num_tokens
 #define ATTENTION_ARGS                                                                                       \
   out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, num_heads, num_kv_heads, \
-      block_size, max_blocks, max_splits, scale_log2
+      block_size, max_blocks, max_splits, scale_log2, xq, xs, num_tokens
 
 // __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
 // Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 114 / 158; no spills on sm_80/89/90a.
@@ -406,7 +424,8 @@ template <int HD>
 __global__ void __launch_bounds__(HD)
     attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
-                           const int* __restrict__ query_starts, int num_heads, int max_splits) {
+                           const int* __restrict__ query_starts, int num_heads, int max_splits,
+                           int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
   pdl_enter();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
@@ -424,5 +443,5 @@ __global__ void __launch_bounds__(HD)
     l += w;
     acc += w * part_out[(first + s) * HD + threadIdx.x];
   }
-  out[((size_t)q_start * num_heads + head) * HD + threadIdx.x] = acc / l;
+  store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, head, threadIdx.x, acc / l);
 }
