@@ -62,7 +62,7 @@ class Segments(ctypes.Structure):
 _Q_ARGS = (None, _P, _P, _I, _I, _L)  # None: a ctypes.Structure, passed by value (driver.launch)
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
-_launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n) -> (function, grid, block)
+_launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block)
 _functions: dict[str, object] = {}
 _num_sms: list[int] = []
 
@@ -88,23 +88,23 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
     """(N, rows per warp, warps per block, prefetch depth) for n tokens on a matrix of `rows` rows of type t whose
     rows have `units` units (matvec.cu's per-lane work items).
 
-    From the sweep of scripts/bench_matvec.py on the H200 (docs/performance.md): at N = 1 a kernel of one wave or
-    less wants each lane's whole row in flight at once (depth up to 4); a kernel of many waves wants occupancy
-    (depth 1); rows of one unit per lane gain nothing from prefetch and run best one row per warp."""
+    From the sweeps on the H200 (docs/performance.md): at N = 1 a matrix of at most 16 rows per SM wants each
+    lane's whole row in flight at once (depth up to 4; scripts/bench_matvec.py); past that, depth 1 (inside the
+    decode step, scripts/sweep_decode_plan.py: the 4096- and 6144-row matrices of an 8B model too, which alone
+    ran best at depth 2: in the step their first loads overlap the kernel before and the registers a deeper ring
+    takes cost resident warps); rows of one unit per lane gain nothing from prefetch and run best one row per
+    warp."""
     big_n = next(b for b in TOKEN_BUCKETS if b >= n)
     rpw, ahead = 2, -1
     if big_n == 1 and t not in FLOAT_TYPES:
         per_lane = -(-units // 32)
-        if rows >= 512 * num_sms:  # the vocabulary projection
-            rpw, ahead = 2, 1
-        elif per_lane == 1:
+        if per_lane == 1 and rows < 512 * num_sms:
             rpw, ahead = 1, 1
         elif rows <= 16 * num_sms:
             rpw, ahead = 2, min(per_lane - 1, 4)
-        elif rows >= 64 * num_sms:
-            rpw, ahead = 2, 1
-        elif t in _LARGE_UNIT_TYPES and per_lane >= 8:
-            rpw = 1
+        else:
+            rpw = 1 if t in _LARGE_UNIT_TYPES and per_lane >= 8 and rows < 512 * num_sms else 2
+            ahead = 1
     elif big_n == 1:
         rpw = 1 if rows < 16 * num_sms else 2
     elif big_n >= 8 and t not in FLOAT_TYPES:
@@ -149,7 +149,7 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block) of matvec_q for matrices of these row counts, planned on the rows their warps
     cover together (each matrix but the last rounded up to the most rows per warp a variant has)."""
-    key = (t, rows, n)
+    key = (t, rows, n, cols)  # cols too: the plan depends on the units per row
     launch = _launches.get(key)
     if launch is None:
         covered = sum(-(-r // 4) * 4 for r in rows[:-1]) + rows[-1]
@@ -182,7 +182,7 @@ def matvec(
         raise ValueError(f"matvec: {error}")
     if n == 0 or rows == 0:
         return
-    key = (t, (rows,), n)
+    key = (t, (rows,), n, cols)
     launch = _launches.get(key)
     if launch is None:
         big_n, rpw, wpb, _ = plan(rows, n, _sms(), t)
