@@ -24,6 +24,7 @@
 
 #include "act_quant.cuh"
 #include "pdl.cuh"
+#include "rope.cuh"
 
 namespace ew {
 
@@ -168,13 +169,9 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
     pdl_enter();
     __shared__ float cos_s[256], sin_s[256];  // rope_half <= 256 (head_dim <= 512)
     const size_t token = blockIdx.x;
-    const float pos = (float)positions[token];
-    for (int i = threadIdx.x; i < rope_half; i += blockDim.x) {
-        float s, c;
-        sincosf(__fmul_rn(pos, inv_freq[i]), &s, &c);
-        cos_s[i] = c * mscale;
-        sin_s[i] = s * mscale;
-    }
+    const int pos = positions[token];
+    for (int i = threadIdx.x; i < rope_half; i += blockDim.x)
+        rope::cos_sin(pos, inv_freq[i], mscale, cos_s[i], sin_s[i]);
     __syncthreads();
     const int half_dim = head_dim / 2;
     const long long slot = slots[token];
@@ -184,9 +181,10 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
         const int h = item / rope_half, j = item % rope_half;
         const int i0 = NEOX ? j : 2 * j, i1 = NEOX ? j + rope_half : 2 * j + 1;
         float* p = qt + h * head_dim;
-        const float a = p[i0], b = p[i1], c = cos_s[j], s = sin_s[j];
-        p[i0] = a * c - b * s;
-        p[i1] = b * c + a * s;
+        float a = p[i0], b = p[i1];
+        rope::rotate(a, b, cos_s[j], sin_s[j]);
+        p[i0] = a;
+        p[i1] = b;
     }
     // k: rotate in place, then every element to the cache; v: every element to the cache.
     float* kt = k + token * kv_heads * head_dim;
@@ -199,10 +197,7 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
         float* p = kt + h * head_dim;
         float a = p[i0], b = p[i1];
         if (rotated) {
-            const float c = cos_s[j], s = sin_s[j];
-            const float ra = a * c - b * s, rb = b * c + a * s;
-            a = ra;
-            b = rb;
+            rope::rotate(a, b, cos_s[j], sin_s[j]);
             p[i0] = a;
             p[i1] = b;
         }

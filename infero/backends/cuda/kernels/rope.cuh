@@ -1,0 +1,23 @@
+// Rotary position embedding of one element pair, shared by rotary_store_kv (elementwise.cu) and the q/k/v
+// mat-vec's epilogue (matvec.cu): both give the same bits, every operation an explicit _rn one (no FMA
+// contraction can differ between the two kernels).
+#pragma once
+
+namespace rope {
+
+// cos and sin of the fp32 angle pos * inv_freq, times mscale.
+__device__ __forceinline__ void cos_sin(int pos, float inv_freq, float mscale, float& c, float& s) {
+  float sn, cs;
+  sincosf(__fmul_rn((float)pos, inv_freq), &sn, &cs);
+  c = __fmul_rn(cs, mscale);
+  s = __fmul_rn(sn, mscale);
+}
+
+// (a, b) <- (a c - b s, b c + a s).
+__device__ __forceinline__ void rotate(float& a, float& b, float c, float s) {
+  const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  b = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  a = ra;
+}
+
+}  // namespace rope
