@@ -42,7 +42,7 @@ def weights_past_l2(qtype: int, rows: int, cols: int, rng) -> list[QuantWeight]:
 
 def launch_args(out, w, xq, xs, n) -> tuple:
     """matvec_q's arguments for one matrix (a single segment)."""
-    return (matvec.segments([out], [w], [None]), xq.ptr, xs.ptr, n, w.cols, w.data.shape[1])
+    return (matvec.segments([out], [w], [None]), xq.ptr, xs.ptr, n, w.cols, w.data.shape[1], matvec.Rope())
 
 
 def time_in_graph(stream, launch_all, launches: int, replays: int = 7) -> float:

@@ -171,10 +171,10 @@ class _TimedOps:
             if name == "linear":
                 w = args[1]
                 label = f"linear {_type_name(w)} {w.rows}x{w.cols}"
-            elif name == "linears":
+            elif name in ("linears", "qkv_rotary_store"):
                 ws = args[1]
                 types, rows = "+".join(_type_name(w) for w in ws), "+".join(str(w.rows) for w in ws)
-                label = f"linears {types} {rows}x{ws[0].cols}"
+                label = f"{name} {types} {rows}x{ws[0].cols}"
             start = self._timer.mark()
             result = fn(*args, **kwargs)
             self.marks.append((label, start, self._timer.mark()))
@@ -206,8 +206,9 @@ def format_table(name: str, device: str, r: dict) -> str:
 def format_profile(rows: list[tuple[str, float, int]], step_us: float, batch: int = 1) -> str:
     total = sum(us for _, us, _ in rows)
     title = "op (inside a replayed graph)" if batch == 1 else f"op, {batch} sequences (in a graph)"
-    lines = [f"{title:<40} {'us/step':>10} {'calls':>6} {'share':>6}"]
-    lines += [f"{label:<40} {us:>10.1f} {n:>6} {us / total:>6.1%}" for label, us, n in rows]
-    lines.append(f"{'sum of the ops':<40} {total:>10.1f}")
-    lines.append(f"{'step on the GPU (graph without events)':<40} {step_us:>10.1f}")
+    width = max([40] + [len(label) for label, _, _ in rows])
+    lines = [f"{title:<{width}} {'us/step':>10} {'calls':>6} {'share':>6}"]
+    lines += [f"{label:<{width}} {us:>10.1f} {n:>6} {us / total:>6.1%}" for label, us, n in rows]
+    lines.append(f"{'sum of the ops':<{width}} {total:>10.1f}")
+    lines.append(f"{'step on the GPU (graph without events)':<{width}} {step_us:>10.1f}")
     return "\n".join(lines)

@@ -102,14 +102,15 @@ class LlamaModel:
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = ops.linears(h, (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv))
-            q = q.reshape(n, c.num_heads, c.head_dim)
-            k = k.reshape(n, c.num_kv_heads, c.head_dim)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
+            qkv, biases = (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv)
+            if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
+                q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
+                                         batch.slot_mapping)  # fmt: skip
+            else:
+                q, k, v = (y.reshape(n, -1, c.head_dim) for y in ops.linears(h, qkv, biases))
                 q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
+                q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
             attn = ops.attention(q, cache, i, batch, self.scale)
             x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
             h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)

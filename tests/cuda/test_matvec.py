@@ -334,6 +334,104 @@ def test_grouped_matvec_is_bitwise_the_separate_matvecs(gpu, qtype, rows, cols, 
     assert not failures, "\n".join(failures)
 
 
+# q/k/v of a decode step with rotary_store_kv's work in the mat-vec's epilogue: bitwise matvec_many followed by
+# rotary_store_kv (both tested against numpy above and in test_elementwise.py), for both pairings, biases, one and
+# two tokens, q and k of one type with v of another (Q4_K_M's Q6_K layers: two launches), positions far out and a
+# padding token (slot -1) that writes nothing to the cache.
+ROPE_CASES = [
+    ("interleaved", ((Q.Q4_K, Q.Q4_K, Q.Q6_K)), 8, 2, 128, 256, False),  # llama-3.1-8b's shapes, scaled down
+    ("neox", (Q.Q8_0, Q.Q8_0, Q.Q8_0), 14, 2, 64, 896, True),  # qwen2.5-0.5b's, with its biases
+    ("interleaved", (Q.Q4_1, Q.Q4_1, Q.Q4_1), 9, 3, 64, 576, False),  # SmolLM2's
+    ("neox", (Q.Q6_K, Q.Q6_K, Q.Q4_K), 4, 4, 128, 512, True),
+]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("pairing, types, heads, kv_heads, head_dim, cols, with_bias", ROPE_CASES)
+def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, types, heads, kv_heads, head_dim,
+                                                              cols, with_bias):  # fmt: skip
+    from infero.backends.cuda import driver, elementwise, matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    rng = np.random.default_rng(heads * 100 + head_dim + cols + n)
+    rows = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    weights = [weight_case(t, r, cols, seed=i)[0] for i, (t, r) in enumerate(zip(types, rows, strict=True))]
+    biases = [from_host(rng.normal(0, 0.5, size=r).astype(np.float32)) if with_bias else None for r in rows]
+    x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
+    positions = from_host(np.array([31000, 5][:n], np.int32))
+    slots = from_host(np.array([37, -1][:n], np.int64))  # the second token is padding
+    inv_freq = from_host((1e6 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
+    mscale = 1.0 if pairing == "interleaved" else 1.1
+    stream, cache_shape = runtime.stream(), (5, 16, kv_heads, head_dim)
+
+    def fresh(shape, dtype):
+        t = empty(shape, dtype)
+        driver.memset_d8(t.ptr, 0xFF, t.nbytes, stream)  # NaN: what is left unwritten shows
+        return t
+
+    # Reference: one launch per type, then rotary_store_kv over the three outputs.
+    ref = [fresh((n, r), np.float32) for r in rows]
+    ref_k, ref_v = fresh(cache_shape, np.float16), fresh(cache_shape, np.float16)
+    groups = {}
+    for i, t in enumerate(types):
+        groups.setdefault(t, []).append(i)
+    ws = Workspace(1 << 20)
+    for group in groups.values():
+        matvec.matvec_many([ref[i] for i in group], [weights[i] for i in group], x, [biases[i] for i in group],
+                           stream, ws)  # fmt: skip
+    q3, k3, v3 = (out.reshape(n, -1, head_dim) for out in ref)
+    elementwise.rotary_store_kv(q3, k3, v3, positions, inv_freq, mscale, pairing, head_dim, ref_k, ref_v, slots,
+                                stream)  # fmt: skip
+    # Fused: the same launches with the epilogue.
+    got = [fresh((n, r), np.float32) for r in rows]
+    got_k, got_v = fresh(cache_shape, np.float16), fresh(cache_shape, np.float16)
+    for group in groups.values():
+        matvec.matvec_rope([got[i] for i in group], [weights[i] for i in group], tuple("qkv"[i] for i in group), x,
+                           [biases[i] for i in group], positions, inv_freq, mscale, pairing, head_dim, got_k, got_v,
+                           slots, stream, ws)  # fmt: skip
+    assert ws.offset == 0
+    stream.synchronize()
+    for name, a, b in [("q", got[0], ref[0]), ("k", got[1], ref[1]), ("v", got[2], ref[2]),
+                       ("k cache", got_k, ref_k), ("v cache", got_v, ref_v)]:  # fmt: skip
+        a, b = a.to_host(), b.to_host()
+        bits = np.uint32 if a.dtype == np.float32 else np.uint16
+        differ = np.argwhere(a.view(bits) != b.view(bits))
+        assert not len(differ), f"{name}: {len(differ)} elements differ, first at {differ[0].tolist()}"
+        if name.endswith("cache"):
+            flat = a.reshape(-1, kv_heads * head_dim)
+            assert np.isfinite(flat[37]).all() and np.isnan(np.delete(flat, 37, axis=0)).all(), f"{name}: slots"
+        else:
+            assert np.isfinite(a).all(), f"{name}: unwritten rows"
+    print(f"matvec_rope {pairing} {'+'.join(t.name for t in types)} n={n}: bitwise matvec_many + rotary_store_kv")
+
+
+def test_matvec_rope_rejects_what_it_cannot_take(gpu):
+    from infero.backends.cuda import matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    q, k = weight_case(Q.Q8_0, 128, 256)[0], weight_case(Q.Q8_0, 64, 256)[0]
+    cache = empty((2, 16, 1, 64), np.float16)
+
+    def call(n=1, roles=("q", "k"), head_dim=64, inv=32, pairing="neox", cache=cache):
+        x, outs = empty((n, 256), np.float32), [empty((n, w.rows), np.float32) for w in (q, k)]
+        positions, slots = from_host(np.zeros(n, np.int32)), from_host(np.zeros(n, np.int64))
+        matvec.matvec_rope(outs, [q, k], roles, x, None, positions, empty((inv,), np.float32), 1.0, pairing,
+                           head_dim, cache, cache, slots, runtime.stream(), Workspace(1 << 16))  # fmt: skip
+
+    with pytest.raises(ValueError, match="at most 2"):
+        call(n=3)
+    with pytest.raises(ValueError, match="roles"):
+        call(roles=("q", "x"))
+    with pytest.raises(ValueError, match="whole heads"):
+        call(head_dim=96, inv=48)
+    with pytest.raises(ValueError, match="rotary over whole heads"):
+        call(inv=16)
+    with pytest.raises(ValueError, match="pairing"):
+        call(pairing="gptj")
+    with pytest.raises(ValueError, match="the k cache"):
+        call(cache=empty((2, 16, 2, 64), np.float16))
+
+
 def test_grouped_matvec_rejects_what_one_launch_cannot_take(gpu):
     from infero.backends.cuda import matvec, runtime
     from infero.backends.cuda.tensor import Workspace, empty

@@ -91,3 +91,33 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
     ops.linears(activations(SKINNY_MIN_TOKENS[T.Q8_0] - 1), weights(T.Q4_K, T.Q8_0, T.Q8_0))
     assert [c[:2] for c in calls] == [("linear", 0), ("linear", 1), ("linear", 2), ("many", [0, 1]),
                                       ("many", [0, 1]), ("linear", 0), ("many", [1, 2])]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "types, n, rope_dim, cols, launches",
+    [
+        ((T.Q8_0,) * 3, 1, 32, 2048, [("rope", [0, 1, 2], ("q", "k", "v"))]),
+        ((T.Q4_K, T.Q4_K, T.Q6_K), 2, 32, 2048, [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))]),
+        ((T.Q8_0,) * 3, 3, 32, 2048, [("many", [0, 1, 2]), ("rotary",)]),  # past matvec_rope's two tokens
+        ((T.F16,) * 3, 1, 32, 2048, [("linear", 0), ("linear", 1), ("linear", 2), ("rotary",)]),  # float weights
+        ((T.Q8_0,) * 3, 1, 16, 2048, [("many", [0, 1, 2]), ("rotary",)]),  # partial rotary
+        ((T.Q8_0,) * 3, 1, 32, 896, [("many", [0, 1, 2]), ("rotary",)]),  # one unit per lane: plan's one row a warp
+    ],
+)
+def test_qkv_rotary_store_folds_rotary_into_the_matvec_where_it_pays(recorded, monkeypatch, types, n, rope_dim, cols,
+                                                                     launches):  # fmt: skip
+    """At one or two tokens on block formats with rows of several units per lane, with rotary over whole heads, q/k/v
+    run as matvec_rope launches (one per type: Q4_K_M's Q6_K layers of V take a second); otherwise as linears then
+    rotary_store_kv."""
+    ops, calls = recorded
+    monkeypatch.setattr(matvec, "matvec_rope", lambda outs, ws, roles, *rest: calls.append(
+        ("rope", [w.index for w in ws], roles)))  # fmt: skip
+    monkeypatch.setattr(CudaOps, "rotary_store_kv", lambda self, q, *rest: calls.append(("rotary",)) or q)
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
+    monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
+    monkeypatch.setattr(CudaOps, "_inv_freq", lambda self, rotary: None)
+    rotary = SimpleNamespace(rope_dim=rope_dim, mscale=1.0, pairing="neox")
+    cache = SimpleNamespace(k=[None], v=[None])
+    q = ops.qkv_rotary_store(activations(n, cols), weights(*types, cols=cols), None, 32, None, rotary, cache, 0, None)
+    assert [c[:2] if c[0] == "many" else c for c in calls] == launches
+    assert q.shape == (n, 1, 32)  # weights() gives q 32 rows: one head

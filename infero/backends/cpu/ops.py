@@ -97,6 +97,13 @@ class CpuOps:
         cache.v[layer][slot_mapping // bs, slot_mapping % bs] = v
         return self.rotary(q, positions, rotary)
 
+    def qkv_rotary_store(self, x, weights, biases, head_dim: int, positions, rotary: Rotary, cache: CpuKVCache,
+                         layer: int, slot_mapping) -> np.ndarray:  # fmt: skip
+        """The attention inputs of x: its q, k and v projections (weights and biases in that order) as heads of
+        head_dim, rotated and stored as rotary_store_kv does; returns q [n, heads, head_dim]."""
+        q, k, v = (y.reshape(len(x), -1, head_dim) for y in self.linears(x, weights, biases))
+        return self.rotary_store_kv(q, k, v, positions, rotary, cache, layer, slot_mapping)
+
     def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
 

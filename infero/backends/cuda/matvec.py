@@ -11,6 +11,9 @@ order depends on none of them, so results are bitwise batch invariant.
 matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
 give: a layer's q/k/v and gate/up take two launches instead of five (on the H200 the 8B's decode step lost
 ~0.1-0.2 ms with it, the 0.5B's nothing measurable: programmatic launch already hid most launch gaps).
+
+matvec_rope is matvec_many for a decode step's q/k/v (one or two tokens) with rotary_store_kv's work in its
+epilogue: q and k rotated, k and v into the KV cache, bitwise what the two launches give (kernels/rope.cuh).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from infero.checkpoint.tensor_types import GGMLType
 
 SOURCE = "matvec.cu"
 MAX_TOKENS = 16
+ROPE_MAX_TOKENS = 2  # matvec_q's ROPE epilogue is compiled for N = 1 and 2
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # template N; a call with n tokens runs the smallest N >= n
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 QUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0 .. Q6_K, IQ4_NL, IQ4_XS
@@ -45,7 +49,8 @@ runtime.declare(
     ["matvec_quantize_x"]
     + [f"matvec_q<{t}, 1, {r}, {a}>" for t in QUANT_TYPES for r, a in N1_VARIANTS]
     + [f"matvec_q<{t}, {n}, {r}, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
-    + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()],
+    + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()]
+    + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))],
 )
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
@@ -59,7 +64,16 @@ class Segments(ctypes.Structure):
                 ("rows", _I * MAX_SEGMENTS)]  # fmt: skip
 
 
-_Q_ARGS = (None, _P, _P, _I, _I, _L)  # None: a ctypes.Structure, passed by value (driver.launch)
+class Rope(ctypes.Structure):
+    """matvec.cu's mv::Rope: the q/k/v epilogue of matvec_q's ROPE instantiations (zeros for the others)."""
+
+    _fields_ = [("positions", _P), ("slots", _P), ("inv_freq", _P), ("k_cache", _P), ("v_cache", _P),
+                ("role", _I * MAX_SEGMENTS), ("head_dim", _I), ("neox", _I), ("mscale", ctypes.c_float)]  # fmt: skip
+
+
+ROPE_ROLES = ("q", "k", "v")  # mv::RopeRole
+_Q_ARGS = (None, _P, _P, _I, _I, _L, None)  # None: a ctypes.Structure, passed by value (driver.launch)
+_NO_ROPE = Rope()
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block)
@@ -113,9 +127,12 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
         few = rows <= 16 * num_sms and t not in _LARGE_UNIT_TYPES
         if not few and (big_n == 16 or t in _LARGE_UNIT_TYPES or rows >= 64 * num_sms):
             rpw = 4
-    warps = -(-rows // rpw)
-    wpb = 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1
-    return big_n, rpw, wpb, ahead
+    return big_n, rpw, _warps_per_block(-(-rows // rpw), num_sms), ahead
+
+
+def _warps_per_block(warps: int, num_sms: int) -> int:
+    """The most warps per block (up to 4) that still leave at least two blocks per SM."""
+    return 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1
 
 
 def activation_shapes(n: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -156,6 +173,20 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
         big_n, rpw, wpb, ahead = plan(covered, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
         warps = sum(-(-r // rpw) for r in rows)
         fn = _kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>")
+        launch = _launches[key] = (fn, (-(-warps // wpb),), (32 * wpb,))
+    return launch
+
+
+def _launch_rope(t: int, rows: tuple[int, ...], n: int) -> tuple:
+    """(function, grid, block) of matvec_q with the ROPE epilogue: two rows per warp, prefetch depth 1 at one
+    token (what plan gives q/k/v of more than 16 rows per SM; the smaller ones measured the same within noise in
+    the decode sweep)."""
+    key = ("rope", t, rows, n)
+    launch = _launches.get(key)
+    if launch is None:
+        warps = sum(r // 2 for r in rows)
+        wpb = _warps_per_block(warps, _sms())
+        fn = _kernel(f"matvec_q<{t}, {1 if n == 1 else 2}, 2, {1 if n == 1 else -1}, true>")
         launch = _launches[key] = (fn, (-(-warps // wpb),), (32 * wpb,))
     return launch
 
@@ -209,15 +240,85 @@ def matvec_many(
     _matvec_q("matvec_many", list(outs), list(weights), x, biases, stream, workspace, quantized)
 
 
-def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized) -> None:
-    error = _check_many(outs, weights, x, biases)
+def matvec_rope(
+    outs: list[DeviceTensor],
+    weights: list[QuantWeight],
+    roles: tuple[str, ...],
+    x: DeviceTensor,
+    biases: list[DeviceTensor | None] | None,
+    positions: DeviceTensor,
+    inv_freq: DeviceTensor,
+    mscale: float,
+    pairing: str,
+    head_dim: int,
+    k_cache: DeviceTensor,
+    v_cache: DeviceTensor,
+    slot_mapping: DeviceTensor,
+    stream: driver.Stream,
+    workspace: Workspace,
+    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
+) -> None:
+    """matvec_many for 1 to ROPE_MAX_TOKENS tokens over a decode step's q, k and/or v projections (roles: "q",
+    "k" or "v" per weight, whole heads of head_dim), with elementwise.rotary_store_kv's work done on the way: q
+    and k rotated by position with rope_dim = head_dim (inv_freq [head_dim / 2], mscale, "interleaved" or "neox"
+    pairs), k and v written as fp16 into k_cache / v_cache [blocks, block_size, kv_heads, head_dim] at
+    slot_mapping (int64 [n]; negative: not written). outs get the rotated q / k and v. Bitwise what matvec_many
+    followed by rotary_store_kv gives."""
+    biases = [None] * len(weights) if biases is None else list(biases)
+    error = _check_many(outs, weights, x, biases) or _check_rope(
+        weights, roles, x.shape[0], positions, inv_freq, pairing, head_dim, k_cache, v_cache, slot_mapping
+    )
     if error:
+        raise ValueError(f"matvec_rope: {error}")
+    n = x.shape[0]
+    if n == 0:
+        return
+    rope = Rope(positions.ptr, slot_mapping.ptr, inv_freq.ptr, k_cache.ptr, v_cache.ptr)
+    for i, role in enumerate(roles):
+        rope.role[i] = ROPE_ROLES.index(role)
+    rope.head_dim, rope.neox, rope.mscale = head_dim, int(pairing == "neox"), mscale
+    _matvec_q("matvec_rope", list(outs), list(weights), x, biases, stream, workspace, quantized, rope)
+
+
+def rope_pays(weight: QuantWeight) -> bool:
+    """Whether a decode step's q/k/v of this type and width should take matvec_rope: its epilogue needs two rows
+    per warp, which plan gives rows of several units per lane; rows of one unit per lane run one row per warp,
+    and there the separate rotary kernel measured faster (qwen2.5-0.5b's 896-wide Q8_0 q/k/v on the H200: decode
+    step 774 us with it, 792 with matvec_rope; llama-3.1-8b's 4096-wide Q4_K: 2,762 vs 2,728 us)."""
+    return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
+
+
+def _check_rope(weights, roles, n, positions, inv_freq, pairing, head_dim, k_cache, v_cache, slots) -> str | None:
+    """What is wrong with matvec_rope's own arguments, or None."""
+    if n > ROPE_MAX_TOKENS:
+        return f"{n} tokens; it takes at most {ROPE_MAX_TOKENS}"
+    if len(roles) != len(weights) or any(r not in ROPE_ROLES for r in roles):
+        return f"roles {roles} must name one of {ROPE_ROLES} per weight"
+    rows = [w.rows for w in weights]
+    if head_dim % 2 or any(r % head_dim for r in rows):
+        return f"every matrix must be whole heads of an even head_dim, got {head_dim} and rows {rows}"
+    if pairing not in ("interleaved", "neox"):
+        return f"pairing must be 'interleaved' or 'neox', got {pairing!r}"
+    if inv_freq.dtype != np.float32 or inv_freq.numel != head_dim // 2:
+        return f"inv_freq must be float32 [{head_dim // 2}] (rotary over whole heads), got {inv_freq.shape}"
+    if positions.dtype != np.int32 or positions.numel != n or slots.dtype != np.int64 or slots.numel != n:
+        return f"positions must be int32 [{n}] and slot_mapping int64 [{n}]"
+    for r, role in zip(rows, roles, strict=True):
+        cache = k_cache if role == "k" else v_cache
+        fits = cache.dtype == np.float16 and len(cache.shape) == 4 and cache.shape[2] * cache.shape[3] == r
+        if role != "q" and not fits:
+            return f"the {role} cache must be fp16 [blocks, block_size, heads, head_dim], {r} a slot; got {cache.shape}"
+    return None
+
+
+def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope: Rope | None = None) -> None:
+    if rope is None and (error := _check_many(outs, weights, x, biases)):
         raise ValueError(f"{name}: {error}")
     n, rows = x.shape[0], tuple(w.rows for w in weights)
     if n == 0 or sum(rows) == 0:
         return
     t, cols = weights[0].ggml_type, weights[0].cols
-    fn, grid, block = _launch_q(t, rows, n, cols)
+    fn, grid, block = _launch_q(t, rows, n, cols) if rope is None else _launch_rope(t, rows, n)
     mark = workspace.offset
     if quantized is None:
         q_shape, s_shape = activation_shapes(n, cols)
@@ -226,7 +327,7 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized) -> N
     xq, xs = quantized
     if (xq.shape, xs.shape) != activation_shapes(n, cols):
         raise ValueError(f"{name}: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
-    args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1])
+    args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1], rope or _NO_ROPE)
     driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
 

@@ -72,13 +72,16 @@ class CudaOps:
     def _quantize_into(self, x: DeviceTensor):
         """The quantized-activation buffers viewed for x [n, cols], now owned by x; or None where x cannot
         take the format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers)."""
-        n, cols = x.shape[0], x.shape[-1]
-        if self._xq is None or n > MATVEC_MAX_TOKENS or cols % 32 or len(x.shape) != 2:
+        if not self._quantizable(x):
             return None
+        n, cols = x.shape
         self._quantized_key = (x.ptr, x.shape, self.ws.generation)
         q_shape, s_shape = matvec.activation_shapes(n, cols)
         return (DeviceTensor(self._xq.ptr, q_shape, np.dtype(np.int8), self._xq),
                 DeviceTensor(self._xs.ptr, s_shape, np.dtype(np.int32), self._xs))  # fmt: skip
+
+    def _quantizable(self, x: DeviceTensor) -> bool:
+        return self._xq is not None and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
 
     def _quantized(self, x: DeviceTensor):
         """x in the mat-vec's activation format: the buffers as they are if x was the last activation written
@@ -180,16 +183,45 @@ class CudaOps:
         elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None)
         return out
 
-    def rotary_store_kv(self, q, k, v, positions, rotary: Rotary, cache: CudaKVCache, layer: int, slot_mapping):
+    def _inv_freq(self, rotary: Rotary) -> DeviceTensor:
         inv_freq = self._rotary_tables.get(id(rotary))
         if inv_freq is None:
             inv_freq = from_host(rotary.inv_freq.astype(np.float32), self.backend.weights_arena)
             self._rotary_tables[id(rotary)] = inv_freq
+        return inv_freq
+
+    def rotary_store_kv(self, q, k, v, positions, rotary: Rotary, cache: CudaKVCache, layer: int, slot_mapping):
         elementwise.rotary_store_kv(
-            q, k, v, positions, inv_freq, rotary.mscale, rotary.pairing, rotary.rope_dim,
+            q, k, v, positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing, rotary.rope_dim,
             cache.k[layer], cache.v[layer], slot_mapping, self.stream,
         )  # fmt: skip
         return q
+
+    def qkv_rotary_store(self, x, weights, biases, head_dim: int, positions, rotary: Rotary, cache: CudaKVCache,
+                         layer: int, slot_mapping) -> DeviceTensor:  # fmt: skip
+        """q of [n, heads, head_dim]; k and v into the cache (see CpuOps.qkv_rotary_store). Decode steps of one or
+        two tokens on block-format weights of several units per lane (matvec.rope_pays) run it as the q/k/v mat-vec
+        with the rotation and the cache write in its epilogue (matvec.matvec_rope: one kernel fewer per layer,
+        bitwise the same); the rest as linears and rotary_store_kv."""
+        n = x.shape[0]
+        biases = (None,) * len(weights) if biases is None else tuple(biases)
+        mat_vecs = all(w.ggml_type not in matvec.FLOAT_TYPES and not self._takes_skinny(x, w) and matvec.rope_pays(w)
+                       for w in weights)  # fmt: skip
+        fused = n <= matvec.ROPE_MAX_TOKENS and rotary.rope_dim == head_dim and self._quantizable(x) and mat_vecs
+        if not fused:
+            q, k, v = (y.reshape(n, -1, head_dim) for y in self.linears(x, weights, biases))
+            return self.rotary_store_kv(q, k, v, positions, rotary, cache, layer, slot_mapping)
+        outs = [self.ws.empty((n, w.rows), np.float32) for w in weights]
+        groups: dict[tuple[int, int], list[int]] = {}  # Q4_K_M stores some layers' V as Q6_K: then two launches
+        for i, w in enumerate(weights):
+            groups.setdefault((w.ggml_type, w.cols), []).append(i)
+        for group in groups.values():
+            matvec.matvec_rope(
+                [outs[i] for i in group], [weights[i] for i in group], tuple(matvec.ROPE_ROLES[i] for i in group), x,
+                [biases[i] for i in group], positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing,
+                head_dim, cache.k[layer], cache.v[layer], slot_mapping, self.stream, self.ws, self._quantized(x),
+            )  # fmt: skip
+        return outs[0].reshape(n, -1, head_dim)
 
     def attention(self, q: DeviceTensor, cache: CudaKVCache, layer: int, batch, scale: float) -> DeviceTensor:
         out = self.ws.empty(q.shape, np.float32)

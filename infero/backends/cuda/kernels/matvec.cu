@@ -1,7 +1,8 @@
 // Mat-vec for decode and small batches: out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias), n <= 16,
 // streaming each weight byte once for all n tokens. matvec_q takes up to three such matrices that read the same x
 // (q/k/v, gate/up) in one launch (fewer graph nodes; on the H200 PDL already hid most of the launch gaps, so the
-// measured gain was small).
+// measured gain was small). Its ROPE instantiations are a decode step's q/k/v projections with rotary_store_kv's
+// work as their epilogue (mv::Rope, rope_store): rotation and the K/V cache write without a kernel of their own.
 //
 // Layouts. W: GGUF blocks of type T, [rows, row_bytes] row-major exactly as the file stores them (tensor base
 // 16-byte aligned). x: float32 [n, cols] row-major. bias: float32 [rows] or null. out: float32 [n, rows].
@@ -57,6 +58,7 @@
 
 #include "pdl.cuh"
 #include "act_quant.cuh"
+#include "rope.cuh"
 
 namespace mv {
 
@@ -596,6 +598,59 @@ __device__ __forceinline__ V pick(const V (&v)[MAX_SEGMENTS], int s) {
   return s == 0 ? v[0] : s == 1 ? v[1] : v[2];
 }
 
+// The epilogue of a decode step's q/k/v projections (matvec_q with ROPE): each segment is q, k or v of whole heads
+// (rope_dim = head_dim). q and k rows are rotated by position (rope.cuh, as rotary_store_kv does it), k and v
+// also written as fp16 into their cache slots ([slots, rows] row-major; slot < 0: padding, not written); every
+// segment's rows also go to its out, rotated. A warp's two rows are a rotation pair: rows 2i, 2i + 1 for
+// interleaved pairs; head h's j and j + head_dim / 2 for neox pairs (and for v, which is not rotated, 2i, 2i + 1).
+enum RopeRole { ROPE_Q = 0, ROPE_K = 1, ROPE_V = 2 };
+struct Rope {
+  const int* positions;      // [n]
+  const long long* slots;    // [n]
+  const float* inv_freq;     // [head_dim / 2]
+  __half* k_cache;           // [slots, k rows]
+  __half* v_cache;           // [slots, v rows]
+  int role[MAX_SEGMENTS];    // RopeRole of each segment
+  int head_dim, neox;
+  float mscale;
+};
+
+// Sums the lanes' partial sums of the warp's rows r0 and r1 (the xor butterfly of reduce_store, so a row's bits are
+// those matvec_q gives), then for each token: bias, rotation, out and the cache.
+template <int N>
+__device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict__ out, const float* __restrict__ bias,
+                                           int n, int rows, int r0, int r1, int lane, int role, const Rope& rope) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][t] = __fadd_rn(acc[r][t], __shfl_xor_sync(0xFFFFFFFFu, acc[r][t], off));
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    if (lane != t || t >= n) continue;
+    float a = acc[0][t], b = acc[1][t];
+    if (bias != nullptr) {
+      a = __fadd_rn(a, __ldg(bias + r0));
+      b = __fadd_rn(b, __ldg(bias + r1));
+    }
+    if (role != ROPE_V) {
+      const int j = rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1;
+      float c, s;
+      rope::cos_sin(rope.positions[t], __ldg(rope.inv_freq + j), rope.mscale, c, s);
+      rope::rotate(a, b, c, s);
+    }
+    out[(long long)t * rows + r0] = a;
+    out[(long long)t * rows + r1] = b;
+    const long long slot = rope.slots[t];
+    if (role != ROPE_Q && slot >= 0) {
+      __half* cache = (role == ROPE_K ? rope.k_cache : rope.v_cache) + slot * rows;
+      cache[r0] = __float2half_rn(a);
+      cache[r1] = __float2half_rn(b);
+    }
+  }
+}
+
 }  // namespace mv
 
 // x float32 [n, cols] -> the activation format of act_quant.cuh (two int8 planes; the error is at most
@@ -620,11 +675,13 @@ extern "C" __global__ void matvec_quantize_x(int8_t* __restrict__ xq, ActScale* 
 }
 
 // Block formats. grid: ceil(sum over segments of ceil(rows / RPW) / warps per block), block: 32 * warps per block
-// (<= 128).
-template <int T, int N, int RPW, int AHEAD_ = -1>
+// (<= 128). ROPE: the q/k/v epilogue of mv::Rope (rope_store; RPW 2, rows of every segment even); otherwise rope is
+// unused (the launcher passes zeros).
+template <int T, int N, int RPW, int AHEAD_ = -1, bool ROPE = false>
 __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segments seg,
                                                 const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                int n, int cols, long long row_bytes) {
+                                                int n, int cols, long long row_bytes,
+                                                const __grid_constant__ mv::Rope rope) {
   using U = mv::Unit<T>;
   // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
   // keep more warps resident instead), one up to N = 4, none from N = 8 on (there re-reading the activations binds).
@@ -636,12 +693,18 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
   const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
   const int s = (warp >= end0) + (warp >= end1);
-  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
-  if (row0 >= rows) return;
+  const int rows = mv::pick(seg.rows, s), first = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  if (first >= rows) return;
+  // This warp's rows: row0 + r stride. With ROPE and neox pairs, pair i = first / 2 of a rotated segment is rows
+  // j and j + head_dim / 2 of head i / (head_dim / 2), j = i % (head_dim / 2).
+  const bool neox_pairs = ROPE && rope.neox && mv::pick(rope.role, s) != mv::ROPE_V;
+  const int half = rope.head_dim >> 1;
+  const int row0 = neox_pairs ? (first >> 1) / half * rope.head_dim + (first >> 1) % half : first;
+  const int stride = neox_pairs ? half : 1;
   const uint8_t* weight = mv::pick(seg.weight, s);
   const uint8_t* wrow[RPW];
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r * stride, rows - 1) * row_bytes;
   const int units = cols / U::ELEMS, halves = cols / 16;
   const int8_t* xq1 = xq + (long long)n * cols;  // plane 1
 
@@ -687,8 +750,16 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
       }
     }
   }
-  mv::reduce_store<N, RPW>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, lane);
+  if constexpr (ROPE) {
+    static_assert(RPW == 2, "a rotation pair per warp");
+    mv::rope_store<N>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, row0 + stride, lane,
+                      mv::pick(rope.role, s), rope);
+  } else {
+    mv::reduce_store<N, RPW>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, lane);
+  }
 }
+
+
 
 // Float weights: lane l walks 8-element units l, l + 32, ...; within a unit the 8 products are accumulated in
 // element order with FMA. vec: rows and x rows are 16-byte aligned (then units with all 8 elements inside the row
