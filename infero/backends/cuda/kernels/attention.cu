@@ -162,7 +162,8 @@ __device__ __forceinline__ void attention_tile(
         for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
           const int r = row_base + e / HD;  // the same for a warp's 32 lanes
           if (r < num_rows)
-            store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, kvh * group + r, e % HD, __int_as_float(0x7fc00000));
+            store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, kvh * group + r, e % HD,
+                          __int_as_float(0x7fc00000));
         }
       return;
     }
