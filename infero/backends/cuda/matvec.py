@@ -179,8 +179,8 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
 
 def _launch_rope(t: int, rows: tuple[int, ...], n: int) -> tuple:
     """(function, grid, block) of matvec_q with the ROPE epilogue: two rows per warp, prefetch depth 1 at one
-    token (what plan gives q/k/v of more than 16 rows per SM; the smaller ones measured the same within noise in
-    the decode sweep)."""
+    token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which plan would give a deeper ring,
+    were not measured with the epilogue)."""
     key = ("rope", t, rows, n)
     launch = _launches.get(key)
     if launch is None:
@@ -283,8 +283,8 @@ def matvec_rope(
 def rope_pays(weight: QuantWeight) -> bool:
     """Whether a decode step's q/k/v of this type and width should take matvec_rope: its epilogue needs two rows
     per warp, which plan gives rows of several units per lane; rows of one unit per lane run one row per warp,
-    and there the separate rotary kernel measured faster (qwen2.5-0.5b's 896-wide Q8_0 q/k/v on the H200: decode
-    step 774 us with it, 792 with matvec_rope; llama-3.1-8b's 4096-wide Q4_K: 2,762 vs 2,728 us)."""
+    and there the separate rotary kernel measured faster. Decode step on the H200, separate kernel / matvec_rope:
+    qwen2.5-0.5b (896-wide Q8_0, one unit per lane) 774 / 792 us, llama-3.1-8b (4096-wide Q4_K) 2,762 / 2,728."""
     return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
 
 
@@ -307,7 +307,7 @@ def _check_rope(weights, roles, n, positions, inv_freq, pairing, head_dim, k_cac
         cache = k_cache if role == "k" else v_cache
         fits = cache.dtype == np.float16 and len(cache.shape) == 4 and cache.shape[2] * cache.shape[3] == r
         if role != "q" and not fits:
-            return f"the {role} cache must be fp16 [blocks, block_size, heads, head_dim], {r} a slot; got {cache.shape}"
+            return f"the {role} cache must be fp16 [blocks, block_size, heads, head_dim], {r} a slot: {cache.shape}"
     return None
 
 

@@ -402,7 +402,7 @@ __device__ __forceinline__ void attention_tile(
       block_size, max_blocks, max_splits, scale_log2, xq, xs, num_tokens
 
 // __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
-// Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 114 / 158; no spills on sm_80/89/90a.
+// Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 116 / 158; no spills on sm_80/89/90a.
 
 // grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128, tile_smem_bytes<HD>() dynamic.
 template <int HD>

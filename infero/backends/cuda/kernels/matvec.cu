@@ -561,15 +561,22 @@ struct Unit<GGML_Q3_K> : UnitK23 {
 
 // ---- the reduction shared by both kernels ---------------------------------------------------------------------
 
+// Every lane gets the sums over the warp's lanes, by a fixed xor butterfly.
 template <int N, int RPW>
-__device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __restrict__ out, const float* __restrict__ bias,
-                                             int n, int rows, int row0, int lane) {
+__device__ __forceinline__ void warp_sums(float (&acc)[RPW][N]) {
 #pragma unroll
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
     for (int t = 0; t < N; ++t)
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][t] = __fadd_rn(acc[r][t], __shfl_xor_sync(0xFFFFFFFFu, acc[r][t], off));
+      for (int off = 16; off > 0; off >>= 1)
+        acc[r][t] = __fadd_rn(acc[r][t], __shfl_xor_sync(0xFFFFFFFFu, acc[r][t], off));
+}
+
+template <int N, int RPW>
+__device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __restrict__ out, const float* __restrict__ bias,
+                                             int n, int rows, int row0, int lane) {
+  warp_sums<N, RPW>(acc);
 #pragma unroll
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
@@ -615,17 +622,12 @@ struct Rope {
   float mscale;
 };
 
-// Sums the lanes' partial sums of the warp's rows r0 and r1 (the xor butterfly of reduce_store, so a row's bits are
-// those matvec_q gives), then for each token: bias, rotation, out and the cache.
+// Sums the lanes' partial sums of the warp's rows r0 and r1 as reduce_store does (so a row's bits are those
+// matvec_q gives), then for each token: bias, rotation, out and the cache.
 template <int N>
 __device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict__ out, const float* __restrict__ bias,
                                            int n, int rows, int r0, int r1, int lane, int role, const Rope& rope) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int t = 0; t < N; ++t)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][t] = __fadd_rn(acc[r][t], __shfl_xor_sync(0xFFFFFFFFu, acc[r][t], off));
+  warp_sums<N, 2>(acc);
 #pragma unroll
   for (int t = 0; t < N; ++t) {
     if (lane != t || t >= n) continue;
@@ -758,8 +760,6 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
     mv::reduce_store<N, RPW>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, lane);
   }
 }
-
-
 
 // Float weights: lane l walks 8-element units l, l + 32, ...; within a unit the 8 products are accumulated in
 // element order with FMA. vec: rows and x rows are 16-byte aligned (then units with all 8 elements inside the row
