@@ -5,6 +5,7 @@
 #   bench   bench decode --batch 1,4,8,16,32,64 --profile (a profile per width), synthetic qwen2.5-0.5b Q8_0 and
 #           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
+#   sweep   scripts/sweep_decode_plan.py on both synthetic models (mat-vec variants inside the batch-1 step)
 # e.g. scripts/gpu_check.sh tests server  |  PYTEST_ARGS="-k matvec" scripts/gpu_check.sh tests
 set -uo pipefail
 out=${OUT:-/tmp/infero-out}; mkdir -p "$out"
@@ -60,6 +61,10 @@ PY
           | tee -a "$out/bench-serve-${spec// /-}.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
       done
       kill $pid; wait $pid 2>/dev/null
+    done ;;
+  sweep)
+    for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
+      python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
     done ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
