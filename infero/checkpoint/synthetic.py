@@ -200,8 +200,10 @@ def _llama3_freq_factors(head_dim: int, base: float) -> np.ndarray:
 
 
 def _add_tokenizer(w, s: Shape) -> None:
-    """A byte-level BPE vocabulary (special tokens, 256 byte symbols, merges of common English pieces) padded
-    with unused tokens to the model's vocabulary size, and the family's chat template."""
+    """A byte-level BPE vocabulary (special tokens, 256 byte symbols, merges of common English pieces) padded to
+    the model's vocabulary size with ordinary tokens no merge reaches (" t0", " t1", ...), and the family's chat
+    template. Random weights sample mostly padding tokens: as unused tokens they rendered as nothing, so a
+    streamed response carried no content and `bench serve` had no first token to time."""
     words = ["the", " the", "ing", " and", " of", " to", "tion", " in", " is", " a", "er", "ed", " that", " for",
              " it", " with", " as", " was", " on", " be", "hello", " world", " GPU", " model"]  # fmt: skip
     if s.arch == "llama":
@@ -222,8 +224,8 @@ def _add_tokenizer(w, s: Shape) -> None:
     tokens, merges = byte_level_vocab(specials, words)
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
     pad = s.vocab - len(tokens)
-    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
-    types += [5] * pad  # unused
+    tokens += [f"\u0120t{i}" for i in range(pad)]  # U+0120: the byte-level alphabet's space
+    types += [1] * pad
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)

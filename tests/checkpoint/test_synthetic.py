@@ -1,5 +1,7 @@
 """`infero synth`: real shapes, llama.cpp's Q4_K_M type mixture, a working tokenizer, a model that runs."""
 
+import re
+
 import pytest
 
 from infero import LLM, SamplingParams
@@ -42,6 +44,11 @@ def test_synthetic_model_runs_with_its_tokenizer(smollm2_q4km):
     assert llm.tokenizer.decode(llm.tokenizer.encode("hello GPU world", add_special_tokens=False)) == "hello GPU world"
     [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.completion_ids) == 4
+    # Random weights pick mostly the tokens that pad the vocabulary: they render as text, so a streamed response
+    # carries content (bench serve times its chunks).
+    last = llm.tokenizer.vocab_size - 1
+    assert re.fullmatch(r" t\d+", llm.tokenizer.decode([last], skip_special_tokens=True))
+    assert out.text.strip(), f"{out.completion_ids} rendered as {out.text!r}"
 
 
 def test_unknown_shape_is_a_clear_error(tmp_path):
