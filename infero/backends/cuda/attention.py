@@ -100,12 +100,8 @@ def paged_attention(
         if max_query_len != 1:
             raise ValueError("attention: the quantized output is written by the decode kernels: every token must be "
                              f"a decode token (max_query_len 1), got {max_query_len}")  # fmt: skip
-        xq_t, xs_t = quantized
-        q_shape, s_shape = matvec.activation_shapes(num_tokens, num_heads * head_dim)
-        if xq_t.dtype != np.int8 or xq_t.shape != q_shape or xs_t.dtype != np.int32 or xs_t.shape != s_shape:
-            raise ValueError(f"attention: quantized must be int8 {q_shape} and int32 {s_shape}, "
-                             f"got {xq_t.dtype} {xq_t.shape} and {xs_t.dtype} {xs_t.shape}")  # fmt: skip
-        xq, xs = xq_t.ptr, xs_t.ptr
+        matvec.check_activation(quantized, num_tokens, num_heads * head_dim)
+        xq, xs = quantized[0].ptr, quantized[1].ptr
     if num_seqs == 0 or num_tokens == 0 or max_query_len < 1:
         return
     group = num_heads // num_kv_heads

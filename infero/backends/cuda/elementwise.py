@@ -85,7 +85,7 @@ def add_rms_norm(
         return
     add = x is not None
     if quantized is not None:
-        _check_quantized(quantized, rows, dim)
+        matvec.check_activation(quantized, rows, dim)
     xq, xs = (q.ptr for q in quantized) if quantized is not None else (0, 0)
     fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}>")
     args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows)
@@ -93,16 +93,6 @@ def add_rms_norm(
 
 
 _NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I)
-
-
-def _check_quantized(quantized, rows: int, dim: int) -> None:
-    xq, xs = quantized
-    _require(dim % 32 == 0, lambda: f"only rows of a multiple of 32 elements can be quantized, got {dim}")
-    q_shape, s_shape = matvec.activation_shapes(rows, dim)
-    _require(xq.dtype == np.int8 and xq.shape == q_shape,
-             lambda: f"xq must be int8 {list(q_shape)}, got {xq.dtype} {xq.shape}")  # fmt: skip
-    _require(xs.dtype == np.int32 and xs.shape == s_shape,
-             lambda: f"xs must be int32 {list(s_shape)}, got {xs.dtype} {xs.shape}")  # fmt: skip
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
@@ -183,7 +173,7 @@ def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driv
     xq = xs = 0
     if quantized is not None:
         _require(vec, lambda: "quantized SwiGLU output needs 16-byte aligned tensors")
-        _check_quantized(quantized, n // cols, cols)
+        matvec.check_activation(quantized, n // cols, cols)
         xq, xs = (q.ptr for q in quantized)
     items = n // 4 if vec else n
     fn = _kernel(f"swiglu<{_b(vec)}, {_b(quantized is not None)}>")

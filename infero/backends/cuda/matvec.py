@@ -141,6 +141,19 @@ def activation_shapes(n: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ..
     return (2, n, cols), (n, cols // 16, 2)
 
 
+def check_activation(quantized: tuple[DeviceTensor, DeviceTensor], rows: int, cols: int) -> None:
+    """Raise ValueError unless quantized is (xq int8, xs int32) of activation_shapes(rows, cols), cols % 32 == 0:
+    the buffers a kernel that writes its output in the activation format is handed."""
+    xq, xs = quantized
+    if cols % 32:
+        raise ValueError(f"only rows of a multiple of 32 elements can be quantized, got {cols}")
+    q_shape, s_shape = activation_shapes(rows, cols)
+    if xq.dtype != np.int8 or xq.shape != q_shape:
+        raise ValueError(f"xq must be int8 {list(q_shape)}, got {xq.dtype} {xq.shape}")
+    if xs.dtype != np.int32 or xs.shape != s_shape:
+        raise ValueError(f"xs must be int32 {list(s_shape)}, got {xs.dtype} {xs.shape}")
+
+
 def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver.Stream) -> None:
     """x float32 [n, cols] (cols % 32 == 0, 16-byte aligned) into the mat-vec's activation format:
     xq int8 and xs int32 of activation_shapes(n, cols) (kernels/act_quant.cuh)."""

@@ -162,19 +162,17 @@ class CudaOps:
         if x.shape[0] > MATVEC_MAX_TOKENS:
             return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         outs: list = [None] * len(weights)
-        groups: dict[tuple[int, int], list[int]] = {}  # Q4_K_M stores some layers' V as Q6_K: Q and K still share
+        shared = []
         for i, w in enumerate(weights):
             if w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w):
                 outs[i] = self.linear(x, w, biases[i])
             else:
-                groups.setdefault((w.ggml_type, w.cols), []).append(i)
-        for members in groups.values():
-            for start in range(0, len(members), matvec.MAX_SEGMENTS):
-                group = members[start : start + matvec.MAX_SEGMENTS]
-                for i in group:
-                    outs[i] = self.ws.empty((x.shape[0], weights[i].rows), np.float32)
-                matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
-                                   [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
+                shared.append(i)
+        for group in _launch_groups(weights, shared):
+            for i in group:
+                outs[i] = self.ws.empty((x.shape[0], weights[i].rows), np.float32)
+            matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
+                               [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
@@ -212,10 +210,7 @@ class CudaOps:
             q, k, v = (y.reshape(n, -1, head_dim) for y in self.linears(x, weights, biases))
             return self.rotary_store_kv(q, k, v, positions, rotary, cache, layer, slot_mapping)
         outs = [self.ws.empty((n, w.rows), np.float32) for w in weights]
-        groups: dict[tuple[int, int], list[int]] = {}  # Q4_K_M stores some layers' V as Q6_K: then two launches
-        for i, w in enumerate(weights):
-            groups.setdefault((w.ggml_type, w.cols), []).append(i)
-        for group in groups.values():
+        for group in _launch_groups(weights, range(len(weights))):
             matvec.matvec_rope(
                 [outs[i] for i in group], [weights[i] for i in group], tuple(matvec.ROPE_ROLES[i] for i in group), x,
                 [biases[i] for i in group], positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing,
@@ -237,3 +232,13 @@ class CudaOps:
         out = self.ws.empty((rows.shape[0],) + x.shape[1:], np.float32)
         elementwise.gather_rows(out, x, rows, self.stream)
         return out
+
+
+def _launch_groups(weights, indices) -> list[list[int]]:
+    """The weights at these indices in mat-vec launches: one block format and width per launch (Q4_K_M stores some
+    layers' V as Q6_K: Q and K still share one), at most matvec.MAX_SEGMENTS matrices each."""
+    by_kind: dict[tuple[int, int], list[int]] = {}
+    for i in indices:
+        by_kind.setdefault((weights[i].ggml_type, weights[i].cols), []).append(i)
+    return [members[start : start + matvec.MAX_SEGMENTS] for members in by_kind.values()
+            for start in range(0, len(members), matvec.MAX_SEGMENTS)]  # fmt: skip
