@@ -18,8 +18,8 @@ import numpy as np
 
 from infero import LLM
 from infero.backends.cuda import matvec
+from infero.bench.decode import graph_step_timer
 from infero.checkpoint.tensor_types import GGMLType
-from infero.engine.batch import SequenceStep, build_batch
 
 
 def main() -> None:
@@ -29,26 +29,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=8, help="alternations of the final best-vs-planned comparison")
     args = parser.parse_args()
-    llm = LLM(args.model, device="cuda")
-    model, backend = llm.model, llm.backend
-    blocks = -(-(args.prompt + 64) // 16)
-    cache = backend.allocate_kv_cache(model.config, blocks, 16)
-    table = list(range(blocks))
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=args.prompt + 1).tolist()
-    backend.forward(model, build_batch([SequenceStep(ids[:-1], 0, table)], 16), cache)
-    step = build_batch([SequenceStep(ids[-1:], args.prompt, table)], 16)
-    timer = backend.event_timer()
-
-    def step_us() -> float:
-        backend._graphs.clear()  # re-captured with the launches as they now stand
-        backend.forward(model, step, cache)
-        times = []
-        for _ in range(args.steps):
-            begin = timer.mark()
-            backend.forward(model, step, cache)
-            times.append(timer.elapsed_us(begin, timer.mark()))
-        return float(np.median(times))
-
+    step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
     planned = {k: v for k, v in matvec._launches.items() if k[2] == 1}
     header = f"{'launch (type rows x cols)':<30} {'planned':>12} {'planned us':>16} {'best':>14} {'best us':>9}"

@@ -67,6 +67,33 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     }
 
 
+def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
+    """A function timing the batch-1 decode step on the GPU alone (the engine's graph, CUDA events, median of
+    `steps` replays), re-captured on every call so that it runs the launches as the caller has just set them.
+    For A/B comparisons inside one process (scripts/sweep_decode_plan.py, scripts/ab_prefetch.py): alternate the
+    variants, since the step's time drifts by tens of microseconds between measurements."""
+    model, backend, block = llm.model, llm.backend, 16
+    blocks = -(-(prompt_len + 64) // block)
+    cache = backend.allocate_kv_cache(model.config, blocks, block)
+    table = list(range(blocks))
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=prompt_len + 1).tolist()
+    backend.forward(model, build_batch([SequenceStep(ids[:-1], 0, table)], block), cache)
+    step = build_batch([SequenceStep(ids[-1:], prompt_len, table)], block)
+    timer = backend.event_timer()
+
+    def step_us() -> float:
+        backend._graphs.clear()
+        backend.forward(model, step, cache)
+        times = []
+        for _ in range(steps):
+            begin = timer.mark()
+            backend.forward(model, step, cache)
+            times.append(timer.elapsed_us(begin, timer.mark()))
+        return float(np.median(times))
+
+    return step_us
+
+
 def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int = 0) -> float:
     """Median time (s) of a decode step of `batch` sequences, each after its own prompt_len-token prompt: what a
     server's step costs at that many concurrent requests (upload, forward, the engine's sampler picking the batch's

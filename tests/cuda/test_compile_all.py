@@ -45,24 +45,41 @@ def test_compiled_kernels_are_found_in_the_disk_cache(tmp_path, monkeypatch):
     assert again.cubin == first.cubin and again.lowered == first.lowered
 
 
-def test_matvec_segments_layout_matches_the_kernel():
-    """matvec_q takes its matrices as one struct by value: the launcher's ctypes copy must lay it out exactly as
-    the kernel's mv::Segments (checked by static_asserts compiled against matvec.cu)."""
+def _struct_checks(cpp: str, struct) -> list[str]:
+    """static_asserts that the C++ struct cpp is laid out as the ctypes struct: size, alignment, member sizes
+    always; offsets where the compiler has the builtin (NVRTC 13.5 does, the GPU machine's 13.0 does not): with the
+    sizes, the total size and the same member order, they pin the layout there too."""
     import ctypes
 
-    from infero.backends.cuda import matvec
-
-    segments = matvec.Segments
-    checks = [f"static_assert(sizeof(mv::Segments) == {ctypes.sizeof(segments)}, \"size\");",
-              f"static_assert(alignof(mv::Segments) == {ctypes.alignment(segments)}, \"alignment\");",
-              f"static_assert(mv::MAX_SEGMENTS == {matvec.MAX_SEGMENTS}, \"segments\");"]  # fmt: skip
-    # Member sizes always; offsets where the compiler has the builtin (NVRTC 13.5 does, the GPU machine's 13.0
-    # does not): with the sizes, the total size and the same member order, they pin the layout there too.
+    checks = [f'static_assert(sizeof({cpp}) == {ctypes.sizeof(struct)}, "size");',
+              f'static_assert(alignof({cpp}) == {ctypes.alignment(struct)}, "alignment");']  # fmt: skip
     offsets = []
-    for field, _ in segments._fields_:
-        member = getattr(segments, field)
-        checks.append(f'static_assert(sizeof(mv::Segments::{field}) == {member.size}, "{field} size");')
-        offsets.append(f'static_assert(__builtin_offsetof(mv::Segments, {field}) == {member.offset}, "{field}");')
-    checks += ["#if defined(__has_builtin)", "#if __has_builtin(__builtin_offsetof)", *offsets, "#endif", "#endif"]
-    source = (compiler.KERNEL_DIR / "matvec.cu").read_text() + "\n" + "\n".join(checks) + "\n"
-    compiler.compile_source(source, "matvec.cu", "sm_90a")  # raises CompileError naming a failed assert
+    for field, _ in struct._fields_:
+        member = getattr(struct, field)
+        checks.append(f'static_assert(sizeof({cpp}::{field}) == {member.size}, "{field} size");')
+        offsets.append(f'static_assert(__builtin_offsetof({cpp}, {field}) == {member.offset}, "{field}");')
+    guarded = ["#if defined(__has_builtin)", "#if __has_builtin(__builtin_offsetof)", *offsets, "#endif", "#endif"]
+    return checks + guarded
+
+
+def _struct_cases():
+    from infero.backends.cuda import matvec, prefetch
+
+    return [
+        ("matvec.cu", "mv::Segments", matvec.Segments,
+         [f'static_assert(mv::MAX_SEGMENTS == {matvec.MAX_SEGMENTS}, "segments");']),
+        ("matvec.cu", "mv::Rope", matvec.Rope, []),
+        ("elementwise.cu", "Prefetch", prefetch.Prefetch,
+         [f'static_assert(PREFETCH_RANGES == {prefetch.RANGES}, "ranges");']),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(_struct_cases())))
+def test_structs_passed_by_value_match_the_kernels(case):
+    """Kernels take some arguments as one struct by value (matvec_q's matrices and rotary epilogue, the prefetch
+    plan): the launcher's ctypes copy must lay it out exactly as the kernel's struct (static_asserts compiled
+    against the kernel's source; a failed one raises CompileError naming it)."""
+    filename, cpp, struct, extra = _struct_cases()[case]
+    checks = extra + _struct_checks(cpp, struct)
+    source = (compiler.KERNEL_DIR / filename).read_text() + "\n" + "\n".join(checks) + "\n"
+    compiler.compile_source(source, filename, "sm_90a")

@@ -195,3 +195,41 @@ def test_rotary_store_kv_matches_numpy(gpu, pairing, heads, kv_heads, head_dim, 
     assert np.array_equal(flat_v[written], v[:-1].astype(np.float16))
     untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
     assert np.isnan(flat_k[untouched]).all() and np.isnan(flat_v[untouched]).all()
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_prefetching_launches_give_the_same_bits(gpu, early, monkeypatch):
+    """add_rms_norm and swiglu carrying an L2 prefetch of weights (extra CTAs, kernels/prefetch.cuh) write exactly
+    what they write without one, quantized outputs included: a prefetch is a hint. The weights span more than the
+    plan's byte budget and all four ranges, so the cap and the range split run too."""
+    from infero.backends.cuda import elementwise, matvec, prefetch, runtime
+    from infero.backends.cuda.tensor import QuantWeight, empty, from_host
+    from infero.checkpoint.tensor_types import GGMLType
+
+    monkeypatch.setattr(prefetch, "EARLY", early)
+    rng = np.random.default_rng(7)
+    stream = runtime.stream()
+    raw = [empty((rows, 4096 // 256 * 144), np.uint8) for rows in (4096, 1024, 1024, 14336, 14336)]
+    weights = [QuantWeight(r, int(GGMLType.Q4_K), r.shape[0], 4096) for r in raw]
+    plan = prefetch.plan(weights)
+    assert plan is not None and plan.blocks == prefetch.BLOCKS and plan.early == int(early)
+    assert [plan.bytes[i] for i in range(prefetch.RANGES)][:3] == [w.nbytes for w in weights[:3]]
+    assert sum(plan.bytes) == prefetch.MAX_BYTES < sum(w.nbytes for w in weights)
+    for n, cols in ((1, 4096), (3, 14336)):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        residual = rng.standard_normal((n, cols)).astype(np.float32)
+        w = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+        gate, up = rng.standard_normal((2, n, cols)).astype(np.float32)
+        results = []
+        for pf in (None, plan):
+            q_shape, s_shape = matvec.activation_shapes(n, cols)
+            norm_q = (empty(q_shape, np.int8), empty(s_shape, np.int32))
+            glu_q = (empty(q_shape, np.int8), empty(s_shape, np.int32))
+            out, res, glu = _poisoned((n, cols)), from_host(residual), _poisoned((n, cols))
+            elementwise.add_rms_norm(out, res, from_host(x), from_host(w), 1e-5, stream, norm_q, pf)
+            elementwise.swiglu(glu, from_host(gate), from_host(up), stream, glu_q, pf)
+            stream.synchronize()
+            results.append([t.to_host() for t in (out, res, glu, *norm_q, *glu_q)])
+        for plain, prefetched in zip(*results, strict=True):
+            assert np.isfinite(plain.astype(np.float64)).all() and np.array_equal(plain, prefetched)
+        print(f"prefetch early={early} n={n} cols={cols}: outputs bitwise equal with and without")
