@@ -70,8 +70,8 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
 def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     """A function timing the batch-1 decode step on the GPU alone (the engine's graph, CUDA events, median of
     `steps` replays), re-captured on every call so that it runs the launches as the caller has just set them.
-    For A/B comparisons inside one process (scripts/sweep_decode_plan.py, scripts/ab_prefetch.py): alternate the
-    variants, since the step's time drifts by tens of microseconds between measurements."""
+    For A/B comparisons inside one process (scripts/sweep_decode_plan.py): alternate the variants, since the
+    step's time drifts by tens of microseconds between measurements."""
     model, backend, block = llm.model, llm.backend, 16
     blocks = -(-(prompt_len + 64) // block)
     cache = backend.allocate_kv_cache(model.config, blocks, block)

@@ -101,9 +101,8 @@ class LlamaModel:
         x = ops.embedding(self.embedding, batch.token_ids)
         residual = None
         for i, layer in enumerate(self.layers):
+            h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
             qkv, biases = (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv)
-            # prefetch=: the weights read next, which a GPU can start loading while the norm runs
-            h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps, prefetch=(*qkv, layer.wo))
             if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
                 q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
                                          batch.slot_mapping)  # fmt: skip
@@ -114,11 +113,10 @@ class LlamaModel:
                 q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
             attn = ops.attention(q, cache, i, batch, self.scale)
             x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
-            h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps,
-                                           prefetch=(layer.w_gate, layer.w_up))  # fmt: skip
+            h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
             gate, up = ops.linears(h, (layer.w_gate, layer.w_up))
-            x = ops.linear(ops.swiglu(gate, up, prefetch=(layer.w_down,)), layer.w_down)
+            x = ops.linear(ops.swiglu(gate, up), layer.w_down)
         rows = batch.logits_indices
         x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
-        h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps, prefetch=(self.output,))
+        h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)
         return ops.linear(h, self.output)

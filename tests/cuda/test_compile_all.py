@@ -63,22 +63,20 @@ def _struct_checks(cpp: str, struct) -> list[str]:
 
 
 def _struct_cases():
-    from infero.backends.cuda import matvec, prefetch
+    from infero.backends.cuda import matvec
 
     return [
         ("matvec.cu", "mv::Segments", matvec.Segments,
          [f'static_assert(mv::MAX_SEGMENTS == {matvec.MAX_SEGMENTS}, "segments");']),
         ("matvec.cu", "mv::Rope", matvec.Rope, []),
-        ("elementwise.cu", "Prefetch", prefetch.Prefetch,
-         [f'static_assert(PREFETCH_RANGES == {prefetch.RANGES}, "ranges");']),
     ]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", range(len(_struct_cases())))
 def test_structs_passed_by_value_match_the_kernels(case):
-    """Kernels take some arguments as one struct by value (matvec_q's matrices and rotary epilogue, the prefetch
-    plan): the launcher's ctypes copy must lay it out exactly as the kernel's struct (static_asserts compiled
-    against the kernel's source; a failed one raises CompileError naming it)."""
+    """Kernels take some arguments as one struct by value (matvec_q's matrices and its rotary epilogue): the
+    launcher's ctypes copy must lay it out exactly as the kernel's struct (static_asserts compiled against the
+    kernel's source; a failed one raises CompileError naming it)."""
     filename, cpp, struct, extra = _struct_cases()[case]
     checks = extra + _struct_checks(cpp, struct)
     source = (compiler.KERNEL_DIR / filename).read_text() + "\n" + "\n".join(checks) + "\n"

@@ -43,10 +43,9 @@ class CpuOps:
         return (x / np.sqrt(variance + eps)) * weight
 
     def add_rms_norm(
-        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float, prefetch=()
+        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        """residual += x (residual starts as x), then return (rms_norm(residual), residual). prefetch: the weights
-        the next linear reads, which the GPU starts into its L2 meanwhile; nothing to do here."""
+        """residual += x (residual starts as x), then return (rms_norm(residual), residual)."""
         residual = x if residual is None else residual + x
         return self.rms_norm(residual, weight, eps), residual
 
@@ -71,8 +70,7 @@ class CpuOps:
         biases = (None,) * len(weights) if biases is None else biases
         return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
-    def swiglu(self, gate: np.ndarray, up: np.ndarray, prefetch=()) -> np.ndarray:
-        """silu(gate) * up (prefetch: as for add_rms_norm)."""
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
     def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:

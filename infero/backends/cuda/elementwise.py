@@ -10,7 +10,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import driver, matvec, prefetch, runtime
+from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import DeviceTensor
 
 SOURCE = "elementwise.cu"
@@ -70,12 +70,10 @@ def add_rms_norm(
     eps: float,
     stream: driver.Stream,
     quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
-    prefetch_plan: prefetch.Prefetch | None = None,
 ) -> None:
     """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight.
     quantized: (xq int8, xs int32) of matvec.activation_shapes(rows, dim) to receive out in the mat-vec's activation
-    format as well (kernels/act_quant.cuh; dim % 32 == 0). prefetch_plan: weights to start into L2 meanwhile
-    (prefetch.plan)."""
+    format as well (kernels/act_quant.cuh; dim % 32 == 0)."""
     dim = residual.shape[-1]
     rows = residual.numel // dim if dim else 0
     for name, t in (("out", out), ("residual", residual), ("weight", weight)) + ((("x", x),) if x is not None else ()):
@@ -90,12 +88,11 @@ def add_rms_norm(
         matvec.check_activation(quantized, rows, dim)
     xq, xs = (q.ptr for q in quantized) if quantized is not None else (0, 0)
     fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}>")
-    pf, grid = prefetch.for_launch(prefetch_plan, rows)
-    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows, pf)
-    driver.launch(fn, (grid,), (256,), args, _NORM_ARGS, stream, pdl=True)
+    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows)
+    driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 
-_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I, None)
+_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I)
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
@@ -118,7 +115,7 @@ def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: floa
     else:
         # The row-per-block kernel without the add only reads its `residual` argument.
         fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false, false>")
-        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows, prefetch.NONE)
+        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows)
         driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 
@@ -160,10 +157,9 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
 
 
 def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driver.Stream,
-           quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
-           prefetch_plan: prefetch.Prefetch | None = None) -> None:  # fmt: skip
-    """out = silu(gate) * up, elementwise (out may be gate or up). quantized, prefetch_plan: as for add_rms_norm
-    (rows are gate's last dim; quantized needs 16-byte aligned float4 access)."""
+           quantized: tuple[DeviceTensor, DeviceTensor] | None = None) -> None:  # fmt: skip
+    """out = silu(gate) * up, elementwise (out may be gate or up). quantized: as for add_rms_norm (rows are
+    gate's last dim; needs 16-byte aligned float4 access)."""
     for name, t in (("out", out), ("gate", gate), ("up", up)):
         _f32(name, t)
     _require(
@@ -181,9 +177,8 @@ def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driv
         xq, xs = (q.ptr for q in quantized)
     items = n // 4 if vec else n
     fn = _kernel(f"swiglu<{_b(vec)}, {_b(quantized is not None)}>")
-    pf, grid = prefetch.for_launch(prefetch_plan, -(-items // 256))
-    args = (out.ptr, gate.ptr, up.ptr, n, xq, xs, cols, pf)
-    driver.launch(fn, (grid,), (256,), args, (_P, _P, _P, _L, _P, _P, _I, None), stream, pdl=True)
+    args = (out.ptr, gate.ptr, up.ptr, n, xq, xs, cols)
+    driver.launch(fn, (-(-items // 256),), (256,), args, (_P, _P, _P, _L, _P, _P, _I), stream, pdl=True)
 
 
 def gather_rows(out: DeviceTensor, x: DeviceTensor, indices: DeviceTensor, stream: driver.Stream) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, prefetch, skinny_gemm
+from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
@@ -42,7 +42,6 @@ class CudaOps:
         self._quantized_key = None
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
-        self._prefetch_plans: dict[tuple, prefetch.Prefetch | None] = {}
 
     def prepare(self, config) -> None:
         """The fixed buffer of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -128,25 +127,13 @@ class CudaOps:
         elementwise.rms_norm(out, x, weight, eps, self.stream)
         return out
 
-    def _prefetch_plan(self, tokens: int, weights) -> prefetch.Prefetch | None:
-        """What the kernel before these weights' linear starts into L2 (prefetch.py): steps that stream weights."""
-        weights = tuple(w for w in weights if isinstance(w, QuantWeight))
-        if tokens > prefetch.MAX_TOKENS or not weights:
-            return None
-        key = (tuple(id(w) for w in weights), prefetch.MAX_BYTES, prefetch.BLOCKS, prefetch.EARLY)
-        if key not in self._prefetch_plans:
-            self._prefetch_plans[key] = prefetch.plan(weights)
-        return self._prefetch_plans[key]
-
-    def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float,
-                     prefetch=()):  # fmt: skip
+    def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float):
         out = self.ws.empty(x.shape, np.float32)
         quantized = self._quantize_into(out)  # what follows a norm is a linear layer: quantize for it on the way
-        plan = self._prefetch_plan(x.shape[0], prefetch)
         if residual is None:  # the first layer: the residual stream starts as x itself
-            elementwise.add_rms_norm(out, x, None, weight, eps, self.stream, quantized, plan)
+            elementwise.add_rms_norm(out, x, None, weight, eps, self.stream, quantized)
             return out, x
-        elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized, plan)
+        elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized)
         return out, residual
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
@@ -188,11 +175,10 @@ class CudaOps:
                                [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
 
-    def swiglu(self, gate: DeviceTensor, up: DeviceTensor, prefetch=()) -> DeviceTensor:
+    def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)
         aligned = out.ptr % 16 == 0 and gate.ptr % 16 == 0 and up.ptr % 16 == 0
-        elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None,
-                           self._prefetch_plan(gate.shape[0], prefetch))  # fmt: skip
+        elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None)
         return out
 
     def _inv_freq(self, rotary: Rotary) -> DeviceTensor:

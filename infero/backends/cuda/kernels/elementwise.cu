@@ -18,14 +18,12 @@
 // sincosf (full range reduction); see rotary_store_kv for the error against numpy's float64 angles.
 //
 // Speed on the H200 (decode, inside a graph; docs/performance.md): a few kilobytes per call, so each kernel costs
-// its launch floor, 2-6 us; add_rms_norm on one 4,096-wide row (one CTA, quantizing too) ~6 us. add_rms_norm and
-// swiglu precede mat-vecs: given a Prefetch they also start the next weights into L2 (prefetch.cuh).
+// its launch floor, 2-6 us; add_rms_norm on one 4,096-wide row (one CTA, quantizing too) ~6 us.
 
 #include <cuda_fp16.h>
 
 #include "act_quant.cuh"
 #include "pdl.cuh"
-#include "prefetch.cuh"
 #include "rope.cuh"
 
 namespace ew {
@@ -75,9 +73,7 @@ template <int VPT, bool ADD, bool QUANT>
 __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, float* __restrict__ residual,
                                                    const float* __restrict__ x, const float* __restrict__ weight,
                                                    int dim, float eps, int8_t* __restrict__ xq,
-                                                   ActScale* __restrict__ xs, int n,
-                                                   const __grid_constant__ Prefetch pf) {
-    if (prefetch_cta(pf)) return;
+                                                   ActScale* __restrict__ xs, int n) {
     __shared__ float scratch[9];
     const int vecs = dim / 4;
     const size_t row = blockIdx.x;
@@ -223,9 +219,7 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
 template <bool VEC, bool QUANT>
 __global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const float* __restrict__ gate,
                                              const float* __restrict__ up, long long n, int8_t* __restrict__ xq,
-                                             ActScale* __restrict__ xs, int cols,
-                                             const __grid_constant__ Prefetch pf) {
-    if (prefetch_cta(pf)) return;
+                                             ActScale* __restrict__ xs, int cols) {
     pdl_enter();
     const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
     if (VEC) {
