@@ -110,7 +110,7 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __res
 
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
 // keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
-template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
+template <int HD, int WARPS_M, int WARPS_N, bool DECODE, bool EARLY_KV>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
@@ -142,13 +142,22 @@ __device__ __forceinline__ void attention_tile(
     seq = blockIdx.z;
     row_tile = blockIdx.x;
   }
+  // The decode kernel runs up to its first K/V loads before waiting on the previous kernel (pdl.cuh): the batch
+  // metadata was uploaded before the step, and the cache positions before this step's own token were written by
+  // earlier steps. Every CTA waits before it exits, so completion stays transitive down the stream.
   const int q_start = query_starts[seq];
   const int q_len = query_starts[seq + 1] - q_start;
   const int ctx = context_lens[seq];
-  if (DECODE ? q_len != 1 : q_len < 2) return;  // the other kernel owns this sequence
+  if (DECODE ? q_len != 1 : q_len < 2) {  // the other kernel owns this sequence
+    if (EARLY_KV) pdl_enter();
+    return;
+  }
   const int num_rows = q_len * group;
   const int row_base = row_tile * ROWS;
-  if (row_base >= num_rows) return;
+  if (row_base >= num_rows) {
+    if (EARLY_KV) pdl_enter();
+    return;
+  }
 
   // Prefill: the CTA's last row bounds the keys it needs; its first row bounds the tiles that need no mask.
   const int prefill_end = ctx - q_len + (min(row_base + ROWS, num_rows) - 1) / group + 1;
@@ -158,6 +167,7 @@ __device__ __forceinline__ void attention_tile(
     num_splits = decode_splits(ctx, partition);
     if (num_splits > max_splits) {
       // The caller's max_context_len is below this context: make the breach visible, not plausible.
+      if (EARLY_KV) pdl_enter();
       if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
           const int r = row_base + e / HD;  // the same for a warp's 32 lanes
@@ -172,6 +182,42 @@ __device__ __forceinline__ void attention_tile(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WARPS_M, wn = warp / WARPS_M;
   const int gid = lane >> 2, tig = lane & 3;
+  const int* table = block_tables + (size_t)seq * max_blocks;
+
+  // Copies the key rows of positions [pos_lo, pos_hi) of the tile at tile_base into stage (K and V alike; rows
+  // at or past kv_end are zero-filled, never read). Each thread copies one 16-byte chunk of ROWS_PER_PASS rows
+  // per pass.
+  constexpr int CPR = HD / 8;
+  constexpr int ROWS_PER_PASS = NT / CPR;
+  static_assert(BLOCK_N % ROWS_PER_PASS == 0, "tile copy");
+  auto copy_rows = [&](int tile_base, int kv_end, int stage, int pos_lo, int pos_hi) {
+    const int chunk = threadIdx.x % CPR;
+#pragma unroll
+    for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
+      const int rr = pass * ROWS_PER_PASS + threadIdx.x / CPR;
+      const int pos = tile_base + rr;
+      if (pos < pos_lo || pos >= pos_hi) continue;
+      const bool valid = pos < kv_end;
+      size_t offset = 0;
+      if (valid) {
+        const size_t block = (size_t)table[pos / block_size];
+        offset = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * HD + chunk * 8;
+      }
+      const int dst = (stage * BLOCK_N + rr) * SK + chunk * 8;
+      cp_async_16(smem_addr(ks + dst), k_cache + offset, valid);
+      cp_async_16(smem_addr(vs + dst), v_cache + offset, valid);
+    }
+  };
+  constexpr int ALL_LO = -0x7fffffff, ALL_HI = 0x7fffffff;
+  // Decode: the first split's first tile up to this step's token (position ctx - 1) before the wait.
+  const int first_begin = DECODE ? blockIdx.x * partition : 0;
+  const int first_end = DECODE ? min(ctx, first_begin + partition) : 0;
+  const bool early_tile = EARLY_KV && (int)blockIdx.x < num_splits;
+  if (EARLY_KV) {
+    if (early_tile) copy_rows(first_begin, first_end, 0, ALL_LO, ctx - 1);
+    pdl_enter();
+    if (early_tile) copy_rows(first_begin, first_end, 0, ctx - 1, ALL_HI);
+  }
 
   // Q fragments (A operand, row-major 16 x 16 per k-chunk): this lane holds rows gid and gid + 8.
   unsigned qa[KC][4];
@@ -195,8 +241,8 @@ __device__ __forceinline__ void attention_tile(
     }
   }
 
-  const int* table = block_tables + (size_t)seq * max_blocks;
   // Prefill: one pass over [0, prefill_end). Decode: this CTA's splits, each on its own.
+  bool tile0_issued = early_tile;
   for (int split = DECODE ? blockIdx.x : 0; split < num_splits; split += DECODE ? gridDim.x : 1) {
     const int kv_begin = DECODE ? split * partition : 0;
     const int kv_end = DECODE ? min(ctx, kv_begin + partition) : prefill_end;
@@ -207,30 +253,12 @@ __device__ __forceinline__ void attention_tile(
     float row_sum[2] = {0.f, 0.f};  // this lane's share; the quad's shares are added at the end
     const int num_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
 
-    // Each thread copies one 16-byte chunk of ROWS_PER_PASS key rows per pass, K and V alike.
-    constexpr int CPR = HD / 8;
-    constexpr int ROWS_PER_PASS = NT / CPR;
-    static_assert(BLOCK_N % ROWS_PER_PASS == 0, "tile copy");
     auto load_tile = [&](int tile, int stage) {
-      const int tile_base = kv_begin + tile * BLOCK_N;
-      const int chunk = threadIdx.x % CPR;
-#pragma unroll
-      for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
-        const int rr = pass * ROWS_PER_PASS + threadIdx.x / CPR;
-        const int pos = tile_base + rr;
-        const bool valid = pos < kv_end;
-        size_t offset = 0;
-        if (valid) {
-          const size_t block = (size_t)table[pos / block_size];
-          offset = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * HD + chunk * 8;
-        }
-        const int dst = (stage * BLOCK_N + rr) * SK + chunk * 8;
-        cp_async_16(smem_addr(ks + dst), k_cache + offset, valid);
-        cp_async_16(smem_addr(vs + dst), v_cache + offset, valid);
-      }
+      copy_rows(kv_begin + tile * BLOCK_N, kv_end, stage, ALL_LO, ALL_HI);
     };
 
-    load_tile(0, 0);
+    if (!tile0_issued) load_tile(0, 0);
+    tile0_issued = false;
     cp_async_commit();
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int stage = tile % STAGES;
@@ -408,15 +436,16 @@ __device__ __forceinline__ void attention_tile(
 template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
   pdl_enter();
-  attention_tile<HD, 4, 1, false>(ATTENTION_ARGS);
+  attention_tile<HD, 4, 1, false, false>(ATTENTION_ARGS);
 }
 
 // grid (CTAs per sequence <= max_splits, num_kv_heads, num_seqs * ceil(group / 16)), block 128,
 // tile_smem_bytes<HD>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
-template <int HD>
+// Waits on the previous kernel inside attention_tile, after its first K/V loads.
+template <int HD, bool EARLY_KV = true>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
-  pdl_enter();
-  attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
+  if (!EARLY_KV) pdl_enter();
+  attention_tile<HD, 1, 4, true, EARLY_KV>(ATTENTION_ARGS);
 }
 
 // grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
