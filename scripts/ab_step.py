@@ -1,9 +1,11 @@
 """A boolean switch of the engine, on and off, inside the batch-1 decode step (GPU machine): the step's GPU time
 for each, alternated so that the drift between measurements (tens of microseconds) falls on both alike.
 
-    python scripts/ab_step.py --model FILE.gguf --flag infero.backends.cuda.attention:DECODE_EARLY_KV [--repeats 8]
+    python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--repeats 8]
 
-The flag is a module attribute the launchers read at capture time; the graph is re-captured for every measurement.
+The flag is a module attribute the launchers read at capture time (one added for the comparison: decode attention's
+early K/V loads were measured through attention.DECODE_EARLY_KV, then the switch was removed); the graph is
+re-captured for every measurement.
 """
 
 from __future__ import annotations

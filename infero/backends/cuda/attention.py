@@ -27,9 +27,7 @@ DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at
 _BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 
-runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS]
-                + [f"attention_decode<{hd}, false>" for hd in HEAD_DIMS])  # fmt: skip
-DECODE_EARLY_KV = True  # the decode kernel's first K/V loads before its PDL wait (scripts/ab_step.py toggles it)
+runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
@@ -129,8 +127,7 @@ def paged_attention(
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
-    decode = _function("decode" if DECODE_EARLY_KV else "decode_late", head_dim)
-    driver.launch(decode, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
+    driver.launch(_function("decode", head_dim), grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
     if max_splits > 1:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
                       xq, xs, num_tokens)  # fmt: skip
@@ -142,8 +139,7 @@ def paged_attention(
 def _function(kind: str, head_dim: int):
     fn = _functions.get((kind, head_dim))
     if fn is None:
-        name = f"attention_decode<{head_dim}, false>" if kind == "decode_late" else f"attention_{kind}<{head_dim}>"
-        fn = runtime.kernel(FILE, name)
+        fn = runtime.kernel(FILE, f"attention_{kind}<{head_dim}>")
         if kind != "merge_splits":
             driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
         _functions[(kind, head_dim)] = fn

@@ -110,7 +110,7 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __res
 
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
 // keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
-template <int HD, int WARPS_M, int WARPS_N, bool DECODE, bool EARLY_KV>
+template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
@@ -149,13 +149,13 @@ __device__ __forceinline__ void attention_tile(
   const int q_len = query_starts[seq + 1] - q_start;
   const int ctx = context_lens[seq];
   if (DECODE ? q_len != 1 : q_len < 2) {  // the other kernel owns this sequence
-    if (EARLY_KV) pdl_enter();
+    if (DECODE) pdl_enter();
     return;
   }
   const int num_rows = q_len * group;
   const int row_base = row_tile * ROWS;
   if (row_base >= num_rows) {
-    if (EARLY_KV) pdl_enter();
+    if (DECODE) pdl_enter();
     return;
   }
 
@@ -167,7 +167,7 @@ __device__ __forceinline__ void attention_tile(
     num_splits = decode_splits(ctx, partition);
     if (num_splits > max_splits) {
       // The caller's max_context_len is below this context: make the breach visible, not plausible.
-      if (EARLY_KV) pdl_enter();
+      if (DECODE) pdl_enter();
       if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
           const int r = row_base + e / HD;  // the same for a warp's 32 lanes
@@ -212,8 +212,8 @@ __device__ __forceinline__ void attention_tile(
   // Decode: the first split's first tile up to this step's token (position ctx - 1) before the wait.
   const int first_begin = DECODE ? blockIdx.x * partition : 0;
   const int first_end = DECODE ? min(ctx, first_begin + partition) : 0;
-  const bool early_tile = EARLY_KV && (int)blockIdx.x < num_splits;
-  if (EARLY_KV) {
+  const bool early_tile = DECODE && (int)blockIdx.x < num_splits;
+  if (DECODE) {
     if (early_tile) copy_rows(first_begin, first_end, 0, ALL_LO, ctx - 1);
     pdl_enter();
     if (early_tile) copy_rows(first_begin, first_end, 0, ctx - 1, ALL_HI);
@@ -436,16 +436,15 @@ __device__ __forceinline__ void attention_tile(
 template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
   pdl_enter();
-  attention_tile<HD, 4, 1, false, false>(ATTENTION_ARGS);
+  attention_tile<HD, 4, 1, false>(ATTENTION_ARGS);
 }
 
 // grid (CTAs per sequence <= max_splits, num_kv_heads, num_seqs * ceil(group / 16)), block 128,
 // tile_smem_bytes<HD>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
 // Waits on the previous kernel inside attention_tile, after its first K/V loads.
-template <int HD, bool EARLY_KV = true>
+template <int HD>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
-  if (!EARLY_KV) pdl_enter();
-  attention_tile<HD, 1, 4, true, EARLY_KV>(ATTENTION_ARGS);
+  attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
 }
 
 // grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
