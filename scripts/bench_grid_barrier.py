@@ -7,8 +7,9 @@ numbers a persistent decode kernel (docs/performance.md, "Next for batch 1") sta
    launch, which refuses a grid that could not be).
 2. A buffer streamed in phases the size of a decode step's matrices (9.4 MB: the 8B's o projection; 33 MB: its
    gate; 66 MB: gate + up), each CTA reading a contiguous part of each phase, with no barrier between phases,
-   a barrier, or a barrier with the next phase's first loads issued before it (weights are immutable, so a
-   persistent kernel can do that): TB/s of each, against a plain stream of the whole buffer.
+   a barrier, a barrier with the next phase's first loads issued before it (weights are immutable, so a
+   persistent kernel can do that), or those loads issued between the barrier's arrival and its wait: TB/s of
+   each ("no barrier" is the plain stream). Grids the kernel cannot hold resident are skipped.
 The kernels live in this file: they are measurements, not part of the engine.
 """
 
@@ -38,15 +39,22 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 }
 
 // Every CTA of the (co-resident) grid arrives, then waits until all have: round r of a kernel waits for the
-// counter to reach (r + 1) gridDim.x.
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+// counter to reach (r + 1) gridDim.x. Split in two so that loads of immutable data can be issued between them:
+// the arrival's release waits for the arriving thread's earlier loads, a wait does not.
+__device__ __forceinline__ void grid_arrive(unsigned* counter) {
   __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+__device__ __forceinline__ void grid_wait(unsigned* counter, unsigned target) {
   if (threadIdx.x == 0) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     while (ld_acquire(counter) < target) {
     }
   }
   __syncthreads();
+}
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+  grid_arrive(counter);
+  grid_wait(counter, target);
 }
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
@@ -75,7 +83,8 @@ __device__ __forceinline__ unsigned fold(const uint4 (&v)[UNROLL], unsigned acc)
 }
 
 // `phases` consecutive slices of phase_words words, each CTA a contiguous part of each. mode 0: no barrier
-// between phases; 1: a grid barrier; 2: a grid barrier with the next phase's first round of loads issued before it.
+// between phases; 1: a grid barrier; 2: a grid barrier with the next phase's first round of loads issued before it;
+// 3: the same loads issued between the barrier's arrival and its wait.
 extern "C" __global__ void __launch_bounds__(THREADS) phased_stream(const uint4* data, long long phase_words,
                                                                    int phases, int mode, unsigned* counter,
                                                                    unsigned* sink) {
@@ -98,12 +107,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) phased_stream(const uint4*
     acc = fold(v, acc);
     have_first = false;
     if (mode != 0 && ph + 1 < phases) {
+      const long long next_begin = blockIdx.x * part;
+      const uint4* next_base = data + (long long)(ph + 1) * phase_words;
       if (mode == 2) {
-        const long long next_begin = blockIdx.x * part;
-        load_round(data + (long long)(ph + 1) * phase_words, next_begin, min(next_begin + part, phase_words), v);
+        load_round(next_base, next_begin, min(next_begin + part, phase_words), v);
         have_first = true;
       }
-      grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x);
+      grid_arrive(counter);
+      if (mode == 3) {
+        load_round(next_base, next_begin, min(next_begin + part, phase_words), v);
+        have_first = true;
+      }
+      grid_wait(counter, (unsigned)(ph + 1) * gridDim.x);
     }
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; true with probability 2^-32
@@ -160,15 +175,20 @@ def main() -> None:
             per_round.append(timed_us(run, stream))
         print(f"{grid:>6} {(per_round[1] - per_round[0]) / 1000:>11.2f}")
 
-    print(f"\n{'CTAs':>6} {'phase MB':>9} {'phases':>7} {'no barrier':>11} {'barrier':>9} {'+ prefetch':>11}  TB/s")
+    print(f"\n{'CTAs':>6} {'phase MB':>9} {'phases':>7} {'no barrier':>11} {'barrier':>9} {'+ prefetch':>11} "
+          f"{'arrive/load/wait':>17}  TB/s")  # fmt: skip
+    resident = driver.check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(phased_stream, THREADS, 0))
     for k in (int(v) for v in args.ctas_per_sm.split(",")):
+        if k > resident:  # a cooperative launch refuses a grid that cannot be resident at once
+            print(f"{sms * k:>6} (phased_stream fits {resident} CTAs per SM)")
+            continue
         grid = sms * k
         for phase_mb in (9.4, 33.0, 66.0):
             phase_words = int(phase_mb * 1e6) // 16 // grid * grid
             phases = total // 16 // phase_words
             nbytes = phases * phase_words * 16
             speeds = []
-            for mode in (0, 1, 2):
+            for mode in (0, 1, 2, 3):
 
                 def run(mode=mode, grid=grid, phase_words=phase_words, phases=phases):
                     reset()
@@ -176,7 +196,8 @@ def main() -> None:
                                 (_P, _L, _I, _I, _P, _P), stream)  # fmt: skip
 
                 speeds.append(nbytes / timed_us(run, stream) / 1e6)
-            print(f"{grid:>6} {phase_mb:>9.1f} {phases:>7} {speeds[0]:>11.2f} {speeds[1]:>9.2f} {speeds[2]:>11.2f}")
+            print(f"{grid:>6} {phase_mb:>9.1f} {phases:>7} {speeds[0]:>11.2f} {speeds[1]:>9.2f} {speeds[2]:>11.2f} "
+                  f"{speeds[3]:>17.2f}")  # fmt: skip
     print(f"\ndevice-to-device copy: {runtime_copy_tb_s(stream):.2f} TB/s read + written")
 
 
