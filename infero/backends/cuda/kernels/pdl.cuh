@@ -2,10 +2,12 @@
 // kernels with the programmatic-stream-serialization attribute, so a kernel's CTAs may be scheduled while the
 // kernel before it in the stream is still finishing; each such kernel therefore calls pdl_wait() before it reads
 // anything an earlier kernel wrote, and before it writes anything an earlier kernel may still read. What only
-// reads immutable data (weights) may run before the wait: the mat-vecs start streaming their weights there,
-// overlapping the previous kernel's tail. pdl_wait() waits for the whole previous grid to complete with its memory
-// visible; since every kernel launched this way waits, completion is transitive down the stream. Before sm_90
-// (and for launches without the attribute) both calls are no-ops.
+// reads data no kernel of this step writes may run before the wait, overlapping the previous kernel's tail: the
+// mat-vecs stream their weights there, decode attention loads the K/V of positions earlier steps wrote, the split
+// merge and rotary_store_kv read the batch metadata (uploaded before the graph runs). pdl_wait() waits for the whole
+// previous grid to complete with its memory visible; since every kernel launched this way waits (every CTA, also
+// one that has nothing to do), completion is transitive down the stream. Before sm_90 (and for launches without
+// the attribute) both calls are no-ops.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
