@@ -36,7 +36,7 @@ def main() -> None:
     print(f"{header} {'gain us':>8}")
     best_all = {}
     for key, (fn, grid, block) in sorted(planned.items(), key=lambda kv: -sum(kv[0][1])):
-        t, rows, n, cols = key[:4]
+        t, rows, n, cols = key
         base = [step_us()]  # the planned launch, measured around the variants: the spread says what is noise
         results = []
         for rpw, ahead in matvec.N1_VARIANTS:

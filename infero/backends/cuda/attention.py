@@ -27,9 +27,7 @@ DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at
 _BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 
-runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS]
-                + [f"attention_merge_splits<{hd}, false>" for hd in HEAD_DIMS])  # fmt: skip
-EARLY_META = True  # kernels read the step's metadata before their PDL wait (scripts/ab_step.py toggles it)
+runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
@@ -133,17 +131,16 @@ def paged_attention(
     if max_splits > 1:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
                       xq, xs, num_tokens)  # fmt: skip
-        merge = _function("merge_splits" if EARLY_META else "merge_splits_late", head_dim)
-        driver.launch(merge, (num_heads, num_seqs), (head_dim,), merge_args, _MERGE_TYPES, stream, pdl=True)
+        driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
+                      _MERGE_TYPES, stream, pdl=True)  # fmt: skip
     workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
 
 
 def _function(kind: str, head_dim: int):
     fn = _functions.get((kind, head_dim))
     if fn is None:
-        name = f"attention_merge_splits<{head_dim}, false>" if kind == "merge_splits_late" else None
-        fn = runtime.kernel(FILE, name or f"attention_{kind}<{head_dim}>")
-        if not kind.startswith("merge_splits"):
+        fn = runtime.kernel(FILE, f"attention_{kind}<{head_dim}>")
+        if kind != "merge_splits":
             driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
         _functions[(kind, head_dim)] = fn
     return fn

@@ -10,7 +10,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import attention, driver, matvec, runtime
+from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import DeviceTensor
 
 SOURCE = "elementwise.cu"
@@ -29,7 +29,6 @@ runtime.declare(
     [f"add_rms_norm<{v}, {_b(add)}, {_b(quant)}>" for v in NORM_VPT for add in (False, True) for quant in (False, True)]
     + [f"rms_norm_rows<{v}>" for v in ROW_VPT]
     + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false, false>", "swiglu<true, false>"]
-    + ["rotary_store_kv<false, false>", "rotary_store_kv<true, false>"]
     + ["swiglu<true, true>"]
     + [f"gather_rows<{w}>" for w in _WORDS.values()],
 )
@@ -150,8 +149,7 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
                              f"{cache.shape}")  # fmt: skip
     if n == 0:
         return
-    neox = "true" if pairing == "neox" else "false"
-    fn = _kernel(f"rotary_store_kv<{neox}>" if attention.EARLY_META else f"rotary_store_kv<{neox}, false>")
+    fn = _kernel(f"rotary_store_kv<{'true' if pairing == 'neox' else 'false'}>")
     args = (q.ptr, k.ptr, v.ptr, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2, heads, kv_heads, head_dim,
             k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
     types = (_P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)

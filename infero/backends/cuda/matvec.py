@@ -127,18 +127,12 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
         few = rows <= 16 * num_sms and t not in _LARGE_UNIT_TYPES
         if not few and (big_n == 16 or t in _LARGE_UNIT_TYPES or rows >= 64 * num_sms):
             rpw = 4
-    return big_n, rpw, _warps_per_block(-(-rows // rpw), num_sms, big_n), ahead
+    return big_n, rpw, _warps_per_block(-(-rows // rpw), num_sms), ahead
 
 
-# At one token, at most two warps per block (the in-step sweeps' best for the largest launches of both shapes);
-# scripts/ab_step.py toggles it.
-NARROW_BLOCKS = True
-
-
-def _warps_per_block(warps: int, num_sms: int, big_n: int = 0) -> int:
+def _warps_per_block(warps: int, num_sms: int) -> int:
     """The most warps per block (up to 4) that still leave at least two blocks per SM."""
-    most = 2 if NARROW_BLOCKS and big_n == 1 else 4
-    return min(most, 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1)
+    return 4 if warps >= 4 * num_sms else 2 if warps >= 2 * num_sms else 1
 
 
 def activation_shapes(n: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -185,7 +179,7 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block) of matvec_q for matrices of these row counts, planned on the rows their warps
     cover together (each matrix but the last rounded up to the most rows per warp a variant has)."""
-    key = (t, rows, n, cols, NARROW_BLOCKS)  # cols too: the plan depends on the units per row
+    key = (t, rows, n, cols)  # cols too: the plan depends on the units per row
     launch = _launches.get(key)
     if launch is None:
         covered = sum(-(-r // 4) * 4 for r in rows[:-1]) + rows[-1]
@@ -200,11 +194,11 @@ def _launch_rope(t: int, rows: tuple[int, ...], n: int) -> tuple:
     """(function, grid, block) of matvec_q with the ROPE epilogue: two rows per warp, prefetch depth 1 at one
     token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which plan would give a deeper ring,
     were not measured with the epilogue)."""
-    key = ("rope", t, rows, n, NARROW_BLOCKS)
+    key = ("rope", t, rows, n)
     launch = _launches.get(key)
     if launch is None:
         warps = sum(r // 2 for r in rows)
-        wpb = _warps_per_block(warps, _sms(), 1 if n == 1 else 2)
+        wpb = _warps_per_block(warps, _sms())
         fn = _kernel(f"matvec_q<{t}, {1 if n == 1 else 2}, 2, {1 if n == 1 else -1}, true>")
         launch = _launches[key] = (fn, (-(-warps // wpb),), (32 * wpb,))
     return launch

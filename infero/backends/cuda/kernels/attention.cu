@@ -449,22 +449,19 @@ __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
 
 // grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
 // splits in order. Only decode sequences (q_len == 1) with more than one split.
-// The batch metadata is read before waiting on the decode kernel (it was uploaded before the step), so the wait
-// is followed by the partials' loads only.
-template <int HD, bool EARLY_META = true>
+template <int HD>
 __global__ void __launch_bounds__(HD)
     attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
                            const int* __restrict__ query_starts, int num_heads, int max_splits,
                            int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
-  if (!EARLY_META) pdl_enter();
+  pdl_enter();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
-  const bool decode = query_starts[seq + 1] - q_start == 1;
+  if (query_starts[seq + 1] - q_start != 1) return;
   int partition;
-  const int num_splits = decode ? decode_splits(context_lens[seq], partition) : 0;
-  if (EARLY_META) pdl_enter();
-  if (!decode || num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
+  const int num_splits = decode_splits(context_lens[seq], partition);
+  if (num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
   const size_t first = ((size_t)seq * num_heads + head) * max_splits;
   float m = neg_inf();
   for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[first + s].x);

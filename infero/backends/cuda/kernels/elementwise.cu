@@ -159,25 +159,22 @@ __global__ void __launch_bounds__(256) rms_norm_rows(float* __restrict__ out, co
 // first pair; pairs with smaller inv_freq proportionally less), and sincosf adds <= 2 ulp. A rotated pair thus
 // differs from the float64 reference by at most |angle error| * mscale * |(a, b)| plus fp32 rounding; against a
 // reference that uses the same fp32 angles it agrees to fp32 rounding (~1e-7 relative).
-// The positions, slots and inv_freq are the step's metadata and weights: the cos/sin table is built before waiting
-// on the previous kernel (EARLY_META).
-template <bool NEOX, bool EARLY_META = true>
+template <bool NEOX>
 __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, float* __restrict__ k,
                                                       const float* __restrict__ v, const int* __restrict__ positions,
                                                       const float* __restrict__ inv_freq, float mscale,
                                                       int rope_half, int heads, int kv_heads, int head_dim,
                                                       __half* __restrict__ k_cache, __half* __restrict__ v_cache,
                                                       const long long* __restrict__ slots) {
-    if (!EARLY_META) pdl_enter();
+    pdl_enter();
     __shared__ float cos_s[256], sin_s[256];  // rope_half <= 256 (head_dim <= 512)
     const size_t token = blockIdx.x;
     const int pos = positions[token];
-    const long long slot = slots[token];
     for (int i = threadIdx.x; i < rope_half; i += blockDim.x)
         rope::cos_sin(pos, inv_freq[i], mscale, cos_s[i], sin_s[i]);
     __syncthreads();
-    if (EARLY_META) pdl_enter();
     const int half_dim = head_dim / 2;
+    const long long slot = slots[token];
     // q: only the rotated pairs change.
     float* qt = q + token * heads * head_dim;
     for (int item = threadIdx.x; item < heads * rope_half; item += blockDim.x) {
