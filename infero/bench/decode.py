@@ -2,7 +2,8 @@
 
 roofline fraction = (bytes a decode step must read / measured copy bandwidth) / measured step time
 A decode step is timed end to end as the engine runs it: upload the batch, the forward pass (a CUDA graph
-replay on the GPU), and the next token back on the host.
+replay on the GPU), the engine's own sampler picking the greedy next token (on the GPU there: the logits never
+leave it), and that token back on the host.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     blocks = -(-(prompt_len + decode_tokens + 16) // block)
     cache = backend.allocate_kv_cache(model.config, blocks, block)
     table = list(range(blocks))
+    params = [SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)]
+    output: list[int] = []
 
     def forward(tokens: list[int], start: int) -> int:
         logits = backend.forward(model, build_batch([SequenceStep(tokens, start, table)], block), cache)
-        return int(np.argmax(backend.to_host(logits, 0, 1)[0]))
+        token = llm.engine.sampler.sample(logits, [0], params, [ids], [output])[0].token_id
+        output.append(token)
+        return token
 
     forward(ids[:16], 0)  # warm-up: kernels compiled and loaded
     forward(ids, 0)
