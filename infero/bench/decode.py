@@ -87,7 +87,7 @@ def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     timer = backend.event_timer()
 
     def step_us() -> float:
-        backend._graphs.clear()
+        backend.discard_graphs()
         backend.forward(model, step, cache)
         times = []
         for _ in range(steps):

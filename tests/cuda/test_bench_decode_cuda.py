@@ -53,3 +53,14 @@ def test_profile_of_several_sequences_times_one_step_of_them_all(llm):
     calls = {label: n for label, _, n in rows}
     assert calls["attention"] == llm.config.num_layers and step_us > 0
     assert decode.format_profile(rows, step_us, batch=4).splitlines()[0].startswith("op, 4 sequences")
+
+
+def test_graph_step_timer_captures_the_step_anew_on_every_call(llm):
+    """The A/B scripts' timer: each call discards the captured graphs and times a fresh capture of the step."""
+    step_us = decode.graph_step_timer(llm, prompt_len=32, steps=3)
+    first = step_us()
+    graphs = dict(llm.backend._graphs)
+    second = step_us()
+    assert first > 0 and second > 0 and graphs
+    assert set(llm.backend._graphs) == set(graphs)
+    assert all(llm.backend._graphs[width] is not graphs[width] for width in graphs)

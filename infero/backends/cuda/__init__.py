@@ -113,6 +113,11 @@ class CudaBackend:
         self._graphs.clear()
         return CudaKVCache(k, v, block_size, num_blocks)
 
+    def discard_graphs(self) -> None:
+        """Forget the captured decode-step graphs: the next decode step of each width captures anew, with the
+        launch choices as they now stand (benchmarks comparing variants)."""
+        self._graphs.clear()
+
     # --- a step ---------------------------------------------------------------------------------------
     def forward(self, model, batch: Batch, cache: CudaKVCache) -> DeviceTensor:
         # The engine may step on another thread than the one that loaded the model (the server's engine thread):
