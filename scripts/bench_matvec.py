@@ -2,6 +2,7 @@
 prefetch depth) variant of matvec_q timed inside a CUDA graph, with the weight bytes per second it reached.
 
     python scripts/bench_matvec.py [--shapes 8b,0.5b] [--n 1]      the sweep, one table per shape
+    python scripts/bench_matvec.py --shapes steady                  each format's rate with no launch gaps
     python scripts/bench_matvec.py --once                           each shape's default variant once (for ncu)
 
 Each graph launches the kernel on REPS different copies of the weight (more bytes than the L2 holds), back to back
@@ -24,6 +25,11 @@ SHAPES = {
            ("Q4_K", 4096, 14336), ("Q6_K", 1024, 4096), ("Q6_K", 128256, 4096)],
     "0.5b": [("Q8_0", 4864, 896), ("Q8_0", 896, 896), ("Q8_0", 128, 896), ("Q8_0", 896, 4864),
              ("Q8_0", 151936, 896)],
+    # ~0.4-0.5 GB each, the widths of the decode matrices: a launch's ramp and tail are ~2% of its time, so these
+    # give the rate each format's loop streams at once it is running: what a persistent decode kernel, which has
+    # no launches between matrices, could reach at most (docs/performance.md).
+    "steady": [("Q4_K", 229376, 4096), ("Q4_K", 65536, 14336), ("Q6_K", 131072, 4096), ("Q6_K", 32768, 14336),
+               ("Q8_0", 524288, 896)],
 }  # fmt: skip
 L2_BYTES = 50 << 20
 ARGS = matvec._Q_ARGS
