@@ -4,10 +4,10 @@
 // anything an earlier kernel wrote, and before it writes anything an earlier kernel may still read. What only
 // reads data no kernel of this step writes may run before the wait, overlapping the previous kernel's tail: the
 // mat-vecs stream their weights there, decode attention reads the batch metadata (uploaded before the graph runs)
-// and loads the K/V of positions earlier steps wrote. pdl_wait() waits for the whole
-// previous grid to complete with its memory visible; since every kernel launched this way waits (every CTA, also
-// one that has nothing to do), completion is transitive down the stream. Before sm_90 (and for launches without
-// the attribute) both calls are no-ops.
+// and loads the K/V of positions earlier steps wrote. pdl_wait() waits for the whole previous grid to complete
+// with its memory visible; since every kernel launched this way waits (every CTA, also one that has nothing to
+// do), completion is transitive down the stream. Before sm_90 (and for launches without the attribute) both calls
+// are no-ops.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
