@@ -177,7 +177,7 @@ def main() -> None:
 
     print(f"\n{'CTAs':>6} {'phase MB':>9} {'phases':>7} {'no barrier':>11} {'barrier':>9} {'+ prefetch':>11} "
           f"{'arrive/load/wait':>17}  TB/s")  # fmt: skip
-    resident = driver.check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(phased_stream, THREADS, 0))
+    resident = driver.resident_blocks_per_sm(phased_stream, THREADS)
     for k in (int(v) for v in args.ctas_per_sm.split(",")):
         if k > resident:  # a cooperative launch refuses a grid that cannot be resident at once
             print(f"{sms * k:>6} (phased_stream fits {resident} CTAs per SM)")

@@ -208,6 +208,11 @@ def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
     check(cu.cuFuncSetAttribute(fn, attr, nbytes))
 
 
+def resident_blocks_per_sm(fn: cu.CUfunction, threads: int, shared: int = 0) -> int:
+    """How many blocks of `threads` threads (and `shared` bytes of dynamic shared memory) of fn one SM holds at once."""
+    return check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, shared))
+
+
 # Programmatic dependent launch (kernels/pdl.cuh): on for sm_90+ by runtime.context(); INFERO_PDL=0 turns it off.
 # Used inside captured graphs only: a decode step's graph gains ~20% from it on the H200, while eager prefill steps
 # measured ~30% slower with it (docs/performance.md).
