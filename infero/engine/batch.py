@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infero.engine.sampling import SampledTokens
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -34,6 +36,22 @@ class Batch:
     def query_starts(self) -> np.ndarray:
         """int32 [num_seqs + 1]: where each sequence's tokens begin in the flat token arrays."""
         return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input tokens a step takes from the sampling of the step before it, launched before the host has seen them
+    (asynchronous scheduling): token i of the batch is row rows[i] of `sampled` (rows[i] < 0: batch.token_ids[i])."""
+
+    sampled: SampledTokens
+    rows: np.ndarray  # int32 [num_tokens]
+
+    def resolve(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids with the fed ones filled in on the host (waits for the sampling)."""
+        fed = self.rows >= 0
+        out = token_ids.copy()
+        out[fed] = self.sampled.token_ids()[self.rows[fed]]
+        return out
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,17 @@
 One step = schedule, run one batched forward, sample, then turn new tokens into text and decide who is done.
 A request with n > 1 computes its prompt once: when the prompt's last chunk is done, the sequence forks
 into n choices that share the prompt's full KV blocks (the partly filled last block is copied).
+
+Asynchronous scheduling (on where the backend overlaps steps: CUDA). While step k runs on the GPU, the engine
+queues step k + 1 before it reads step k's tokens: each sequence that samples in step k gets a placeholder token
+(PENDING), the scheduler gives it its one-token decode as usual, and the backend feeds the placeholder from step
+k's sampled tokens on the device (TokenFeed). Then the host reads step k's tokens, replaces the placeholders and
+does its text and stop work while the GPU runs step k + 1, so the GPU does not wait on the host between steps.
+A step is queued ahead only when the next one is certain to be exactly these decodes: nothing waiting, no
+sequence at its length limit, blocks for every sequence without preempting, and no sampling that needs the
+tokens on the host first (grammars, repetition / frequency / presence penalties). A sequence that stops on a
+token of step k (end of generation, a stop string, an abort) has its step k + 1 token dropped; its blocks are
+freed at once, and whatever reuses them is queued behind step k + 1, so its stale cache write comes first.
 """
 
 from __future__ import annotations
@@ -13,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infero.engine.batch import SequenceStep, build_batch
+from infero.engine.batch import SequenceStep, TokenFeed, build_batch
 from infero.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from infero.engine.request import Request, RequestOutput, Status, TokenLogprob
-from infero.engine.sampling import SamplingParams, raw_logprobs, top_logprobs
+from infero.engine.sampling import SampledTokens, SamplingParams, raw_logprobs, top_logprobs
 from infero.engine.scheduler import ScheduledChunk, Scheduler
 from infero.engine.stop import StopChecker
 from infero.errors import InferoError, PromptTooLongError
@@ -32,6 +43,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # the KV pool's byte budget; None: 1 GiB on the CPU, the GPU's free share
     gpu_memory_utilization: float = 0.90  # CUDA backend: the share of GPU memory weights, workspace and KV may use
     seed: int | None = None  # for requests without their own seed
+    async_scheduling: bool | None = None  # queue step k + 1 before reading step k's tokens; None: where it pays
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,9 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._grammars = None  # built on the first constrained request (~0.1 s for a 50k vocabulary)
+        overlaps = getattr(backend, "overlaps_steps", False)
+        self.async_scheduling = overlaps if config.async_scheduling is None else config.async_scheduling
+        self._queued: _Launched | None = None  # a step launched before the previous one's tokens were read
 
     @property
     def grammars(self):
@@ -118,7 +133,7 @@ class Engine:
         self._choices.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._queued is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -132,11 +147,20 @@ class Engine:
         )
 
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        launched = self._queued or self._launch(self.scheduler.schedule())
+        self._queued = None
+        if launched is None:
             return []
+        if self.async_scheduling and self._can_queue_after(launched):
+            self._queued = self._queue_after(launched)
+        return self._finish(launched)
+
+    def _launch(self, chunks: list[ScheduledChunk], feed: TokenFeed | None = None) -> _Launched | None:
+        """Run the chunks' forward and queue the sampling of the sequences whose prompts they complete."""
+        if not chunks:
+            return None
         steps = [self._sequence_step(c) for c in chunks]
-        logits = self.backend.forward(self.model, build_batch(steps, self.pool.block_size), self.cache)
+        logits = self.backend.forward(self.model, build_batch(steps, self.pool.block_size), self.cache, feed)
         rows, sampling, offset = [], [], 0
         for chunk, step in zip(chunks, steps, strict=True):
             n_rows = {"all": chunk.num_tokens, "last": 1, "none": 0}[step.logits]
@@ -151,8 +175,8 @@ class Engine:
                     sampling.append(seq_req)
                     rows.append(offset - 1)
         if not sampling:
-            return []
-        results = self.sampler.sample(
+            return _Launched([], None)
+        args = (
             logits,
             rows,
             [r.params for r in sampling],
@@ -161,7 +185,48 @@ class Engine:
             [self._banned(r) for r in sampling],
             self._allowed_masks(sampling),
         )
-        return [self._append(r, res) for r, res in zip(sampling, results, strict=True)]
+        launch = getattr(self.sampler, "launch", None)  # a sampler with sample() only: done on the host
+        sampled = launch(*args) if launch is not None else SampledTokens(self.sampler.sample(*args))
+        return _Launched(sampling, sampled)
+
+    def _can_queue_after(self, launched: _Launched) -> bool:
+        """Whether the step after `launched` is certain to be one decode for each of its sequences, with nothing
+        that needs their new tokens on the host first."""
+        live = [r for r in launched.sampling if not r.finished]
+        if not live or self.scheduler.waiting or len(live) != len(self.scheduler.running):
+            return False
+        if len(live) > self.config.max_num_batched_tokens:
+            return False
+        pool = self.pool
+        if sum(pool.blocks_for(r.num_computed_tokens + 1) > len(r.blocks) for r in live) > pool.num_free:
+            return False
+        for r in live:
+            p = r.params
+            if self._seqs[r.key].matcher is not None or p.repetition_penalty != 1.0:
+                return False
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return False
+            if len(r.output_ids) + 1 >= p.max_tokens or r.num_tokens + 1 >= self.max_model_len:
+                return False  # the coming token may be its last: a step queued after it would be wasted
+        return True
+
+    def _queue_after(self, launched: _Launched) -> _Launched | None:
+        """Launch the next step now, its input tokens fed from `launched`'s sampling on the device."""
+        row_of = {}
+        for row, r in enumerate(launched.sampling):
+            if not r.finished:
+                r.output_ids.append(PENDING)
+                row_of[id(r)] = row
+        chunks = self.scheduler.schedule()
+        feed = np.array([row_of[id(c.request)] for c in chunks], np.int32)
+        return self._launch(chunks, TokenFeed(launched.sampled, feed))
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Read the launched step's tokens and turn them into outputs (skipping sequences that ended meanwhile)."""
+        if not any(not r.finished for r in launched.sampling):
+            return []
+        results = launched.sampled.results()
+        return [self._append(r, res) for r, res in zip(launched.sampling, results, strict=True) if not r.finished]
 
     def _track(self, req: Request) -> None:
         p = req.params
@@ -237,9 +302,12 @@ class Engine:
 
     def _append(self, req: Request, result) -> RequestOutput:
         seq = self._seqs[req.key]
-        first = not req.output_ids
+        first = not req.output_ids or req.output_ids == [PENDING]
         token = result.token_id
-        req.output_ids.append(token)
+        if req.output_ids and req.output_ids[-1] == PENDING:
+            req.output_ids[-1] = token  # the step queued after this one has already taken its place
+        else:
+            req.output_ids.append(token)
         self.generation_tokens_total += 1
         p = req.params
         reason = None
@@ -278,6 +346,18 @@ class Engine:
             prompt_logprobs=req.prompt_logprobs if first else None,
             num_prompt_tokens=len(req.prompt_ids),
         )
+
+
+PENDING = -1  # the output token of a step whose tokens the host has not read yet (asynchronous scheduling)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued: the sequences sampled, in sampler row order, and their
+    tokens, which may still be on the device."""
+
+    sampling: list[Request]
+    sampled: SampledTokens | None
 
 
 @dataclass

@@ -171,6 +171,25 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None
 
 
+class SampledTokens:
+    """A step's sampling, which may still be running on the device: results() waits for it. device_tokens, where
+    set, is the address of the sampled token ids on the device (int32, one per sampled row), valid until the
+    sampler's next launch: a step queued behind this one reads its input tokens there (TokenFeed), before the host
+    has seen them."""
+
+    device_tokens: int | None = None
+
+    def __init__(self, results: list[SampleResult] | None = None):
+        self._results = results
+
+    def results(self) -> list[SampleResult]:
+        return self._results
+
+    def token_ids(self) -> np.ndarray:
+        """int32 [rows]: the sampled tokens, on the host (waits)."""
+        return np.array([r.token_id for r in self.results()], np.int32)
+
+
 # ---- the steps, each on one row (float64, modified in place and returned) ----
 
 

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
          help='KV cache budget, e.g. "2GiB" (default: 1GiB on the CPU; on a GPU what '
               "--gpu-memory-utilization leaves)")  # fmt: skip
+    flag("--async-scheduling", "auto", choices=("auto", "on", "off"),
+         help="queue each step before the host has read the last one's tokens, so the GPU never waits on the host "
+              "between steps (default: auto, on with a GPU)")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
 
@@ -105,6 +108,7 @@ def engine_config(args: argparse.Namespace):
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if v is not None and k in known})

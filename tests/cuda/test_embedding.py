@@ -71,3 +71,16 @@ def test_embedding_marks_out_of_range_ids_with_nan(gpu):
     assert np.isnan(out[1]).all() and np.isnan(out[2]).all()
     assert np.array_equal(out[0].view(np.uint32), ref_table[3].view(np.uint32))
     assert np.array_equal(out[3].view(np.uint32), ref_table[63].view(np.uint32))
+
+
+def test_feed_tokens_writes_the_sampled_tokens_where_rows_say(gpu):
+    """Asynchronous scheduling's input tokens: token i = sampled[rows[i]] where rows[i] >= 0, others untouched; a
+    negative sampled id (a failed sampling) is fed as 0, never as an index outside the table."""
+    from infero.backends.cuda import embedding, runtime
+    from infero.backends.cuda.tensor import from_host
+
+    token_ids = from_host(np.array([11, 12, 13, 14, 15], np.int32))
+    sampled = from_host(np.array([7, -1, 42], np.int32))
+    rows = from_host(np.array([2, -1, 0, 1, -1], np.int32))
+    embedding.feed_tokens(token_ids, sampled.ptr, rows, runtime.stream())
+    assert token_ids.to_host(runtime.stream()).tolist() == [42, 12, 7, 0, 15]

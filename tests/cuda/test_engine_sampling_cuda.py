@@ -70,3 +70,27 @@ def test_logits_stay_on_the_device_without_logprobs(llm, monkeypatch):
     params = SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     assert [len(o.completion_ids) for o in outputs] == [8] * len(PROMPTS)
+
+
+def test_steps_queued_ahead_on_the_gpu_give_the_plain_engines_outputs(llm, tmp_path_factory):
+    """Asynchronous scheduling (on by default with CUDA: step k + 1 queued before step k's tokens reach the host,
+    its input tokens written on the device by feed_tokens) against the same engine stepping one at a time."""
+    assert llm.engine.async_scheduling
+    plain = LLM(llm.path, device="cuda", engine_config=EngineConfig(seed=1234, async_scheduling=False))
+    fed = []
+    forward = llm.backend.forward
+
+    def counted(model, batch, cache, feed=None):
+        fed.append(feed is not None and feed.sampled.device_tokens is not None)
+        return forward(model, batch, cache, feed)
+
+    llm.backend.forward = counted
+    try:
+        queued = [llm.generate(PROMPTS, q) for q in _params()]
+    finally:
+        del llm.backend.forward
+    assert sum(fed) > len(fed) // 2, f"only {sum(fed)} of {len(fed)} steps took their tokens on the device"
+    expected = [plain.generate(PROMPTS, q) for q in _params()]
+    for got, want in zip(queued, expected, strict=True):
+        assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
+        assert [c.text for c in got] == [c.text for c in want]

@@ -47,7 +47,11 @@ def test_defaults_and_engine_config():
     assert (args.port, args.max_waiting_requests, args.device) == (8080, 512, "auto")
     config = engine_config(args)
     assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens) == (128, 8, 2048)
-    for bad in (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"]):
+    assert config.async_scheduling is None  # the backend decides: on where it overlaps steps (CUDA)
+    assert [engine_config(parse(["--async-scheduling", v])).async_scheduling for v in ("on", "off")] == [True, False]
+    bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],
+                 ["--async-scheduling", "maybe"])  # fmt: skip
+    for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)
 

@@ -41,11 +41,13 @@ def scripted(tiny_model_path, tmp_path_factory):
 
         signature = inspect.signature(llm.engine.sampler.sample)
 
-        def sample(*args, **kwargs):
-            output_ids = signature.bind(*args, **kwargs).arguments["output_ids"]
-            return [SampleResult(script[len(out)] if len(out) < len(script) else eos, None, None) for out in output_ids]
+        class Scripted:  # a sampler with sample() only: the engine runs it on the host
+            def sample(self, *args, **kwargs):
+                output_ids = signature.bind(*args, **kwargs).arguments["output_ids"]
+                return [SampleResult(script[len(out)] if len(out) < len(script) else eos, None, None)
+                        for out in output_ids]  # fmt: skip
 
-        llm.engine.sampler.sample = sample
+        llm.engine.sampler = Scripted()
         return llm
 
     live = start_server(load, ServerSettings("tiny"))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from infero.backends.cpu.ops import CpuKVCache, CpuOps
 from infero.checkpoint.config import ModelConfig
-from infero.engine.batch import Batch
-from infero.engine.sampling import Sampler, SampleResult, SamplingParams
+from infero.engine.batch import Batch, TokenFeed
+from infero.engine.sampling import SampledTokens, Sampler, SampleResult, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -55,13 +57,16 @@ class CpuBackend:
         for k, v in zip(cache.k, cache.v, strict=True):
             k[dst], v[dst] = k[src], v[src]
 
-    def forward(self, model, batch: Batch, cache: CpuKVCache) -> np.ndarray:
-        """float32 logits [len(batch.logits_indices), vocab].
+    def forward(self, model, batch: Batch, cache: CpuKVCache, feed: TokenFeed | None = None) -> np.ndarray:
+        """float32 logits [len(batch.logits_indices), vocab]; feed: input tokens still to come from the last
+        sampling (here always on the host already).
 
         One pass for the whole batch, so a step reads each weight once however many sequences it holds. Every op
         computes a row the same way whatever the other rows are (see CpuOps.linear; attention runs per
         sequence), so a sequence's numbers never depend on which others share its step: tests pin this.
         """
+        if feed is not None:
+            batch = dataclasses.replace(batch, token_ids=feed.resolve(batch.token_ids))
         return model.forward(batch, cache)
 
 
@@ -74,3 +79,8 @@ class RowSampler:
     def sample(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
                banned_token_ids=None, allowed_masks=None) -> list[SampleResult]:  # fmt: skip
         return self.sampler.sample(logits[rows], params, prompt_ids, output_ids, banned_token_ids, allowed_masks)
+
+    def launch(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
+               banned_token_ids=None, allowed_masks=None) -> SampledTokens:  # fmt: skip
+        """sample(), as a SampledTokens (already done on the CPU)."""
+        return SampledTokens(self.sample(logits, rows, params, prompt_ids, output_ids, banned_token_ids, allowed_masks))

@@ -7,16 +7,17 @@ batch size into a CUDA graph and replayed; mixed and prefill steps run eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from infero.backends.cuda import driver, runtime
+from infero.backends.cuda import driver, embedding, runtime
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
-from infero.engine.batch import Batch
+from infero.engine.batch import Batch, TokenFeed
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -41,6 +42,9 @@ class DeviceBatch:
 
 class CudaBackend:
     name = "cuda"
+    # The engine queues step k + 1 (its input tokens read from step k's sampling on the device) before it reads
+    # step k's tokens, so the host's work between steps overlaps the GPU's (asynchronous scheduling).
+    overlaps_steps = True
 
     def __init__(self):
         self.ctx = runtime.context()
@@ -49,7 +53,7 @@ class CudaBackend:
         self.ops = CudaOps(self)
         self.workspace: Workspace | None = None
         self.use_graphs = True
-        self._graphs: dict[int, tuple[driver.Graph, DeviceTensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[driver.Graph, DeviceTensor]] = {}  # (bucket, id(cache))
         self.kernel_status = self._precompile()
 
     def _precompile(self) -> str:
@@ -119,27 +123,32 @@ class CudaBackend:
         self._graphs.clear()
 
     # --- a step ---------------------------------------------------------------------------------------
-    def forward(self, model, batch: Batch, cache: CudaKVCache) -> DeviceTensor:
+    def forward(self, model, batch: Batch, cache: CudaKVCache, feed: TokenFeed | None = None) -> DeviceTensor:
+        """The step's logits rows (float32 [len(batch.logits_indices), vocab], on the device). feed: input tokens
+        that come from the sampling queued before this step, read there on the device."""
         # The engine may step on another thread than the one that loaded the model (the server's engine thread):
         # a CUDA context is current per thread.
         self.ctx.make_current()
+        if feed is not None and feed.sampled.device_tokens is None:  # sampled on the host: known already
+            batch, feed = dataclasses.replace(batch, token_ids=feed.resolve(batch.token_ids)), None
         decode = (
             batch.num_seqs > 0 and batch.num_tokens == batch.num_seqs and len(batch.logits_indices) == batch.num_seqs
         )
         bucket = next((b for b in GRAPH_BUCKETS if b >= batch.num_seqs), None)
         if self.use_graphs and decode and bucket is not None and bucket <= self.max_seqs:
-            return self._replay(model, batch, cache, bucket)
-        device_batch = self._upload(batch, cache, pad_to=None)
+            return self._replay(model, batch, cache, bucket, feed)
+        device_batch = self._upload(batch, cache, pad_to=None, feed=feed)
         self.workspace.reset()
         return model.forward(device_batch, cache)
 
-    def _replay(self, model, batch: Batch, cache: CudaKVCache, bucket: int) -> DeviceTensor:
-        device_batch = self._upload(batch, cache, pad_to=bucket)
-        entry = self._graphs.get(bucket)
+    def _replay(self, model, batch: Batch, cache: CudaKVCache, bucket: int, feed: TokenFeed | None) -> DeviceTensor:
+        device_batch = self._upload(batch, cache, pad_to=bucket, feed=feed)
+        key = (bucket, id(cache))  # a graph holds its cache's addresses (a benchmark may run a second cache)
+        entry = self._graphs.get(key)
         if entry is None:
             self.workspace.reset()
             model.forward(device_batch, cache)  # warm-up: compiles and loads every kernel outside the capture
-            entry = self._graphs[bucket] = self._capture(model, device_batch, cache)
+            entry = self._graphs[key] = self._capture(model, device_batch, cache)
         graph, logits = entry
         graph.replay(self.stream)
         return logits.rows(0, batch.num_seqs)
@@ -157,8 +166,10 @@ class CudaBackend:
         graph, logits = self._capture(model, self._upload(batch, cache, pad_to=bucket), cache)
         return graph, logits, lambda next_batch: self._upload(next_batch, cache, pad_to=bucket)
 
-    def _upload(self, batch: Batch, cache: CudaKVCache, pad_to: int | None) -> DeviceBatch:
-        """Pack the batch's arrays into pinned memory and copy them to the device in one transfer."""
+    def _upload(self, batch: Batch, cache: CudaKVCache, pad_to: int | None, feed: TokenFeed | None = None
+                ) -> DeviceBatch:  # fmt: skip
+        """Pack the batch's arrays into pinned memory and copy them to the device in one transfer; then write the
+        fed tokens into token_ids on the device."""
         n, s = batch.num_tokens, batch.num_seqs
         rows = pad_to or s
         tokens = pad_to or n
@@ -172,6 +183,7 @@ class CudaBackend:
         tables[:s, :used] = np.where(batch.block_tables >= 0, batch.block_tables, dummy_block)
         fields = {
             "token_ids": _padded(batch.token_ids, tokens, 0, np.int32),
+            "feed_rows": _padded(feed.rows if feed is not None else np.zeros(0, np.int32), tokens, -1, np.int32),
             "positions": _padded(batch.positions, tokens, 0, np.int32),
             "slot_mapping": _padded(batch.slot_mapping, tokens, dummy_block * cache.block_size, np.int64),
             "logits_indices": _padded(batch.logits_indices, rows if pad_to else len(batch.logits_indices),
@@ -190,6 +202,9 @@ class CudaBackend:
         # prefix 0.2 MB).
         driver.copy_host_to_device(self._batch_memory.ptr, host[: lay.end_of_tables(rows)], self.stream)
         self._staging_free.record(self.stream)
+        feed_rows = views.pop("feed_rows")
+        if feed is not None:
+            embedding.feed_tokens(views["token_ids"], feed.sampled.device_tokens, feed_rows, self.stream)
         max_context = int(batch.context_lens.max()) if s else 0
         return DeviceBatch(
             **views,
@@ -247,7 +262,8 @@ class _BatchLayout:
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
         self.max_blocks = max_blocks
         sizes = {
-            "token_ids": 4 * max_tokens, "positions": 4 * max_tokens, "slot_mapping": 8 * max_tokens,
+            "token_ids": 4 * max_tokens, "feed_rows": 4 * max_tokens, "positions": 4 * max_tokens,
+            "slot_mapping": 8 * max_tokens,
             "logits_indices": 4 * max_tokens, "context_lens": 4 * max_rows, "query_starts": 4 * (max_rows + 1),
             "block_tables": 4 * max_rows * max_blocks,
         }  # fmt: skip

@@ -1,7 +1,8 @@
 """Launcher for kernels/embedding.cu: out[i] = dequant(table)[token_ids[i]] for every GGML type infero runs.
 
 Values are bitwise gguf's dequantized values (the kernel decodes with dequant8 from quant.cuh). A token id
-outside the table writes a row of NaN.
+outside the table writes a row of NaN. feed_tokens writes a step's input tokens from the sampling of the step
+before it, on the device (asynchronous scheduling).
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ def embedding(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor, s
     vec = int(out.ptr % 16 == 0 and hidden % 4 == 0)
     args = (out.ptr, weight.data.ptr, token_ids.ptr, n, weight.rows, hidden, weight.data.shape[1], vec)
     driver.launch(fn, (-(-total // THREADS),), (THREADS,), args, _ARGS, stream, pdl=True)
+
+
+def feed_tokens(token_ids: DeviceTensor, sampled: int, rows: DeviceTensor, stream: driver.Stream) -> None:
+    """token_ids[i] = sampled[rows[i]] where rows[i] >= 0 (int32 [n] both; sampled: the device address of a step's
+    sampled tokens, int32): a step's input tokens from the sampling queued before it, without a host round trip."""
+    n = token_ids.shape[0]
+    if token_ids.dtype != np.int32 or rows.dtype != np.int32 or rows.shape != (n,):
+        raise ValueError(f"feed_tokens: token_ids and rows must be int32 [n], got {token_ids.shape} and {rows.shape}")
+    if n:
+        driver.launch(runtime.kernel(SOURCE, "feed_tokens"), (-(-n // THREADS),), (THREADS,),
+                      (token_ids.ptr, sampled, rows.ptr, n), (_P, _P, _P, _I), stream)  # fmt: skip
 
 
 def _check(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor) -> str | None:

@@ -4,7 +4,7 @@ request asks for them) come back."""
 from __future__ import annotations
 
 from infero.backends.cuda.sampling import GpuSampler
-from infero.engine.sampling import SampleResult, SamplingParams
+from infero.engine.sampling import SampledTokens, SampleResult, SamplingParams
 
 
 class CudaRowSampler:
@@ -17,7 +17,17 @@ class CudaRowSampler:
 
     def sample(self, logits, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
                banned_token_ids=None, allowed_masks=None) -> list[SampleResult]:  # fmt: skip
+        return self.launch(logits, rows, params, prompt_ids, output_ids, banned_token_ids, allowed_masks).results()
+
+    def launch(self, logits, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
+               banned_token_ids=None, allowed_masks=None) -> SampledTokens:  # fmt: skip
+        """sample(), queued on the backend's stream: the tokens stay on the device until results() is called."""
         n = len(rows)
+        stream = self.backend.stream
+        if n <= self.max_rows:
+            step = self.gpu.pack(params, prompt_ids, output_ids, banned_token_ids, allowed_masks, rows)
+            self.gpu.launch(logits, step, stream)
+            return self.gpu.collect_async(step, stream)
         banned_token_ids = banned_token_ids or [None] * n
         allowed_masks = allowed_masks or [None] * n
         results = []
@@ -27,6 +37,6 @@ class CudaRowSampler:
             e = b + self.max_rows
             results += self.gpu.sample(
                 logits, params[b:e], prompt_ids[b:e], output_ids[b:e], banned_token_ids[b:e], allowed_masks[b:e],
-                logit_rows=rows[b:e], stream=self.backend.stream,
+                logit_rows=rows[b:e], stream=stream,
             )  # fmt: skip
-        return results
+        return SampledTokens(results)

@@ -34,6 +34,7 @@ from infero.engine.sampling import (
     ENGINE_STREAM,
     MAX_LOGPROBS,
     SEEDED_STREAM,
+    SampledTokens,
     SampleResult,
     SamplingError,
     SamplingParams,
@@ -152,6 +153,49 @@ class PackedStep:
         return len(self.rows)
 
 
+class _Readback:
+    """Page-locked host buffers one step's results are copied into, and the event that marks them there."""
+
+    def __init__(self, rows: int):
+        self._buffers = [driver.PinnedBuffer(rows * n) for n in (4, 8, 4 * MAX_TOP, 8 * MAX_TOP)]
+        tokens, lp, ids, top = (b.array for b in self._buffers)
+        self.tokens, self.token_logprobs = tokens.view(np.int32), lp.view(np.float64)
+        self.top_ids = ids.view(np.int32).reshape(rows, MAX_TOP)
+        self.top_logprobs = top.view(np.float64).reshape(rows, MAX_TOP)
+        self.done = driver.Event(timing=False)
+
+
+class PendingSample(SampledTokens):
+    """A GPU step's sampling, queued: results() waits for its copies to reach the host; device_tokens is where the
+    next step can read the tokens from before then."""
+
+    def __init__(self, step: PackedStep, readback: _Readback, device_tokens: int):
+        super().__init__()
+        self.step, self.readback, self.device_tokens = step, readback, device_tokens
+
+    def results(self) -> list[SampleResult]:
+        if self._results is None:
+            self._results = self._read()
+        return self._results
+
+    def _read(self) -> list[SampleResult]:
+        s, rb = self.step.num_rows, self.readback
+        rb.done.synchronize()
+        if s == 0:
+            return []
+        tokens = rb.tokens[:s].copy()
+        if (tokens < 0).any():
+            raise SamplingError(NO_TOKEN_MESSAGE)
+        results = []
+        for i, n in enumerate(self.step.logprobs):
+            if n is None:
+                results.append(SampleResult(int(tokens[i]), None, None))
+            else:
+                pairs = [(int(rb.top_ids[i, k]), float(rb.top_logprobs[i, k])) for k in range(n)]
+                results.append(SampleResult(int(tokens[i]), float(rb.token_logprobs[i]), pairs))
+        return results
+
+
 class GpuSampler:
     """Samples rows of device logits on the GPU; a drop-in for `Sampler` (same seed -> same tokens)."""
 
@@ -188,6 +232,8 @@ class GpuSampler:
         self.token_logprobs = buf(r * 8)
         self.top_ids = buf(r * MAX_TOP * 4)
         self.top_logprobs = buf(r * MAX_TOP * 8)
+        self._readbacks = (_Readback(r), _Readback(r))
+        self._turn = 0
         self.reset()
         self._fns = None
 
@@ -347,30 +393,23 @@ class GpuSampler:
 
     def collect(self, step: PackedStep, stream: driver.Stream) -> list[SampleResult]:
         """Wait for the step and bring its tokens (and logprobs where asked) to the host."""
+        return self.collect_async(step, stream).results()
+
+    def collect_async(self, step: PackedStep, stream: driver.Stream) -> PendingSample:
+        """Queue the copies of the step's results to the host behind its kernels; the PendingSample waits for them
+        only when asked. Two sets of host buffers take turns, so a step's results must be read before the launch
+        after next (the engine keeps at most one step queued behind the one it reads)."""
+        readback = self._readbacks[self._turn]
+        self._turn ^= 1
         s = step.num_rows
-        stream.synchronize()
-        if s == 0:
-            return []
-        tokens = np.empty(s, np.int32)
-        driver.copy_device_to_host(tokens, self.tokens.ptr)
-        if (tokens < 0).any():
-            raise SamplingError(NO_TOKEN_MESSAGE)
-        if all(n is None for n in step.logprobs):
-            return [SampleResult(int(t), None, None) for t in tokens]
-        lp = np.empty(s, np.float64)
-        ids = np.empty((s, MAX_TOP), np.int32)
-        top = np.empty((s, MAX_TOP), np.float64)
-        driver.copy_device_to_host(lp, self.token_logprobs.ptr)
-        driver.copy_device_to_host(ids, self.top_ids.ptr)
-        driver.copy_device_to_host(top, self.top_logprobs.ptr)
-        results = []
-        for i, n in enumerate(step.logprobs):
-            if n is None:
-                results.append(SampleResult(int(tokens[i]), None, None))
-            else:
-                pairs = [(int(ids[i, k]), float(top[i, k])) for k in range(n)]
-                results.append(SampleResult(int(tokens[i]), float(lp[i]), pairs))
-        return results
+        if s:
+            driver.copy_device_to_host(readback.tokens[:s], self.tokens.ptr, stream)
+            if any(n is not None for n in step.logprobs):
+                driver.copy_device_to_host(readback.token_logprobs[:s], self.token_logprobs.ptr, stream)
+                driver.copy_device_to_host(readback.top_ids[:s], self.top_ids.ptr, stream)
+                driver.copy_device_to_host(readback.top_logprobs[:s], self.top_logprobs.ptr, stream)
+        readback.done.record(stream)
+        return PendingSample(step, readback, self.tokens.ptr)
 
     def sample(self, logits: DeviceTensor, params: list[SamplingParams], prompt_ids, output_ids,
                banned_token_ids=None, allowed_masks=None, logit_rows=None,

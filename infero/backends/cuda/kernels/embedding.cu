@@ -64,3 +64,12 @@ __global__ void __launch_bounds__(256) embedding(float* __restrict__ out, const 
       if (e0 + k < hidden) o[k] = v[k];
   }
 }
+
+// Input tokens a step takes from the sampling of the step queued before it (asynchronous scheduling):
+// token_ids[i] = sampled[rows[i]] where rows[i] >= 0. A negative sampled id (no token could be sampled; the host
+// fails that step when it reads it) is fed as 0, so the step queued behind it still reads inside the embedding.
+extern "C" __global__ void feed_tokens(int* __restrict__ token_ids, const int* __restrict__ sampled,
+                                       const int* __restrict__ rows, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && rows[i] >= 0) token_ids[i] = max(sampled[rows[i]], 0);
+}
