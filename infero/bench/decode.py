@@ -1,9 +1,10 @@
 """`infero bench decode`: prefill and single-stream decode speed, and how close decode runs to the memory roofline.
 
 roofline fraction = (bytes a decode step must read / measured copy bandwidth) / measured step time
-A decode step is timed end to end as the engine runs it: upload the batch, the forward pass (a CUDA graph
-replay on the GPU), the engine's own sampler picking the greedy next token (on the GPU there: the logits never
-leave it), and that token back on the host.
+A decode step is timed end to end, one at a time: upload the batch, the forward pass (a CUDA graph replay on the
+GPU), the engine's own sampler picking the greedy next token (on the GPU there: the logits never leave it), and
+that token back on the host. The engine loop's rate is measured too: one stream through `LLM.stream`, from the
+gaps between its tokens, where asynchronous scheduling (CUDA) overlaps each step's host work with the GPU's.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     step_s = float(np.median(times[2:] or times))
     step_bytes = decode_step_bytes(model, backend, prompt_len + decode_tokens // 2)
     bandwidth = backend.copy_bandwidth()
+    engine_s = engine_token_seconds(llm, ids, decode_tokens)
     return {
+        "engine_decode_tok_s": 1.0 / engine_s,
+        "engine_ms": engine_s * 1e3,
+        "async_scheduling": llm.engine.async_scheduling,
         "prefill_tokens": prompt_len,
         "prefill_tok_s": prompt_len / prefill_s,
         "decode_tok_s": 1.0 / step_s,
@@ -70,6 +75,15 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
         "bandwidth_gb_s": bandwidth / 1e9,
         "roofline_fraction": (step_bytes / bandwidth) / step_s,
     }
+
+
+def engine_token_seconds(llm, prompt_ids: list[int], tokens: int) -> float:
+    """Median seconds between the tokens of one greedy stream through the engine's own loop (scheduling, forward,
+    sampling, detokenizing), past its first three."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    stamps = [time.perf_counter() for _ in llm.stream(prompt_ids, params)]
+    gaps = np.diff(stamps)
+    return float(np.median(gaps[2:] if len(gaps) > 2 else gaps))
 
 
 def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
@@ -227,6 +241,11 @@ def format_table(name: str, device: str, r: dict) -> str:
         ("device", device),
         (f"prefill {r['prefill_tokens']} tokens", f"{r['prefill_tok_s']:,.1f} tok/s"),
         ("decode, batch 1", f"{r['decode_tok_s']:,.1f} tok/s ({r['step_ms']:.3f} ms/step, median)"),
+        (
+            "decode, engine loop",
+            f"{r['engine_decode_tok_s']:,.1f} tok/s ({r['engine_ms']:.3f} ms/token, median; "
+            f"asynchronous scheduling {'on' if r['async_scheduling'] else 'off'})",
+        ),
         ("bytes per decode step", f"{r['step_bytes'] / 2**20:,.1f} MiB"),
         ("measured copy bandwidth", f"{r['bandwidth_gb_s']:,.1f} GB/s (read + write)"),
         ("roofline fraction", f"{r['roofline_fraction']:.0%}"),

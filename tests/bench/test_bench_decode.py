@@ -26,3 +26,10 @@ def test_batched_decode_steps_several_sequences(llm):
 def test_batch_sizes_the_engine_cannot_step_are_refused(llm, batch):
     with pytest.raises(InferoError, match="--max-num-seqs"):
         decode.batched(llm, batch, prompt_len=8, steps=2)
+
+
+def test_the_table_reports_the_engine_loop_beside_the_single_step(llm):
+    r = decode.run(llm, prompt_len=8, decode_tokens=6)
+    assert r["engine_decode_tok_s"] == pytest.approx(1e3 / r["engine_ms"]) and r["async_scheduling"] is False
+    table = decode.format_table("tiny", "cpu", r)
+    assert "decode, engine loop" in table and "asynchronous scheduling off" in table

@@ -20,6 +20,7 @@ def test_bench_decode_reports_a_step_and_its_roofline(llm):
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
     assert r["step_bytes"] > sum(w.nbytes for w in vars(llm.model.layers[0]).values() if w is not None)
     assert 0 < r["roofline_fraction"] < 1.0
+    assert r["async_scheduling"] is True and r["engine_decode_tok_s"] > 0  # the engine loop, steps queued ahead
 
 
 def test_profile_times_every_op_of_a_decode_step_inside_a_graph(llm):
