@@ -167,9 +167,14 @@ class PinnedBuffer:
 
 
 def copy_host_to_device(dst: int, src: np.ndarray, stream: Stream | None = None) -> None:
+    """Without a stream: the bytes are on the device when this returns. cuMemcpyHtoD from pageable memory may
+    return once the bytes are staged for DMA, and kernels on our non-blocking streams are not ordered behind the
+    legacy stream, so that stream is synchronized. (A mat-vec test that launched right after its upload once
+    computed from other bytes on the H200, every output wrong, and passed on rerun: consistent with this race.)"""
     src = np.ascontiguousarray(src)
     if stream is None:
         check(cu.cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes))
+        check(cu.cuStreamSynchronize(cu.CUstream(0)))
     else:
         check(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream.handle))
 
