@@ -47,15 +47,13 @@ for stage in "$@"; do
       f=$(synth $spec)
       python3 -m infero serve --model "$f" --device cuda --port 8321 --max-num-seqs 64 > "$out/serve-${spec// /-}.log" 2>&1 &
       pid=$!
-      python3 - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8321/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(1)
-PY
+      # Until /health says 200 (503 while loading); give up at once if the server died (a missing file would
+      # otherwise spend the whole wait, and the device time with it).
+      for _ in $(seq 600); do
+        kill -0 $pid 2>/dev/null || { echo "serve died: $(tail -2 "$out/serve-${spec// /-}.log")" >&2; break; }
+        curl -sf http://127.0.0.1:8321/health >/dev/null && break
+        sleep 0.5
+      done
       for c in 1 8 32 64; do
         python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
           --duration "${SERVE_DURATION:-20}" 2>&1 \
