@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(args.model, device="cpu")
     engine, vocab = llm.engine, llm.config.vocab_size
-    llm.backend.forward = lambda model, batch, cache: np.zeros((len(batch.logits_indices), vocab), np.float32)
+    llm.backend.forward = lambda model, batch, cache, feed=None: np.zeros((len(batch.logits_indices), vocab), "f4")
     engine.sampler = ConstantSampler()
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     profiler = cProfile.Profile() if args.profile else None
