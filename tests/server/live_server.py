@@ -18,8 +18,11 @@ from infero.llm import LLM
 from infero.server.app import ServerSettings, create_app
 
 # The backend the served models run on: the suite runs on the CPU in CI and with INFERO_TEST_DEVICE=cuda on the GPU.
+# Asynchronous scheduling is on as with CUDA (the CPU backend's default is off), so CI serves through it too.
 TEST_DEVICE = os.environ.get("INFERO_TEST_DEVICE", "cpu")
-TINY_ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, kv_cache_bytes=16 << 20, seed=0)
+TINY_ENGINE = EngineConfig(
+    max_num_seqs=64, max_num_batched_tokens=512, kv_cache_bytes=16 << 20, seed=0, async_scheduling=True
+)
 
 
 @dataclass

@@ -75,9 +75,9 @@ EXPECTED = {"stream_chat": {200}, "stream_completion": {200}, "chat": {200}, "co
 
 
 def test_sixty_four_rude_and_polite_clients_leave_the_server_correct_and_idle(fresh_server):
-    # A KV pool small enough that the crowd also forces a few preemptions.
-    live = fresh_server(EngineConfig(max_num_seqs=64, kv_cache_bytes=2 << 20, max_num_batched_tokens=256),
-                        step_delay=0.002)  # fmt: skip
+    # A KV pool small enough that the crowd also forces a few preemptions; steps queued ahead where they can be.
+    config = EngineConfig(max_num_seqs=64, kv_cache_bytes=2 << 20, max_num_batched_tokens=256, async_scheduling=True)
+    live = fresh_server(config, step_delay=0.002)
     http = live.http()
     reference_chat = http.post("/v1/chat/completions", json=GOOD_CHAT).json()["choices"][0]["message"]["content"]
     reference_completion = http.post("/v1/completions", json=GOOD_COMPLETION).json()["choices"][0]["text"]
