@@ -7,6 +7,7 @@ This is the interface the scheduler fills and every backend (numpy, CUDA) consum
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,12 +47,13 @@ class TokenFeed:
     sampled: SampledTokens
     rows: np.ndarray  # int32 [num_tokens]
 
-    def resolve(self, token_ids: np.ndarray) -> np.ndarray:
-        """token_ids with the fed ones filled in on the host (waits for the sampling)."""
+    def resolve(self, batch: Batch) -> Batch:
+        """The batch with the fed tokens filled in on the host (waits for the sampling): for a backend whose
+        sampled tokens are not on the device (sampled.device_tokens is None)."""
         fed = self.rows >= 0
-        out = token_ids.copy()
-        out[fed] = self.sampled.token_ids()[self.rows[fed]]
-        return out
+        token_ids = batch.token_ids.copy()
+        token_ids[fed] = self.sampled.token_ids()[self.rows[fed]]
+        return dataclasses.replace(batch, token_ids=token_ids)
 
 
 @dataclass(frozen=True)

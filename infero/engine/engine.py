@@ -223,7 +223,7 @@ class Engine:
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read the launched step's tokens and turn them into outputs (skipping sequences that ended meanwhile)."""
-        if not any(not r.finished for r in launched.sampling):
+        if all(r.finished for r in launched.sampling):
             return []
         results = launched.sampled.results()
         return [self._append(r, res) for r, res in zip(launched.sampling, results, strict=True) if not r.finished]

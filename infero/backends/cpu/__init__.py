@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from infero.backends.cpu.ops import CpuKVCache, CpuOps
@@ -66,7 +64,7 @@ class CpuBackend:
         sequence), so a sequence's numbers never depend on which others share its step: tests pin this.
         """
         if feed is not None:
-            batch = dataclasses.replace(batch, token_ids=feed.resolve(batch.token_ids))
+            batch = feed.resolve(batch)
         return model.forward(batch, cache)
 
 

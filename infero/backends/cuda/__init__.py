@@ -7,7 +7,6 @@ batch size into a CUDA graph and replayed; mixed and prefill steps run eagerly.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,7 +129,7 @@ class CudaBackend:
         # a CUDA context is current per thread.
         self.ctx.make_current()
         if feed is not None and feed.sampled.device_tokens is None:  # sampled on the host: known already
-            batch, feed = dataclasses.replace(batch, token_ids=feed.resolve(batch.token_ids)), None
+            batch, feed = feed.resolve(batch), None
         decode = (
             batch.num_seqs > 0 and batch.num_tokens == batch.num_seqs and len(batch.logits_indices) == batch.num_seqs
         )
@@ -183,7 +182,6 @@ class CudaBackend:
         tables[:s, :used] = np.where(batch.block_tables >= 0, batch.block_tables, dummy_block)
         fields = {
             "token_ids": _padded(batch.token_ids, tokens, 0, np.int32),
-            "feed_rows": _padded(feed.rows if feed is not None else np.zeros(0, np.int32), tokens, -1, np.int32),
             "positions": _padded(batch.positions, tokens, 0, np.int32),
             "slot_mapping": _padded(batch.slot_mapping, tokens, dummy_block * cache.block_size, np.int64),
             "logits_indices": _padded(batch.logits_indices, rows if pad_to else len(batch.logits_indices),
@@ -192,6 +190,8 @@ class CudaBackend:
             "query_starts": np.concatenate([batch.query_starts, np.arange(n + 1, n + 1 + rows - s)]).astype(np.int32),
             "block_tables": tables,
         }  # fmt: skip
+        if feed is not None:  # read by feed_tokens only
+            fields["feed_rows"] = _padded(feed.rows, tokens, -1, np.int32)
         views = {}
         for name, array in fields.items():
             offset = lay.offsets[name]
@@ -202,9 +202,8 @@ class CudaBackend:
         # prefix 0.2 MB).
         driver.copy_host_to_device(self._batch_memory.ptr, host[: lay.end_of_tables(rows)], self.stream)
         self._staging_free.record(self.stream)
-        feed_rows = views.pop("feed_rows")
         if feed is not None:
-            embedding.feed_tokens(views["token_ids"], feed.sampled.device_tokens, feed_rows, self.stream)
+            embedding.feed_tokens(views["token_ids"], feed.sampled.device_tokens, views.pop("feed_rows"), self.stream)
         max_context = int(batch.context_lens.max()) if s else 0
         return DeviceBatch(
             **views,
