@@ -1,8 +1,9 @@
-"""A boolean switch of the engine, on and off, inside the batch-1 decode step (GPU machine): the step's GPU time
-for each, alternated so that the drift between measurements (tens of microseconds) falls on both alike.
+"""A switch of the engine, each of its values, inside the batch-1 decode step (GPU machine): the step's GPU time
+for each, alternated so that the drift between measurements (tens of microseconds) falls on all alike.
 
-    python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--repeats 8]
+    python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--values 16,8] [--repeats 8]
 
+Without --values the attribute is a bool, compared True against False.
 The flag is a module attribute the launchers read at capture time (one added for the comparison: decode attention's
 early K/V loads were measured through attention.DECODE_EARLY_KV, then the switch was removed); the graph is
 re-captured for every measurement.
@@ -22,26 +23,35 @@ from infero.bench.decode import graph_step_timer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE, a bool")
+    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE")
+    parser.add_argument("--values", help="comma-separated ints to compare (default: True,False)")
+    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the whole run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
+    for setting in args.set:
+        target, value = setting.split("=")
+        held_module, held_attribute = target.split(":")
+        setattr(importlib.import_module(held_module), held_attribute, int(value))
     module_name, attribute = args.flag.split(":")
     module = importlib.import_module(module_name)
     default = getattr(module, attribute)
     step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
-    times: dict[bool, list[float]] = {True: [], False: []}
+    values = [int(v) for v in args.values.split(",")] if args.values else [True, False]
+    times: dict = {value: [] for value in values}
     for _ in range(args.repeats):
-        for value in (True, False):
+        for value in values:
             setattr(module, attribute, value)
             times[value].append(step_us())
     setattr(module, attribute, default)
     print(f"{attribute:<24} {'median us':>10}  each")
-    for value, values in times.items():
-        print(f"{str(value):<24} {np.median(values):>10.1f}  {' '.join(f'{v:.0f}' for v in values)}")
-    print(f"True - False: {np.median(times[True]) - np.median(times[False]):+.1f} us")
+    for value, measured in times.items():
+        print(f"{str(value):<24} {np.median(measured):>10.1f}  {' '.join(f'{v:.0f}' for v in measured)}")
+    first = values[0]
+    for value in values[1:]:
+        print(f"{first} - {value}: {np.median(times[first]) - np.median(times[value]):+.1f} us")
 
 
 if __name__ == "__main__":

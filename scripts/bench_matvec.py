@@ -4,6 +4,8 @@ prefetch depth) variant of matvec_q timed inside a CUDA graph, with the weight b
     python scripts/bench_matvec.py [--shapes 8b,0.5b] [--n 1]      the sweep, one table per shape
     python scripts/bench_matvec.py --shapes steady                  each format's rate with no launch gaps
     python scripts/bench_matvec.py --once                           each shape's default variant once (for ncu)
+    python scripts/bench_matvec.py --shapes steady,8b --types Q6_K  only some weight types
+    python scripts/bench_matvec.py --plan                           only the variant matvec.plan picks
 
 Each graph launches the kernel on REPS different copies of the weight (more bytes than the L2 holds), back to back
 with programmatic dependent launch as in a forward pass, so a launch's time includes its share of the gaps.
@@ -25,6 +27,9 @@ SHAPES = {
            ("Q4_K", 4096, 14336), ("Q6_K", 1024, 4096), ("Q6_K", 128256, 4096)],
     "0.5b": [("Q8_0", 4864, 896), ("Q8_0", 896, 896), ("Q8_0", 128, 896), ("Q8_0", 896, 4864),
              ("Q8_0", 151936, 896)],
+    # The block formats whose blocks are only 2- or 4-byte aligned (their windows are shifted into place).
+    "formats": [(t, rows, 4096) for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL")
+                for rows in (4096, 14336)],
     # ~0.4-0.5 GB each, the widths of the decode matrices: a launch's ramp and tail are ~2% of its time, so these
     # give the rate each format's loop streams at once it is running: what a persistent decode kernel, which has
     # no launches between matrices, could reach at most (docs/performance.md).
@@ -78,17 +83,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8b,0.5b")
     parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--types", help="only these weight types (comma-separated, e.g. Q6_K)")
     parser.add_argument("--once", action="store_true")
+    parser.add_argument("--plan", action="store_true", help="time only the planned variant (nothing to compile)")
     args = parser.parse_args()
     stream, sms, rng, n = runtime.stream(), runtime.context().info.num_sms, np.random.default_rng(0), args.n
     shapes = [s for key in args.shapes.split(",") for s in SHAPES[key]]
+    if args.types:
+        shapes = [s for s in shapes if s[0] in args.types.split(",")]
     big_n = next(b for b in matvec.TOKEN_BUCKETS if b >= n)
     types = sorted({int(GGMLType[name]) for name, _, _ in shapes})
     # n = 1: rows per warp and prefetch depth; batches (no prefetch ring): two or four rows per warp.
     variants = [(rpw, a) for rpw in (1, 2) for a in (-1, 1, 2, 3, 4)] if big_n == 1 else [(2, -1), (4, -1)]
-    runtime.declare(
-        "matvec.cu", [f"matvec_q<{t}, {big_n}, {rpw}, {a}>" for t in types for rpw, a in variants]
-    )  # fmt: skip  (one compile for the whole sweep)
+    if not args.plan:
+        runtime.declare(
+            "matvec.cu", [f"matvec_q<{t}, {big_n}, {rpw}, {a}>" for t in types for rpw, a in variants]
+        )  # fmt: skip  (one compile for the whole sweep)
     for name, rows, cols in shapes:
         qtype = int(GGMLType[name])
         nbytes = rows * len(random_blocks(qtype, 1, cols, rng, 0.02)[0])
@@ -106,9 +116,9 @@ def main() -> None:
             stream.synchronize()
             continue
         results = []
-        for rpw, ahead in variants:
+        for rpw, ahead in [(rpw0, ahead0)] if args.plan else variants:
             fn = runtime.kernel("matvec.cu", f"matvec_q<{qtype}, {big_n}, {rpw}, {ahead}>")
-            for wpb in (1, 2, 4):
+            for wpb in (wpb0,) if args.plan else (1, 2, 4):
                 us = time_variant(stream, fn, (-(-rows // (rpw * wpb)),), (32 * wpb,), ws, xq, xs, out, n)
                 default = (rpw, wpb, ahead) == (rpw0, wpb0, ahead0)
                 results.append((us, rpw, wpb, ahead, default))

@@ -115,7 +115,8 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
         if per_lane == 1 and rows < 512 * num_sms:
             rpw, ahead = 1, 1
         elif rows <= 16 * num_sms:
-            rpw, ahead = 2, min(per_lane - 1, 4)
+            # Q6_K's ring of 3-4 units over two rows: 6.05 us on 1024x4096 against 3.00 over one row.
+            rpw, ahead = 1 if t == int(GGMLType.Q6_K) else 2, min(per_lane - 1, 4)
         else:
             rpw = 1 if t in _LARGE_UNIT_TYPES and per_lane >= 8 and rows < 512 * num_sms else 2
             ahead = 1

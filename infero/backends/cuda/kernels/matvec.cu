@@ -24,7 +24,7 @@
 // array for the K-quants: 32 elements for Q4_K/Q5_K/Q6_K, 64 for Q2_K/Q3_K; 8 elements for float weights), so
 // a warp's loads of one unit cover a contiguous stretch of the row. Per unit a lane loads the unit's bytes of
 // each of its RPW rows with the widest loads the block alignment allows (16-byte loads for Q4_K/Q5_K, 8-byte
-// for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 16-byte aligned chunks holding the bytes, shifted into
+// for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 8-byte aligned words holding the bytes, shifted into
 // place in registers; aligned weight loads skip L1), then each token's activation (16 bytes per plane and
 // 16-element run + its scale) once for all RPW rows. A lane's units are u = lane + 32 i, so its slot in a block
 // (u % 8) is fixed: the K-quants' selectors and shifts are computed once per lane. For N <= 4 the weight loads
@@ -32,8 +32,8 @@
 // unit's dot products run, one for Q3_K/Q6_K and for N = 2..4; the loop is unrolled by the ring's length so the
 // ring does not cost moves); from N = 8 on the kernel is bound by re-reading each token's activations per row
 // (four rows per warp halve that) and loads as it goes. The float kernel does the same with 16-byte weight loads.
-// The copies of the 16-byte chunks around a block may read up to 14 bytes outside the tensor's bytes, never
-// outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still report them).
+// The copies of the 8-byte words around a block may read up to 6 bytes outside the tensor's bytes, never outside
+// their 8-byte word (so never outside a mapped page; compute-sanitizer may still report them).
 //
 // Reduction order (batch invariance). For each (row, token): every lane sums the float contributions of its
 // units in increasing unit order (one __fadd_rn per unit; a unit's contribution is a fixed expression of exact
@@ -87,14 +87,16 @@ __device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(rei
 
 // NW little-endian words starting at byte p (p aligned to ALIGN), in two steps so that loads can be issued long
 // before their use: fetch() only loads, get() shifts into place. Exactly aligned ranges load exactly; otherwise
-// the 16-byte aligned chunks holding the bytes are loaded (a chunk only when it holds one of them, so nothing
-// outside the 16-byte chunks of the requested bytes is read).
+// the 8-byte aligned words holding the bytes are loaded (a word only when it holds one of them, so nothing outside
+// the 8-byte words of the requested bytes is read) and get() selects and shifts: one select per word between two
+// neighbours (offsets 0-3 or 4-7 bytes into the first word) and, for 2-byte alignment, a 16-bit funnel shift.
+// 16-byte chunks would need two selects per word and more registers in flight (Q6_K 4096x14336: 25.8 -> 21.7 us).
 template <int NW, int ALIGN>
 struct Win {
   static constexpr int MODE = (ALIGN >= 16 && NW % 4 == 0) ? 16 : (ALIGN >= 8 && NW % 2 == 0) ? 8
                               : (ALIGN >= 4 && NW == 1) ? 4 : 0;
-  static constexpr int L = (4 * NW + 16 - ALIGN + 15) / 16;  // chunks needed at the worst offset (MODE 0)
-  static constexpr int WORDS = MODE ? NW : 4 * L;
+  static constexpr int L = (4 * NW + 8 - ALIGN + 7) / 8;  // 8-byte words needed at the worst offset (MODE 0)
+  static constexpr int WORDS = MODE ? NW : 2 * L;
   uint32_t w[WORDS];
 
   __device__ __forceinline__ void fetch(const uint8_t* p) {
@@ -114,13 +116,13 @@ struct Win {
       w[0] = ldg_u32(p);
     } else {
       const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-      const uint4* base = reinterpret_cast<const uint4*>(a & ~15ull);
-      const int o = (int)(a & 15);
+      const uint2* base = reinterpret_cast<const uint2*>(a & ~7ull);
+      const int o = (int)(a & 7);
 #pragma unroll
       for (int c = 0; c < L; ++c) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (c == 0 || 16 * c < o + 4 * NW) v = __ldg(base + c);
-        w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+        uint2 v = make_uint2(0, 0);
+        if (c == 0 || 8 * c < o + 4 * NW) v = __ldg(base + c);
+        w[2 * c] = v.x; w[2 * c + 1] = v.y;
       }
     }
   }
@@ -130,20 +132,16 @@ struct Win {
 #pragma unroll
       for (int i = 0; i < NW; ++i) out[i] = w[i];
     } else {
-      const int o = (int)(reinterpret_cast<unsigned long long>(p) & 15);
-      const int k = o >> 2;  // whole words to drop: 0..3, as two conditional shifts (no dynamic indexing)
-      uint32_t v[4 * L];
+      const int o = (int)(reinterpret_cast<unsigned long long>(p) & 7);
+      constexpr int KEEP = ALIGN >= 4 ? NW : NW + 1;  // words the shift below reads
+      uint32_t v[KEEP];
 #pragma unroll
-      for (int i = 0; i < 4 * L; ++i) v[i] = w[i];
-#pragma unroll
-      for (int i = 0; i + 2 < 4 * L; ++i) v[i] = (k & 2) ? v[i + 2] : v[i];
-#pragma unroll
-      for (int i = 0; i + 1 < 4 * L; ++i) v[i] = (k & 1) ? v[i + 1] : v[i];
+      for (int i = 0; i < KEEP; ++i) v[i] = (o & 4) ? w[i + 1] : w[i];
       if constexpr (ALIGN >= 4) {
 #pragma unroll
         for (int i = 0; i < NW; ++i) out[i] = v[i];
       } else {
-        const int sh = (o & 3) * 8;  // 0 or 16
+        const int sh = (o & 2) * 8;  // 0 or 16
 #pragma unroll
         for (int i = 0; i < NW; ++i) out[i] = __funnelshift_r(v[i], v[i + 1], sh);
       }
@@ -688,7 +686,7 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
   // Units prefetched per row: two at N = 1 where the raw bytes are small (register-heavy Q3_K/Q6_K take one and
   // keep more warps resident instead), one up to N = 4, none from N = 8 on (there re-reading the activations binds).
   // AHEAD_ >= 0 overrides this (scripts/bench_matvec.py sweeps it).
-  constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (sizeof(typename U::Raw) <= 64 ? 2 : 1) : N <= 4 ? 1 : 0;
+  constexpr int AHEAD = AHEAD_ >= 0 ? AHEAD_ : N == 1 ? (T == GGML_Q3_K || T == GGML_Q6_K ? 1 : 2) : N <= 4 ? 1 : 0;
   const int lane = threadIdx.x & 31;
   const int k = lane & 7;  // u % 8 for every unit u this lane visits (u = lane + 32 i): the unit's slot in its block
   // This warp's segment s (segment i's warps follow segment i - 1's) and its first row there.
