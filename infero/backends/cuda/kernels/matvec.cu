@@ -24,16 +24,17 @@
 // array for the K-quants: 32 elements for Q4_K/Q5_K/Q6_K, 64 for Q2_K/Q3_K; 8 elements for float weights), so
 // a warp's loads of one unit cover a contiguous stretch of the row. Per unit a lane loads the unit's bytes of
 // each of its RPW rows with the widest loads the block alignment allows (16-byte loads for Q4_K/Q5_K, 8-byte
-// for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 8-byte aligned words holding the bytes, shifted into
-// place in registers; aligned weight loads skip L1), then each token's activation (16 bytes per plane and
-// 16-element run + its scale) once for all RPW rows. A lane's units are u = lane + 32 i, so its slot in a block
-// (u % 8) is fixed: the K-quants' selectors and shifts are computed once per lane. For N <= 4 the weight loads
-// are software-pipelined (a ring of raw bytes: at N = 1 the next two units per row are in flight while this
-// unit's dot products run, one for Q3_K/Q6_K and for N = 2..4; the loop is unrolled by the ring's length so the
-// ring does not cost moves); from N = 8 on the kernel is bound by re-reading each token's activations per row
-// (four rows per warp halve that) and loads as it goes. The float kernel does the same with 16-byte weight loads.
-// The copies of the 8-byte words around a block may read up to 6 bytes outside the tensor's bytes, never outside
-// their 8-byte word (so never outside a mapped page; compute-sanitizer may still report them).
+// for Q5_1/IQ4_XS; for 2- and 4-byte aligned blocks the 16-byte aligned chunks holding the bytes, for Q6_K the
+// 8-byte words, shifted into place in registers; aligned weight loads skip L1), then each token's activation
+// (16 bytes per plane and 16-element run + its scale) once for all RPW rows. A lane's units are u = lane + 32 i,
+// so its slot in a block (u % 8) is fixed: the K-quants' selectors and shifts are computed once per lane. For
+// N <= 4 the weight loads are software-pipelined (a ring of raw bytes: at N = 1 the next two units per row are in
+// flight while this unit's dot products run, one for Q3_K/Q6_K and for N = 2..4; the loop is unrolled by the
+// ring's length so the ring does not cost moves); from N = 8 on the kernel is bound by re-reading each token's
+// activations per row (four rows per warp halve that) and loads as it goes. The float kernel does the same with
+// 16-byte weight loads. The copies of the 16-byte chunks around a block may read up to 14 bytes outside the
+// tensor's bytes, never outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still
+// report them).
 //
 // Reduction order (batch invariance). For each (row, token): every lane sums the float contributions of its
 // units in increasing unit order (one __fadd_rn per unit; a unit's contribution is a fixed expression of exact
@@ -87,16 +88,14 @@ __device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(rei
 
 // NW little-endian words starting at byte p (p aligned to ALIGN), in two steps so that loads can be issued long
 // before their use: fetch() only loads, get() shifts into place. Exactly aligned ranges load exactly; otherwise
-// the 8-byte aligned words holding the bytes are loaded (a word only when it holds one of them, so nothing outside
-// the 8-byte words of the requested bytes is read) and get() selects and shifts: one select per word between two
-// neighbours (offsets 0-3 or 4-7 bytes into the first word) and, for 2-byte alignment, a 16-bit funnel shift.
-// 16-byte chunks would need two selects per word and more registers in flight (Q6_K 4096x14336: 25.8 -> 21.7 us).
+// the 16-byte aligned chunks holding the bytes are loaded (a chunk only when it holds one of them, so nothing
+// outside the 16-byte chunks of the requested bytes is read).
 template <int NW, int ALIGN>
 struct Win {
   static constexpr int MODE = (ALIGN >= 16 && NW % 4 == 0) ? 16 : (ALIGN >= 8 && NW % 2 == 0) ? 8
                               : (ALIGN >= 4 && NW == 1) ? 4 : 0;
-  static constexpr int L = (4 * NW + 8 - ALIGN + 7) / 8;  // 8-byte words needed at the worst offset (MODE 0)
-  static constexpr int WORDS = MODE ? NW : 2 * L;
+  static constexpr int L = (4 * NW + 16 - ALIGN + 15) / 16;  // chunks needed at the worst offset (MODE 0)
+  static constexpr int WORDS = MODE ? NW : 4 * L;
   uint32_t w[WORDS];
 
   __device__ __forceinline__ void fetch(const uint8_t* p) {
@@ -116,13 +115,13 @@ struct Win {
       w[0] = ldg_u32(p);
     } else {
       const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-      const uint2* base = reinterpret_cast<const uint2*>(a & ~7ull);
-      const int o = (int)(a & 7);
+      const uint4* base = reinterpret_cast<const uint4*>(a & ~15ull);
+      const int o = (int)(a & 15);
 #pragma unroll
       for (int c = 0; c < L; ++c) {
-        uint2 v = make_uint2(0, 0);
-        if (c == 0 || 8 * c < o + 4 * NW) v = __ldg(base + c);
-        w[2 * c] = v.x; w[2 * c + 1] = v.y;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (c == 0 || 16 * c < o + 4 * NW) v = __ldg(base + c);
+        w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
       }
     }
   }
@@ -132,20 +131,52 @@ struct Win {
 #pragma unroll
       for (int i = 0; i < NW; ++i) out[i] = w[i];
     } else {
-      const int o = (int)(reinterpret_cast<unsigned long long>(p) & 7);
-      constexpr int KEEP = ALIGN >= 4 ? NW : NW + 1;  // words the shift below reads
-      uint32_t v[KEEP];
+      const int o = (int)(reinterpret_cast<unsigned long long>(p) & 15);
+      const int k = o >> 2;  // whole words to drop: 0..3, as two conditional shifts (no dynamic indexing)
+      uint32_t v[4 * L];
 #pragma unroll
-      for (int i = 0; i < KEEP; ++i) v[i] = (o & 4) ? w[i + 1] : w[i];
+      for (int i = 0; i < 4 * L; ++i) v[i] = w[i];
+#pragma unroll
+      for (int i = 0; i + 2 < 4 * L; ++i) v[i] = (k & 2) ? v[i + 2] : v[i];
+#pragma unroll
+      for (int i = 0; i + 1 < 4 * L; ++i) v[i] = (k & 1) ? v[i + 1] : v[i];
       if constexpr (ALIGN >= 4) {
 #pragma unroll
         for (int i = 0; i < NW; ++i) out[i] = v[i];
       } else {
-        const int sh = (o & 2) * 8;  // 0 or 16
+        const int sh = (o & 3) * 8;  // 0 or 16
 #pragma unroll
         for (int i = 0; i < NW; ++i) out[i] = __funnelshift_r(v[i], v[i + 1], sh);
       }
     }
+  }
+};
+
+// Q6_K's windows: 16 bytes at a 2-byte aligned p from the three 8-byte words around them, fetch() and get() as
+// Win's. Win<4, 2>'s two 16-byte chunks hold 8 words in flight per window and take two selects per word; these
+// hold 6 and take one (Q6_K 4096x14336 at one token 25.8 -> 21.7 us, its 128256-row head 175.5 -> 149.4; the 8B's
+// decode step -65 us). Unguarded: every window of a Q6_K block is followed by at least 12 more of its bytes
+// (scales and d), so the up to 6 bytes read past it stay in the block. The other 2- and 4-byte aligned formats
+// measured mixed with 8-byte words (Q4_0 and Q4_1 slower), so they keep Win.
+struct Win16At2 {
+  uint32_t w[6];
+
+  __device__ __forceinline__ void fetch(const uint8_t* p) {
+    const uint2* base = reinterpret_cast<const uint2*>(reinterpret_cast<unsigned long long>(p) & ~7ull);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const uint2 v = __ldg(base + i);
+      w[2 * i] = v.x; w[2 * i + 1] = v.y;
+    }
+  }
+
+  __device__ __forceinline__ void get(const uint8_t* p, uint32_t (&out)[4]) const {
+    const int o = (int)(reinterpret_cast<unsigned long long>(p) & 7);
+    uint32_t v[5];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) v[i] = (o & 4) ? w[i + 1] : w[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __funnelshift_r(v[i], v[i + 1], (o & 2) * 8);
   }
 };
 
@@ -419,7 +450,7 @@ template <> struct Unit<GGML_Q5_K> : UnitK45<GGML_Q5_K> {};
 template <>
 struct Unit<GGML_Q6_K> {
   static constexpr int ELEMS = 32, RUNS = 2;
-  struct Raw { Win<4, 2> ql, qh; uint32_t sc0, sc1, d; };
+  struct Raw { Win16At2 ql, qh; uint32_t sc0, sc1, d; };
   struct W { int q[2][4]; float d; int sc[2]; };
   __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = (u >> 3) * 8 + (k >> 2) * 4 + ((k & 3) >> 1);
