@@ -73,10 +73,6 @@ class CpuOps:
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
-    def feed_forward(self, x: np.ndarray, gate, up, down) -> np.ndarray:
-        """The gated feed-forward block: down(swiglu(gate x, up x))."""
-        return self.linear(self.swiglu(*self.linears(x, (gate, up))), down)
-
     def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
         """Rotate the first rope_dim dimensions of every head of x [n, heads, head_dim] by position."""
         cos, sin = rotary.cos_sin(positions)

@@ -53,12 +53,6 @@ runtime.declare(
     + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))],
 )
 
-# (gate/up type, down type) pairs matvec_mlp is compiled for: one type throughout, and the mixes of llama.cpp's
-# Q4_K_M / Q5_K_M files, which keep some layers' ffn_down in Q6_K.
-MLP_PAIRS = tuple((t, t) for t in QUANT_TYPES) + ((12, 14), (13, 14))
-runtime.declare(SOURCE, [f"matvec_mlp<{g}, {d}>" for g, d in MLP_PAIRS])
-MLP_BLOCKS_PER_SM = 4  # matvec_mlp's __launch_bounds__ minimum
-
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
@@ -75,14 +69,6 @@ class Rope(ctypes.Structure):
 
     _fields_ = [("positions", _P), ("slots", _P), ("inv_freq", _P), ("k_cache", _P), ("v_cache", _P),
                 ("role", _I * MAX_SEGMENTS), ("head_dim", _I), ("neox", _I), ("mscale", ctypes.c_float)]  # fmt: skip
-
-
-class Mlp(ctypes.Structure):
-    """matvec.cu's mv::Mlp, matvec_mlp's one argument."""
-
-    _fields_ = [("gate", _P), ("up", _P), ("down", _P), ("gate_row_bytes", _L), ("down_row_bytes", _L),
-                ("xq", _P), ("xs", _P), ("h", _P), ("hq", _P), ("hs", _P), ("out", _P), ("barrier", _P),
-                ("hidden", _I), ("inter", _I)]  # fmt: skip
 
 
 ROPE_ROLES = ("q", "k", "v")  # mv::RopeRole
@@ -314,57 +300,6 @@ def rope_pays(weight: QuantWeight) -> bool:
     and there the separate rotary kernel measured faster. Decode step on the H200, separate kernel / matvec_rope:
     qwen2.5-0.5b (896-wide Q8_0, one unit per lane) 774 / 792 us, llama-3.1-8b (4096-wide Q4_K) 2,762 / 2,728."""
     return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
-
-
-def feed_forward_fits(gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> bool:
-    """Whether feed_forward takes these matrices: gate and up of one block format and shape, down reading their
-    rows, a compiled pair of types, and widths the activation format takes (multiples of 32)."""
-    return ((gate.ggml_type, down.ggml_type) in MLP_PAIRS and up.ggml_type == gate.ggml_type
-            and (up.rows, up.cols) == (gate.rows, gate.cols) and up.data.shape == gate.data.shape
-            and (down.rows, down.cols) == (gate.cols, gate.rows) and gate.cols % 32 == 0 and gate.rows % 32 == 0
-            and all(w.layout_error(QUANT_TYPES) is None for w in (gate, up, down)))  # fmt: skip
-
-
-def feed_forward(
-    out: DeviceTensor,
-    gate: QuantWeight,
-    up: QuantWeight,
-    down: QuantWeight,
-    quantized: tuple[DeviceTensor, DeviceTensor],
-    barrier: DeviceTensor,
-    stream: driver.Stream,
-    workspace: Workspace,
-) -> None:
-    """out [1, hidden] = down(silu(gate x) * (up x)) for one token x, given in the activation format (quantized,
-    see quantize), in one launch (matvec.cu's matvec_mlp: three phases between grid barriers instead of three
-    kernels); bitwise what matvec_many(gate, up), elementwise.swiglu and matvec(down) give. barrier: uint32 [2],
-    zero (the kernel leaves it zero), owned by this stream. The matrices must pass feed_forward_fits."""
-    if not feed_forward_fits(gate, up, down):
-        raise ValueError(f"feed_forward: gate {gate.rows}x{gate.cols} {_type_name(gate.ggml_type)}, up "
-                         f"{_type_name(up.ggml_type)}, down {down.rows}x{down.cols} {_type_name(down.ggml_type)} "
-                         "do not fit one fused launch")  # fmt: skip
-    hidden, inter = gate.cols, gate.rows
-    xq, xs = quantized
-    if (xq.shape, xs.shape) != activation_shapes(1, hidden) or out.shape != (1, hidden) or out.dtype != np.float32:
-        raise ValueError(f"feed_forward: x {xq.shape} / {xs.shape} and out {out.shape} must be one token of {hidden}")
-    if barrier.dtype != np.uint32 or barrier.numel != 2:
-        raise ValueError(f"feed_forward: barrier must be uint32 [2], got {barrier.dtype} {barrier.shape}")
-    key = ("mlp", gate.ggml_type, down.ggml_type)
-    launch = _launches.get(key)
-    if launch is None:
-        fn = _kernel(f"matvec_mlp<{gate.ggml_type}, {down.ggml_type}>")
-        # Every CTA must be resident at once (they wait for each other at the barriers).
-        per_sm = min(MLP_BLOCKS_PER_SM, driver.resident_blocks_per_sm(fn, 128))
-        launch = _launches[key] = (fn, (per_sm * _sms(),), (128,))
-    fn, grid, block = launch
-    mark = workspace.offset
-    q_shape, s_shape = activation_shapes(1, inter)
-    h = workspace.empty((inter,), np.float32)
-    hq, hs = workspace.empty(q_shape, np.int8), workspace.empty(s_shape, np.int32)
-    args = Mlp(gate.data.ptr, up.data.ptr, down.data.ptr, gate.data.shape[1], down.data.shape[1], xq.ptr, xs.ptr,
-               h.ptr, hq.ptr, hs.ptr, out.ptr, barrier.ptr, hidden, inter)  # fmt: skip
-    driver.launch(fn, grid, block, (args,), (None,), stream, pdl=True)
-    workspace.offset = mark  # the scratch is dead once the kernel (queued on this stream) has run
 
 
 def _check_rope(weights, roles, n, positions, inv_freq, pairing, head_dim, k_cache, v_cache, slots) -> str | None:

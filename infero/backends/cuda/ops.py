@@ -24,8 +24,6 @@ MATVEC_MAX_TOKENS = 16
 # mat-vec on the H200 (docs/performance.md): llama-3.1-8b Q4_K_M steps of 4 / 8 / 16 sequences 5.3 / 8.3 / 15.9 ms on
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
-# A decode step's feed-forward block as one launch (matvec.feed_forward) where it fits; a switch for A/B runs.
-FUSED_FEED_FORWARD = True
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
 
 
@@ -44,7 +42,6 @@ class CudaOps:
         self._quantized_key = None
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
-        self._ffn_barrier = None  # matvec.feed_forward's grid-barrier counters
 
     def prepare(self, config) -> None:
         """The fixed buffer of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -60,7 +57,6 @@ class CudaOps:
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
         self._skinny_keys = {}
-        self._ffn_barrier = from_host(np.zeros(2, np.uint32), arena)
 
     def _skinny_input(self, x: DeviceTensor, ggml_type: int) -> DeviceTensor:
         """x converted for the skinny GEMM of ggml_type, once per activation (q and k, gate and up share it)."""
@@ -178,18 +174,6 @@ class CudaOps:
             matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
                                [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
-
-    def feed_forward(self, x: DeviceTensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> DeviceTensor:
-        """down(swiglu(gate x, up x)) (see CpuOps.feed_forward). One decode token on block-format weights runs it in
-        one launch (matvec.feed_forward: its three mat-vec phases between grid barriers, bitwise the separate
-        launches); the rest as linears, swiglu and linear."""
-        fused = (FUSED_FEED_FORWARD and x.shape[0] == 1 and self._quantizable(x) and self._ffn_barrier is not None
-                 and matvec.feed_forward_fits(gate, up, down))  # fmt: skip
-        if not fused:
-            return self.linear(self.swiglu(*self.linears(x, (gate, up))), down)
-        out = self.ws.empty((1, down.rows), np.float32)
-        matvec.feed_forward(out, gate, up, down, self._quantized(x), self._ffn_barrier, self.stream, self.ws)
-        return out
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)

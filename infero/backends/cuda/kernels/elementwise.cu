@@ -25,7 +25,6 @@
 #include "act_quant.cuh"
 #include "pdl.cuh"
 #include "rope.cuh"
-#include "swiglu.cuh"
 
 namespace ew {
 
@@ -229,10 +228,10 @@ __global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const flo
         float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (live) {
             const float4 g = reinterpret_cast<const float4*>(gate)[i], u = reinterpret_cast<const float4*>(up)[i];
-            r.x = silu_mul(g.x, u.x);
-            r.y = silu_mul(g.y, u.y);
-            r.z = silu_mul(g.z, u.z);
-            r.w = silu_mul(g.w, u.w);
+            r.x = g.x / (1.0f + expf(-g.x)) * u.x;
+            r.y = g.y / (1.0f + expf(-g.y)) * u.y;
+            r.z = g.z / (1.0f + expf(-g.z)) * u.z;
+            r.w = g.w / (1.0f + expf(-g.w)) * u.w;
             reinterpret_cast<float4*>(out)[i] = r;
         }
         if (QUANT) {  // n % 32 == 0: a group's 8 threads are all live or all past the end
@@ -242,7 +241,8 @@ __global__ void __launch_bounds__(256) swiglu(float* __restrict__ out, const flo
         }
     } else {
         if (i >= n) return;
-        out[i] = silu_mul(gate[i], up[i]);
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
     }
 }
 

@@ -60,7 +60,6 @@
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "rope.cuh"
-#include "swiglu.cuh"
 
 namespace mv {
 
@@ -222,22 +221,17 @@ struct Act {
   int s[R];
 };
 
-// CG: the activations were written during this launch (matvec_mlp's second phase), so they are read through L2,
-// not the read-only path.
-template <class V>
-__device__ __forceinline__ V ld_act(const V* p, bool cg) { return cg ? __ldcg(p) : __ldg(p); }
-
-template <int R, bool CG = false>
+template <int R>
 __device__ __forceinline__ void load_act(Act<R>& a, const int8_t* __restrict__ xq0, const int8_t* __restrict__ xq1,
                                          const ActScale* __restrict__ xs, const int (&g)[R], const int (&h)[R]) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int at = 32 * g[r] + 16 * h[r];
-    const int4 v0 = ld_act(reinterpret_cast<const int4*>(xq0 + at), CG);
-    const int4 v1 = ld_act(reinterpret_cast<const int4*>(xq1 + at), CG);
+    const int4 v0 = __ldg(reinterpret_cast<const int4*>(xq0 + at));
+    const int4 v1 = __ldg(reinterpret_cast<const int4*>(xq1 + at));
     a.x0[r][0] = v0.x; a.x0[r][1] = v0.y; a.x0[r][2] = v0.z; a.x0[r][3] = v0.w;
     a.x1[r][0] = v1.x; a.x1[r][1] = v1.y; a.x1[r][2] = v1.z; a.x1[r][3] = v1.w;
-    const int2 sc = ld_act(reinterpret_cast<const int2*>(xs) + 2 * g[r] + h[r], CG);
+    const int2 sc = __ldg(reinterpret_cast<const int2*>(xs) + 2 * g[r] + h[r]);
     a.d[r] = __int_as_float(sc.x);
     a.s[r] = sc.y;
   }
@@ -688,63 +682,6 @@ __device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict
   }
 }
 
-// A warp's dot products of RPW weight rows (wrow) with N tokens' activations, as matvec_q computes them: lane l
-// sums its units l, l + 32, ... in increasing order into acc (not reduced across lanes). The weight loads are
-// software-pipelined through a ring of AHEAD units per row; prefetch() fills it (weights are immutable, so a
-// caller may do that before its PDL wait or a grid barrier), run() streams the rest of the rows.
-template <int T, int N, int RPW, int AHEAD, bool CG = false>
-struct WarpRows {
-  using U = Unit<T>;
-  // Unrolled by the ring's length where the ring is small, so that its shift below is register renaming, not
-  // moves (larger rings, Q3_K/Q6_K at depth 2-4, would spill).
-  static constexpr int UNROLL = N == 1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
-  typename U::Raw ring[AHEAD + 1][RPW];
-
-  // ring[a] holds unit lane + 32a of each row (clamped to the last unit: a cached re-read near the row's end).
-  __device__ __forceinline__ void prefetch(const uint8_t* const (&wrow)[RPW], int units, int lane, int k) {
-    if (lane < units) {
-#pragma unroll
-      for (int a = 0; a < AHEAD; ++a)
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1), k);
-    }
-  }
-
-  __device__ __forceinline__ void run(float (&acc)[RPW][N], const uint8_t* const (&wrow)[RPW],
-                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs, int n,
-                                      int cols, int lane, int k) {
-    const int units = cols / U::ELEMS, halves = cols / 16;
-    const int8_t* xq1 = xq + (long long)n * cols;  // plane 1
-#pragma unroll
-    for (int r = 0; r < RPW; ++r)
-#pragma unroll
-      for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
-#pragma unroll UNROLL
-    for (int u = lane; u < units; u += 32) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
-      typename U::W w[RPW];
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
-#pragma unroll
-      for (int a = 0; a < AHEAD; ++a)
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) ring[a][r] = ring[a + 1][r];
-      int g[U::RUNS], h[U::RUNS];
-      U::runs(u, k, g, h);
-#pragma unroll
-      for (int t = 0; t < N; ++t) {
-        if (t == 0 || t < n) {  // n >= 1: token 0 unconditional, so no weight load sinks into a branch
-          Act<U::RUNS> a;
-          load_act<U::RUNS, CG>(a, xq + t * cols, xq1 + t * cols, xs + t * halves, g, h);
-#pragma unroll
-          for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
-        }
-      }
-    }
-  }
-};
-
 }  // namespace mv
 
 // x float32 [n, cols] -> the activation format of act_quant.cuh (two int8 planes; the error is at most
@@ -799,144 +736,57 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r * stride, rows - 1) * row_bytes;
+  const int units = cols / U::ELEMS, halves = cols / 16;
+  const int8_t* xq1 = xq + (long long)n * cols;  // plane 1
 
-  mv::WarpRows<T, N, RPW, AHEAD> rows_dot;
-  rows_dot.prefetch(wrow, cols / U::ELEMS, lane, k);
-  pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
   float acc[RPW][N];
-  rows_dot.run(acc, wrow, xq, xs, n, cols, lane, k);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+
+  // A ring of raw weight bytes: ring[0] is this unit's, ring[a] unit u + 32a (clamped to the last unit: a cached
+  // re-read near the row's end), so AHEAD units per row are in flight while this unit's dot products run.
+  typename U::Raw ring[AHEAD + 1][RPW];
+  if (lane < units) {
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1), k);
+  }
+  pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
+  // Unrolled by the ring's length where the ring is small, so that its shift below is register renaming, not
+  // moves (larger rings, Q3_K/Q6_K at depth 2-4, would spill).
+  constexpr int UNROLL = N == 1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
+#pragma unroll UNROLL
+  for (int u = lane; u < units; u += 32) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    typename U::W w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) ring[a][r] = ring[a + 1][r];
+    int g[U::RUNS], h[U::RUNS];
+    U::runs(u, k, g, h);
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t == 0 || t < n) {  // n >= 1: token 0 unconditional, so no weight load sinks into a branch
+        mv::Act<U::RUNS> a;
+        mv::load_act(a, xq + t * cols, xq1 + t * cols, xs + t * halves, g, h);
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
+      }
+    }
+  }
   if constexpr (ROPE) {
     static_assert(RPW == 2, "a rotation pair per warp");
     mv::rope_store<N>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, row0 + stride, lane,
                       mv::pick(rope.role, s), rope);
   } else {
     mv::reduce_store<N, RPW>(acc, mv::pick(seg.out, s), mv::pick(seg.bias, s), n, rows, row0, lane);
-  }
-}
-
-// ---- the feed-forward block of one decode token in one launch ---------------------------------------------------
-// out = down(silu(gate x) * (up x)) for one token, bitwise what linears(gate, up), swiglu and linear(down) give:
-//   phase 1  warp tasks i = warp, warp + W, ...: rows gate_i and up_i as one warp's two rows (WarpRows, so each
-//            row's sum is matvec_q's), h[i] = silu_mul(g, u) (swiglu.cuh)
-//   phase 2  h into the activation format (hq, hs; act_quant.cuh's quantize_store, as swiglu writes it)
-//   phase 3  warp tasks of RPW_D down rows -> out (matvec_q's reduce_store)
-// separated by grid barriers (an arrival counter; one thread per CTA arrives and spins) instead of kernel
-// boundaries, so nothing drains and refills the GPU between the three launches of the unfused path. Each warp
-// issues its first down rows' loads between its arrival at the first barrier and its wait (the weights are
-// immutable), so the down phase starts streaming at once. The grid must be resident as a whole (the launcher
-// sizes it from the occupancy and launches it cooperatively). barrier: two zeroed counters, zeroed again by the
-// last CTA to finish. Phase 3 reads hq/hs, written in this launch by other CTAs, through L2 (WarpRows' CG).
-namespace mv {
-struct Mlp {
-  const uint8_t* gate;
-  const uint8_t* up;
-  const uint8_t* down;
-  long long gate_row_bytes, down_row_bytes;
-  const int8_t* xq;      // x in the activation format [2, 1, hidden]
-  const ActScale* xs;
-  float* h;              // [inter] scratch
-  int8_t* hq;            // [2, 1, inter] scratch
-  ActScale* hs;          // [1, inter / 16] scratch
-  float* out;            // [hidden]
-  unsigned* barrier;     // [2]
-  int hidden, inter;
-};
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Arrival of this CTA, after all its threads' earlier writes.
-__device__ __forceinline__ void grid_arrive(unsigned* counter) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
-  }
-}
-
-// Until `target` CTAs have arrived; their writes before arriving are then visible to every thread of this CTA.
-__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned target) {
-  if (threadIdx.x == 0) {
-    while (ld_acquire(counter) < target) {
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-}  // namespace mv
-
-template <int TG, int TD>
-__global__ void __launch_bounds__(128, 4) matvec_mlp(const __grid_constant__ mv::Mlp m) {
-  constexpr int RPW_D = TD == GGML_Q3_K || TD == GGML_Q6_K ? 1 : 2;  // as matvec.plan for long rows
-  const int lane = threadIdx.x & 31, k = lane & 7;
-  const int warps = gridDim.x * (blockDim.x >> 5), warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int gate_units = m.hidden / mv::Unit<TG>::ELEMS, down_units = m.inter / mv::Unit<TD>::ELEMS;
-
-  mv::WarpRows<TG, 1, 2, 1> gu;
-  auto gate_up_rows = [&](int i, const uint8_t* (&wrow)[2]) {
-    const long long at = (long long)min(i, m.inter - 1) * m.gate_row_bytes;
-    wrow[0] = m.gate + at;
-    wrow[1] = m.up + at;
-  };
-  const uint8_t* wrow[2];
-  gate_up_rows(warp, wrow);
-  gu.prefetch(wrow, gate_units, lane, k);
-  pdl_enter();  // x was written by the kernel before
-  for (int i = warp; i < m.inter; i += warps) {
-    if (i != warp) {
-      gate_up_rows(i, wrow);
-      gu.prefetch(wrow, gate_units, lane, k);
-    }
-    float acc[2][1];
-    gu.run(acc, wrow, m.xq, m.xs, 1, m.hidden, lane, k);
-    mv::warp_sums<1, 2>(acc);
-    if (lane == 0) m.h[i] = silu_mul(acc[0][0], acc[1][0]);
-  }
-
-  mv::WarpRows<TD, 1, RPW_D, 1, true> dn;
-  auto down_rows = [&](int j, const uint8_t* (&drow)[RPW_D]) {
-#pragma unroll
-    for (int r = 0; r < RPW_D; ++r) drow[r] = m.down + (long long)min(j * RPW_D + r, m.hidden - 1) * m.down_row_bytes;
-  };
-  const uint8_t* drow[RPW_D];
-  down_rows(warp, drow);
-  mv::grid_arrive(m.barrier);
-  dn.prefetch(drow, down_units, lane, k);
-  mv::grid_wait(m.barrier, gridDim.x);
-
-  // Phase 2: one thread per 8 elements of h, whole warps (quantize_store shuffles across the warp).
-  const int chunks = m.inter / 8;
-  if (warp * 32 < chunks) {
-    const int c = warp * 32 + lane;
-    const bool live = c < chunks;
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (live) {
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(m.h) + 2 * c);
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(m.h) + 2 * c + 1);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    }
-    aq::quantize_store<8>(v, live, m.hq, m.hs, 1, m.inter, 0, live ? 8 * c : 0);
-  }
-  mv::grid_arrive(m.barrier);
-  mv::grid_wait(m.barrier, 2 * gridDim.x);
-
-  for (int j = warp; j * RPW_D < m.hidden; j += warps) {
-    if (j != warp) {
-      down_rows(j, drow);
-      dn.prefetch(drow, down_units, lane, k);
-    }
-    float acc[RPW_D][1];
-    dn.run(acc, drow, m.hq, m.hs, 1, m.inter, lane, k);
-    mv::reduce_store<1, RPW_D>(acc, m.out, nullptr, 1, m.hidden, j * RPW_D, lane);
-  }
-
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(m.barrier + 1, 1u) == gridDim.x - 1) {  // every CTA is past both barriers
-    m.barrier[0] = 0;
-    m.barrier[1] = 0;
   }
 }
 
