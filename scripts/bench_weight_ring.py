@@ -1,7 +1,7 @@
 """A persistent mat-vec phase with its weights streamed through shared memory (GPU machine): the measurement a
 persistent decode kernel needs first (docs/performance.md, "Next for batch 1").
 
-    python scripts/bench_weight_ring.py [--stages 2,4,8] [--ctas-per-sm 1,2,3,4]
+    python scripts/bench_weight_ring.py [--stages 2,4,8] [--ctas-per-sm 1,2,3,4,6,8]
 
 A grid of only resident CTAs; each warp walks row pairs w, w + W, ... of a Q4_K matrix at one token, as the
 fused feed-forward launch of the eighth session did, but each lane streams its units' raw bytes (16 bytes of qs
@@ -33,16 +33,16 @@ SOURCE = r"""
 #include "matvec.cu"
 #include "tensor_core.cuh"
 
-// Q4_K rows of `cols` (a multiple of 1024, so every lane has units in every row), one token.
-template <int S>
-__global__ void __launch_bounds__(128) ring_q4k(const uint8_t* __restrict__ w, long long row_bytes, int rows,
-                                                int cols, const int8_t* __restrict__ xq,
-                                                const ActScale* __restrict__ xs, float* __restrict__ out) {
+// Q4_K rows of PER_LANE * 1024 columns (every lane has PER_LANE units in every row), one token.
+template <int S, int MIN_BLOCKS, int PER_LANE>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    ring_q4k(const uint8_t* __restrict__ w, long long row_bytes, int rows, int cols, const int8_t* __restrict__ xq,
+             const ActScale* __restrict__ xs, float* __restrict__ out) {
   using U = mv::Unit<GGML_Q4_K>;
   extern __shared__ uint4 smem[];  // [warps][S stages][2 rows][hd, qs][32 lanes]
   const int lane = threadIdx.x & 31, k = lane & 7, wib = threadIdx.x >> 5;
   const int warps = gridDim.x * (blockDim.x >> 5), warp = blockIdx.x * (blockDim.x >> 5) + wib;
-  const int per_lane = cols / 1024;  // units of a row per lane
+  constexpr int per_lane = PER_LANE;
   const int tasks = (rows + 1) / 2;
   const int mine = tasks > warp ? (tasks - warp + warps - 1) / warps : 0;
   const int steps = mine * per_lane;  // this warp's (row pair, unit) positions
@@ -107,10 +107,11 @@ def timed(stream, launches: list[tuple]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="2,4,8")
-    parser.add_argument("--ctas-per-sm", default="1,2,3,4")
+    parser.add_argument("--ctas-per-sm", default="1,2,3,4,6,8")
     args = parser.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
-    names = [f"ring_q4k<{s}>" for s in stages]
+    # Registers capped for as many resident CTAs as the shared memory allows (228 KiB an SM, S x 8 KiB a CTA).
+    names = [f"ring_q4k<{s}, {min(8, 224 // (8 * s))}, 4>" for s in stages]  # the shapes' 4096 columns
     compiled = compiler.compile_source(SOURCE, "bench_weight_ring.cu", runtime.context().info.arch, names=names)
     module = driver.Module(compiled.cubin)
     stream, sms, rng = runtime.stream(), runtime.context().info.num_sms, np.random.default_rng(0)
