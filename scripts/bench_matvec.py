@@ -6,6 +6,7 @@ prefetch depth) variant of matvec_q timed inside a CUDA graph, with the weight b
     python scripts/bench_matvec.py --once                           each shape's default variant once (for ncu)
     python scripts/bench_matvec.py --shapes steady,8b --types Q6_K  only some weight types
     python scripts/bench_matvec.py --plan                           only the variant matvec.plan picks
+    python scripts/bench_matvec.py --plan --hot                     ... on one copy: L2-resident where it fits
 
 Each graph launches the kernel on REPS different copies of the weight (more bytes than the L2 holds), back to back
 with programmatic dependent launch as in a forward pass, so a launch's time includes its share of the gaps.
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--types", help="only these weight types (comma-separated, e.g. Q6_K)")
     parser.add_argument("--once", action="store_true")
     parser.add_argument("--plan", action="store_true", help="time only the planned variant (nothing to compile)")
+    parser.add_argument("--hot", action="store_true", help="every launch reads one copy: from the L2 where it fits")
     args = parser.parse_args()
     stream, sms, rng, n = runtime.stream(), runtime.context().info.num_sms, np.random.default_rng(0), args.n
     shapes = [s for key in args.shapes.split(",") for s in SHAPES[key]]
@@ -102,7 +104,10 @@ def main() -> None:
     for name, rows, cols in shapes:
         qtype = int(GGMLType[name])
         nbytes = rows * len(random_blocks(qtype, 1, cols, rng, 0.02)[0])
-        ws = weights(qtype, rows, cols, 1 if args.once else max(2, -(-3 * L2_BYTES // nbytes)), rng)
+        launches = max(2, -(-3 * L2_BYTES // nbytes))
+        ws = weights(qtype, rows, cols, 1, rng) * launches if args.hot else weights(qtype, rows, cols, launches, rng)
+        if args.once:
+            ws = ws[:1]
         x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
         q_shape, s_shape = matvec.activation_shapes(n, cols)
         xq, xs = empty(q_shape, np.int8), empty(s_shape, np.int32)
@@ -123,7 +128,8 @@ def main() -> None:
                 default = (rpw, wpb, ahead) == (rpw0, wpb0, ahead0)
                 results.append((us, rpw, wpb, ahead, default))
         results.sort()
-        print(f"\n{name} {rows}x{cols} n={n}: {nbytes / 2**20:.1f} MiB, {len(ws)} copies; fastest first")
+        copies = f"one copy, {len(ws)} launches" if args.hot else f"{len(ws)} copies"
+        print(f"\n{name} {rows}x{cols} n={n}: {nbytes / 2**20:.1f} MiB, {copies}; fastest first")
         print(f"{'us':>8} {'GB/s':>7}  rpw wpb ahead")
         for us, rpw, wpb, ahead, default in results[:6] + [r for r in results[6:] if r[4]]:
             mark = "  <- default" if default else ""
