@@ -104,10 +104,8 @@ def main() -> None:
     for name, rows, cols in shapes:
         qtype = int(GGMLType[name])
         nbytes = rows * len(random_blocks(qtype, 1, cols, rng, 0.02)[0])
-        launches = max(2, -(-3 * L2_BYTES // nbytes))
+        launches = 1 if args.once else max(2, -(-3 * L2_BYTES // nbytes))
         ws = weights(qtype, rows, cols, 1, rng) * launches if args.hot else weights(qtype, rows, cols, launches, rng)
-        if args.once:
-            ws = ws[:1]
         x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
         q_shape, s_shape = matvec.activation_shapes(n, cols)
         xq, xs = empty(q_shape, np.int8), empty(s_shape, np.int32)
