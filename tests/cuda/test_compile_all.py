@@ -63,14 +63,12 @@ def _struct_checks(cpp: str, struct) -> list[str]:
 
 
 def _struct_cases():
-    from infero.backends.cuda import l2_prefetch, matvec
+    from infero.backends.cuda import matvec
 
     return [
         ("matvec.cu", "mv::Segments", matvec.Segments,
          [f'static_assert(mv::MAX_SEGMENTS == {matvec.MAX_SEGMENTS}, "segments");']),
         ("matvec.cu", "mv::Rope", matvec.Rope, []),
-        ("l2_prefetch.cu", "pf::Ranges", l2_prefetch.Ranges,
-         [f'static_assert(pf::MAX_RANGES == {l2_prefetch.MAX_RANGES}, "ranges");']),
     ]  # fmt: skip
 
 

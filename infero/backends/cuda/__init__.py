@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infero.backends.cuda import driver, embedding, l2_prefetch, runtime
+from infero.backends.cuda import driver, embedding, runtime
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
@@ -155,12 +155,7 @@ class CudaBackend:
     def _capture(self, model, device_batch: DeviceBatch, cache: CudaKVCache) -> tuple[driver.Graph, DeviceTensor]:
         self.workspace.reset()
         holder = {}
-
-        def record():
-            with l2_prefetch.branch(self.stream):
-                holder["logits"] = model.forward(device_batch, cache)
-
-        graph = driver.Graph(self.stream, record)
+        graph = driver.Graph(self.stream, lambda: holder.setdefault("logits", model.forward(device_batch, cache)))
         return graph, holder["logits"]
 
     def capture_decode_step(self, model, batch: Batch, cache: CudaKVCache):

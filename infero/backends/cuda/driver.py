@@ -89,21 +89,11 @@ class Context:
 
 
 class Stream:
-    def __init__(self, high_priority: bool = False):
-        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
-        if high_priority:  # its blocks are dispatched first when an SM frees up (a hint, no preemption)
-            _, greatest = check(cu.cuCtxGetStreamPriorityRange())
-            self.handle = check(cu.cuStreamCreateWithPriority(flags, greatest))
-        else:
-            self.handle = check(cu.cuStreamCreate(flags))
+    def __init__(self):
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
 
     def synchronize(self) -> None:
         check(cu.cuStreamSynchronize(self.handle))
-
-    def wait(self, event: Event) -> None:
-        """Work queued here after this call starts once the work before the event's last record has run (in a
-        capture: a dependency of the graph, which forks a second stream into the capture or joins it back)."""
-        check(cu.cuStreamWaitEvent(self.handle, event.handle, 0))
 
 
 class Event:

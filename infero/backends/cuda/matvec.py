@@ -22,7 +22,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import driver, l2_prefetch, runtime
+from infero.backends.cuda import driver, runtime
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
 from infero.checkpoint.tensor_types import GGMLType
 
@@ -342,9 +342,7 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
     if (xq.shape, xs.shape) != activation_shapes(n, cols):
         raise ValueError(f"{name}: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
     args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1], rope or _NO_ROPE)
-    l2_prefetch.ahead_of(weights)
     driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
-    l2_prefetch.launched()
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
 
 
