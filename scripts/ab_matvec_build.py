@@ -91,7 +91,8 @@ def main() -> None:
                 times[key].append(time_variant(stream, fn, grid, block, ws, xq, xs, out, n))
         a, b = (float(np.median(times[key])) for key in ("A", "B"))
         regs = f"{registers(fns['A'])} / {registers(fns['B'])}"
-        print(f"{name} {rows}x{cols:<12} {expression:<26} {a:8.2f} {b:8.2f} {b - a:+7.2f}  {regs:>9}  {same}")
+        label = f"{name} {rows}x{cols}"
+        print(f"{label:<22} {expression:<26} {a:8.2f} {b:8.2f} {b - a:+7.2f}  {regs:>9}  {same}")
 
 
 if __name__ == "__main__":
