@@ -7,7 +7,7 @@ import numpy as np
 from infero.backends.cpu.ops import CpuKVCache, CpuOps
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, TokenFeed
-from infero.engine.sampling import SampledTokens, Sampler, SampleResult, SamplingParams
+from infero.engine.sampling import Sampler, SampleResult, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -77,8 +77,3 @@ class RowSampler:
     def sample(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
                banned_token_ids=None, allowed_masks=None) -> list[SampleResult]:  # fmt: skip
         return self.sampler.sample(logits[rows], params, prompt_ids, output_ids, banned_token_ids, allowed_masks)
-
-    def launch(self, logits: np.ndarray, rows: list[int], params: list[SamplingParams], prompt_ids, output_ids,
-               banned_token_ids=None, allowed_masks=None) -> SampledTokens:  # fmt: skip
-        """sample(), as a SampledTokens (already done on the CPU)."""
-        return SampledTokens(self.sample(logits, rows, params, prompt_ids, output_ids, banned_token_ids, allowed_masks))
