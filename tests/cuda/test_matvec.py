@@ -40,8 +40,11 @@ SMALL_BLOCK_TYPES = [t for t in ALL_TYPES if t not in K_TYPES]
 SHAPES = [(999, 4096), (3001, 512), (7, 14336)]
 SMALL_BLOCK_SHAPES = [(257, 896)]
 FLOAT_SHAPES = [(33, 1003), (33, 1004)]
+# Q4_K (its own kernel, tiles of 16 rows and pairs of superblocks): 40 rows end inside a tile, 768 columns are an
+# odd number of superblocks.
 CASES = (
     [(t, s) for t in ALL_TYPES for s in SHAPES]
+    + [(Q.Q4_K, (40, 768))]
     + [(t, s) for t in SMALL_BLOCK_TYPES for s in SMALL_BLOCK_SHAPES]
     + [(t, s) for t in FLOAT_TYPES for s in FLOAT_SHAPES]
 )
@@ -302,6 +305,7 @@ GROUPS = [
     (Q.Q8_0, (896, 128, 128), 896, (True, True, True)),  # Qwen2.5-0.5B's q/k/v, with their biases
     (Q.Q8_0, (4864, 4864), 896, (False, False)),  # its gate/up
     (Q.Q4_K, (1024, 4096, 4096), 4096, (False, False, False)),
+    (Q.Q4_K, (40, 17, 1000), 768, (True, False, True)),  # tiles of 16 rows cut short; three superblocks a row
     (Q.Q6_K, (999, 1001), 1024, (False, True)),
     (Q.IQ4_NL, (3, 257, 65), 512, (True, False, True)),
     (Q.Q3_K, (129, 7, 300), 2048, (False, True, False)),
@@ -343,6 +347,7 @@ ROPE_CASES = [
     ("neox", (Q.Q8_0, Q.Q8_0, Q.Q8_0), 14, 2, 64, 896, True),  # qwen2.5-0.5b's, with its biases
     ("interleaved", (Q.Q4_1, Q.Q4_1, Q.Q4_1), 9, 3, 64, 576, False),  # SmolLM2's
     ("neox", (Q.Q6_K, Q.Q6_K, Q.Q4_K), 4, 4, 128, 512, True),
+    ("neox", (Q.Q4_K, Q.Q4_K, Q.Q4_K), 4, 2, 64, 768, True),  # Q4_K's tiles of neox pairs; three superblocks a row
 ]
 
 

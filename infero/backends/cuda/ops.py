@@ -203,8 +203,8 @@ class CudaOps:
         bitwise the same); the rest as linears and rotary_store_kv."""
         n = x.shape[0]
         biases = (None,) * len(weights) if biases is None else tuple(biases)
-        epilogue = all(w.ggml_type not in matvec.FLOAT_TYPES and not self._takes_skinny(x, w) and matvec.rope_pays(w)
-                       for w in weights)  # fmt: skip
+        epilogue = all(w.ggml_type not in matvec.FLOAT_TYPES and not self._takes_skinny(x, w)
+                       and matvec.rope_pays(w, head_dim, rotary.pairing) for w in weights)  # fmt: skip
         fused = n <= matvec.ROPE_MAX_TOKENS and rotary.rope_dim == head_dim and self._quantizable(x) and epilogue
         if not fused:
             q, k, v = (y.reshape(n, -1, head_dim) for y in self.linears(x, weights, biases))
