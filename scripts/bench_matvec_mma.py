@@ -1,9 +1,9 @@
-"""Q4_K mat-vec on the tensor cores (matvec_q4k_mma) against the __dp4a kernel (matvec_q) on the same weights (GPU).
+"""The mat-vec on the tensor cores (matvec_mma) against the __dp4a kernel (matvec_q) on the same weights (GPU).
 
-    python scripts/bench_matvec_mma.py [--n 1] [--hot]
+    python scripts/bench_matvec_mma.py [--n 1] [--hot] [--types Q4_K]
 
 For each shape (the 8B's decode matrices and a ~0.5 GB one, whose launch ramp and tail are ~2% of its time):
-matvec_q as matvec.plan would run it and matvec_q4k_mma at every (warps, stages) of matvec.MMA_SHAPES, each
+matvec_q as matvec.plan would run it and matvec_mma at every (warps, stages) of matvec.MMA_SHAPES, each
 timed in a graph over weight copies past the L2 (one copy with --hot), the kernels alternating, median of 3; and
 the largest difference from matvec_q's output, relative to its largest value (the two sum in different orders).
 """
@@ -17,24 +17,34 @@ from bench_matvec import ARGS, L2_BYTES, launch_args, time_in_graph, weights
 
 from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import empty, from_host
+from infero.checkpoint.synthetic import random_blocks
+from infero.checkpoint.tensor_types import GGMLType
 
-SHAPES = [(14336, 4096), (28672, 4096), (4096, 4096), (6144, 4096), (1024, 4096), (4096, 14336), (229376, 4096)]
+SHAPES = {
+    "Q4_K": [(14336, 4096), (28672, 4096), (4096, 4096), (6144, 4096), (1024, 4096), (4096, 14336), (229376, 4096)],
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1, help="tokens")
     parser.add_argument("--hot", action="store_true", help="every launch reads one copy: from the L2 where it fits")
+    parser.add_argument("--types", default="Q4_K", help="the types matvec_mma runs (matvec.MMA_ROW)")
     args = parser.parse_args()
-    ctx, stream, rng, n, t = runtime.context(), runtime.stream(), np.random.default_rng(0), args.n, matvec.Q4_K
+    for name in args.types.split(","):
+        run(int(GGMLType[name]), SHAPES[name], args.n, args.hot)
+
+
+def run(t: int, shapes: list[tuple[int, int]], n: int, hot: bool) -> None:
+    ctx, stream, rng = runtime.context(), runtime.stream(), np.random.default_rng(0)
     big_n = next(b for b in matvec.TOKEN_BUCKETS if b >= n)
-    print(f"Q4_K, n={n}, {'one copy (L2 where it fits)' if args.hot else 'copies past the L2'}; us (GB/s)")
+    print(f"\n{GGMLType(t).name}, n={n}, {'one copy (L2 where it fits)' if hot else 'copies past the L2'}; us (GB/s)")
     mma_names = [f"mma {w}x{s}" for w, s in matvec.MMA_SHAPES]
     print(f"{'shape':<14} {'matvec_q':>14} " + " ".join(f"{m:>14}" for m in mma_names) + "  planned  max rel diff")
-    for rows, cols in SHAPES:
-        nbytes = rows * cols // 256 * 144
+    for rows, cols in shapes:
+        nbytes = rows * len(random_blocks(t, 1, cols, rng, 0.02)[0])
         launches = max(2, -(-3 * L2_BYTES // nbytes))
-        ws = weights(t, rows, cols, 1, rng) * launches if args.hot else weights(t, rows, cols, launches, rng)
+        ws = weights(t, rows, cols, 1, rng) * launches if hot else weights(t, rows, cols, launches, rng)
         x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
         q_shape, s_shape = matvec.activation_shapes(n, cols)
         xq, xs = empty(q_shape, np.int8), empty(s_shape, np.int32)
@@ -44,8 +54,8 @@ def main() -> None:
         kernels = {"matvec_q": (matvec._kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>"), (-(-warps // wpb),),
                                 (32 * wpb,), 0)}  # fmt: skip
         for name, (w, s) in zip(mma_names, matvec.MMA_SHAPES, strict=True):
-            fn = matvec._kernel(f"matvec_q4k_mma<{big_n}, {w}, {s}, false>")
-            shared = w * s * matvec.MMA_TILE_STAGE + (5 * n * cols // 2 if big_n <= 2 else 0)
+            fn = matvec._kernel(f"matvec_mma<{t}, {big_n}, {w}, {s}, false>")
+            shared = matvec.mma_shared(t, w, s, n, cols)
             driver.set_max_dynamic_shared(fn, shared)
             kernels[name] = (fn, (-(-rows // 16),), (32 * w,), shared)
         outs = {}

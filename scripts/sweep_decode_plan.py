@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
-    planned = {k: v for k, v in matvec._launches.items() if k[2] == 1 and k[0] != matvec.Q4_K}  # Q4_K: mma kernel
+    planned = {k: v for k, v in matvec._launches.items() if k[2] == 1 and k[0] not in matvec.MMA_ROW}
     header = f"{'launch (type rows x cols)':<30} {'planned':>12} {'planned us':>16} {'best':>14} {'best us':>9}"
     print(f"{header} {'gain us':>8}")
     best_all = {}

@@ -8,10 +8,11 @@ the packed weights with __dp4a and combines them in integers. Float weights
 N, rows per warp RPW, warps per block) is chosen from n and the matrix shape; each output element's reduction
 order depends on none of them, so results are bitwise batch invariant.
 
-Q4_K runs matvec_q4k_mma, every other block format matvec_q: the mma kernel computes tiles of 16 rows on the
-tensor cores (two int8 planes as B columns, exact int32 sums) from weights staged through shared memory by
-cp.async, 10-30% faster on the decode shapes of an 8B model and 4.1 against 3.5 TB/s at steady state on the H200
-(scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch invariant too.
+Q4_K runs matvec_mma, every other block format matvec_q: the mma kernel computes tiles of 16 rows on the tensor
+cores (two int8 planes as B columns, exact int32 sums) from weights staged through shared memory by cp.async,
+10-30% faster on the decode shapes of an 8B model and 4.1 against 3.5 TB/s at steady state on the H200
+(scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch invariant too. (Q6_K built
+the same way was slower than matvec_q: see matvec.cu.)
 
 matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
 give: a layer's q/k/v and gate/up take two launches instead of five (on the H200 the 8B's decode step lost
@@ -48,10 +49,12 @@ def _variants() -> list[tuple[int, int]]:
 
 # (rows per warp, prefetch depth) compiled for N = 1: what plan() can choose (-1: the kernel's default depth).
 N1_VARIANTS = ((1, -1), (1, 1), (2, -1), (2, 1), (2, 2), (2, 3), (2, 4))
-Q4_K = int(GGMLType.Q4_K)  # runs matvec_q4k_mma (tensor cores), every other block format matvec_q
-# (warps per block, ring stages) of matvec_q4k_mma that mma_plan can choose.
+Q4_K = int(GGMLType.Q4_K)
+# The types matvec_mma (tensor cores) runs, every other block format matvec_q: bytes a ring stage holds of a row
+# (matvec.cu's MmaQ4K::ROW: a pair of superblocks).
+MMA_ROW = {Q4_K: 288}
+# (warps per block, ring stages) of matvec_mma that mma_plan can choose.
 MMA_SHAPES = ((4, 2), (4, 3), (8, 2))
-MMA_TILE_STAGE = 16 * 288  # bytes of one ring stage: 16 rows x two Q4_K superblocks (matvec.cu's mv::TILE_STAGE)
 
 runtime.declare(
     SOURCE,
@@ -60,8 +63,8 @@ runtime.declare(
     + [f"matvec_q<{t}, {n}, {r}, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
     + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()]
     + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))]
-    + [f"matvec_q4k_mma<{n}, {w}, {s}, false>" for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
-    + [f"matvec_q4k_mma<{n}, {w}, {s}, true>" for n in (1, 2) for w, s in MMA_SHAPES],
+    + [f"matvec_mma<{t}, {n}, {w}, {s}, false>" for t in MMA_ROW for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
+    + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES],
 )
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
@@ -88,7 +91,7 @@ _NO_ROPE = Rope()
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
-_mma_shared: dict = {}  # matvec_q4k_mma function -> the dynamic shared memory it is allowed
+_mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _functions: dict[str, object] = {}
 _num_sms: list[int] = []
 
@@ -189,8 +192,13 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
     return seg
 
 
+def mma_shared(t: int, warps: int, stages: int, n: int, cols: int) -> int:
+    """Dynamic shared memory of matvec_mma: the warps' rings, and below 3 tokens the staged activation."""
+    return warps * stages * 16 * MMA_ROW[t] + (5 * n * cols // 2 if n <= 2 else 0)
+
+
 def mma_plan(tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
-    """(warps per block, ring stages) of matvec_q4k_mma for `tiles` tiles of 16 rows of `cols` columns. From the
+    """(warps per block, ring stages) of matvec_mma for `tiles` tiles of 16 rows of `cols` columns. From the
     H200 (scripts/bench_matvec_mma.py): long rows split over 8 warps (4096x14336: 11.5 us against 12.9 over 4);
     a launch of about two tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.4 us against
     4.9), larger ones two (14336x4096: 10.9 us against 12.8)."""
@@ -202,12 +210,12 @@ def mma_plan(tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block, dynamic shared bytes) of the mat-vec for matrices of these row counts: matvec_q
     planned on the rows their warps cover together (each matrix but the last rounded up to the most rows per warp
-    a variant has), or for Q4_K matvec_q4k_mma."""
+    a variant has), or for Q4_K matvec_mma."""
     key = (t, rows, n, cols)  # cols too: the plan depends on the units per row
     launch = _launches.get(key)
     if launch is None:
-        if t == Q4_K:
-            launch = _launch_mma(tuple(-(-r // 16) for r in rows), n, cols, False)
+        if t in MMA_ROW:
+            launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, False)
         else:
             covered = sum(-(-r // 4) * 4 for r in rows[:-1]) + rows[-1]
             big_n, rpw, wpb, ahead = plan(covered, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
@@ -218,11 +226,11 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     return launch
 
 
-def _launch_mma(tiles: tuple[int, ...], n: int, cols: int, rope: bool) -> tuple:
+def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool) -> tuple:
     big_n = next(b for b in TOKEN_BUCKETS if b >= n)
     warps, stages = mma_plan(sum(tiles), cols, _sms())
-    fn = _kernel(f"matvec_q4k_mma<{big_n}, {warps}, {stages}, {'true' if rope else 'false'}>")
-    shared = warps * stages * MMA_TILE_STAGE + (5 * n * cols // 2 if big_n <= 2 else 0)  # + the staged activation
+    fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}>")
+    shared = mma_shared(t, warps, stages, n, cols)
     if shared > _mma_shared.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _mma_shared[fn] = shared
@@ -232,12 +240,12 @@ def _launch_mma(tiles: tuple[int, ...], n: int, cols: int, rope: bool) -> tuple:
 def _launch_rope(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block, dynamic shared bytes) of the mat-vec with the ROPE epilogue. matvec_q: two rows per
     warp, prefetch depth 1 at one token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which
-    plan would give a deeper ring, were not measured with the epilogue). Q4_K: matvec_q4k_mma."""
+    plan would give a deeper ring, were not measured with the epilogue). Q4_K: matvec_mma."""
     key = ("rope", t, rows, n, cols)
     launch = _launches.get(key)
     if launch is None:
-        if t == Q4_K:
-            launch = _launch_mma(tuple(-(-r // 16) for r in rows), n, cols, True)
+        if t in MMA_ROW:
+            launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, True)
         else:
             warps = sum(r // 2 for r in rows)
             wpb = _warps_per_block(warps, _sms())
@@ -341,8 +349,8 @@ def rope_pays(weight: QuantWeight, head_dim: int, pairing: str) -> bool:
     two rows per warp, which plan gives rows of several units per lane; rows of one unit per lane run one row per
     warp, and there the separate rotary kernel measured faster. Decode step on the H200, separate kernel /
     matvec_rope: qwen2.5-0.5b (896-wide Q8_0, one unit per lane) 774 / 792 us, llama-3.1-8b (4096-wide Q4_K,
-    then on matvec_q) 2,762 / 2,728. Q4_K (matvec_q4k_mma) takes it wherever its tiles hold whole rotation pairs."""
-    if weight.ggml_type == Q4_K:
+    then on matvec_q) 2,762 / 2,728. Q4_K (matvec_mma) takes it wherever its tiles hold whole rotation pairs."""
+    if weight.ggml_type in MMA_ROW:
         return pairing != "neox" or head_dim % 16 == 0
     return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
 
@@ -358,8 +366,9 @@ def _check_rope(weights, roles, n, positions, inv_freq, pairing, head_dim, k_cac
         return f"every matrix must be whole heads of an even head_dim, got {head_dim} and rows {rows}"
     if pairing not in ("interleaved", "neox"):
         return f"pairing must be 'interleaved' or 'neox', got {pairing!r}"
-    if pairing == "neox" and head_dim % 16 and weights[0].ggml_type == Q4_K:
-        return f"Q4_K's neox pairs need head_dim % 16 == 0 (tiles of 16 rows), got {head_dim}"
+    if pairing == "neox" and head_dim % 16 and weights[0].ggml_type in MMA_ROW:
+        name = _type_name(weights[0].ggml_type)
+        return f"{name}'s neox pairs need head_dim % 16 == 0 (tiles of 16 rows), got {head_dim}"
     if inv_freq.dtype != np.float32 or inv_freq.numel != head_dim // 2:
         return f"inv_freq must be float32 [{head_dim // 2}] (rotary over whole heads), got {inv_freq.shape}"
     if positions.dtype != np.int32 or positions.numel != n or slots.dtype != np.int64 or slots.numel != n:

@@ -16,7 +16,7 @@
 // (Q4_0's -8 ...) and minimums (Q4_1's m, the K-quants' dmin * m) are applied through the half sums, scales
 // through one float expression per (unit, token).
 // F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA. Q4_K takes
-// matvec_q4k_mma (at the end of this file): the same activation format and exact integer dots, on the tensor cores
+// matvec_mma (at the end of this file): the same activation format and exact integer dots, on the tensor cores
 // with the weights staged through shared memory; 10-30% faster than matvec_q on the decode shapes.
 //
 // Threads. One warp computes RPW (1, 2 or 4) consecutive rows of one segment for all N tokens; the warps cover
@@ -922,36 +922,40 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
   mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
 }
 
-// ---- Q4_K through the tensor cores ----------------------------------------------------------------------------
-// matvec_q4k_mma: every Q4_K mat-vec (1-16 tokens, grouped, ROPE), by mma.m16n8k32 (u8 weights x s8 activation
-// planes, exact int32 sums). Per 64 weights of 16 rows it issues ~100 SASS instructions where matvec_q's __dp4a
-// loop issues ~310, and it loads the weights in whole lines. The weights go through shared memory: loaded straight
-// into A fragments (8 bytes a lane, 8 rows an instruction) each L2 request carried one 32-byte sector, 2.7x
-// matvec_q's requests, and that ran at 2.4 TB/s against matvec_q's 3.5 at steady state; staged by cp.async in
-// row-contiguous 16-byte pieces the requests carry whole lines and the loop streams Q4_K at 4.3 TB/s
-// (scripts/bench_matvec_mma.py, docs/performance.md).
+// ---- Q4_K through the tensor cores -----------------------------------------------------------------------------
+// matvec_mma<T>: every Q4_K mat-vec (1-16 tokens, grouped, ROPE), by mma.sync (u8 weights x s8 activation planes,
+// exact int32 sums). Per 16 rows x 64 weights it issues about a third of matvec_q's __dp4a loop's SASS,
+// and it loads the weights in whole lines. The weights go through shared memory: loaded straight into A fragments
+// (8 bytes a lane, 8 rows an instruction) each L2 request carried one 32-byte sector, 2.7x matvec_q's requests,
+// and Q4_K ran at 2.4 TB/s against matvec_q's 3.5 at steady state; staged by cp.async in row-contiguous 16-byte
+// pieces the requests carry whole lines and Q4_K streams at 4.1-4.3 TB/s (scripts/bench_matvec_mma.py,
+// docs/performance.md).
 //
 // Blocks. A block computes one tile of 16 rows for all tokens: m-rows 0-7 are rows base0 + i, 8-15 rows base1 + i
 // (base1 = base0 + 8, but base0 + head_dim / 2 for neox rotation pairs, so that m-rows i and i + 8 are a pair).
-// Its W warps split the rows' superblock pairs (288 bytes a row) into W contiguous ranges; each warp streams its
-// range through its own ring of STAGES pairs in shared memory (no block barrier in the loop). For N <= 2 the block
-// first copies the activation (both planes of every token, and the scales) into shared memory.
+// Its W warps split the rows' superblock pairs into W contiguous ranges; each warp streams its range through its
+// own ring of STAGES pairs in shared memory (no block barrier in the loop). For N <= 2 the block first copies the
+// activation (both planes of every token, and the scales) into shared memory.
 //
-// Fragments. Per 32-byte chunk c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) a warp runs two
-// mma per 4 tokens. Lane (g, j) = (lane / 4, lane % 4) supplies qs bytes 8j..8j+7 of m-rows g and g + 8 as its k
-// positions (the order of k inside a sub-block does not matter to an exact integer sum) and, as B column g, the
-// same bytes of plane g % 2 of token g / 2 (below 4 tokens the columns repeat: token (g / 2) mod N). The result's
+// Fragments. Lane (g, j) = (lane / 4, lane % 4) supplies 4 or 8 weights of m-rows g and g + 8 as its k positions
+// (the order of k inside a scale's run does not matter to an exact integer sum) and, as B column g, the same
+// elements of plane g % 2 of token g / 2 (below 4 tokens the columns repeat: token (g / 2) mod N). The result's
 // column pair j is then (plane 0, plane 1) of token j mod min(N, 4), rows g and g + 8, and each lane scales the
-// (row, parity) combinations of its token that no other lane holding that token scales.
+// (row, class) combinations of its token that no other lane holding that token scales; a run's class is the
+// parity of its sub-block. The format is a policy (MmaQ4K: its stage rows, copies, fragments and scales). Q6_K
+// written the same way (210-byte superblocks: two shared loads and a byte permute per word; runs of 16 weights:
+// mma.m16n8k16, twice the scaling work per weight) issued ~520 SASS instructions per superblock and 16 rows against
+// Q4_K's ~240, took 104-128 registers, and ran at 2.0 TB/s against matvec_q's 2.9 (docs/performance.md).
 //
-// Reduction order (batch invariance). For each (row, token): per sub-block parity, a warp sums its sub-blocks'
-// contributions in increasing order, acc = fmaf(D, d sc dot - dmin m S, acc) (the inner one fmaf too); the warp's
-// value is even + odd; the block adds its warps' values in warp order; bias last. Which lane holds an accumulator
-// depends on N, its sequence of operations does not: a row's result is bitwise the same for every batch width.
-// Numerics as matvec_q's (the same activation planes and exact integer dots), summed in a different order.
+// Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
+// increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
+// adds its warps' values in warp order; bias last. Which lane holds an accumulator depends on N, its sequence of
+// operations does not: a row's result is bitwise the same for every batch width. Numerics as matvec_q's (the same
+// activation planes and exact integer dots), summed in a different order.
 
 namespace mv {
 
+// D = A (16x32 u8, row) * B (32x8 s8, col).
 __device__ __forceinline__ void mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%10, %10, %10, %10};"
@@ -967,50 +971,120 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int K>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(K)); }
 
-constexpr int Q4K_BYTES = 144, PAIR_BYTES = 2 * Q4K_BYTES, TILE_STAGE = 16 * PAIR_BYTES;
+// The (row half, class) of a lane's combination ci, TPT tokens to a column tile.
+template <int TPT>
+__device__ __forceinline__ int combo_half(int ci, int j) { return TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1; }
+template <int TPT>
+__device__ __forceinline__ int combo_class(int ci, int j) { return TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1; }
 
-// Copies superblock pair p of the tile's 16 rows into a stage: 18 pieces of 16 bytes a row, 9 a lane, consecutive
-// lanes on consecutive pieces of a row. The second superblock of a row's last, half pair is zero-filled.
-__device__ __forceinline__ void q4k_issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
-                                          long long row_bytes, int p, int lane) {
+// What a format's pair() reads: this lane's B columns (xb: offsets in xa per column tile) and scales (xt: the
+// scaled token's first ActScale in sa per column tile).
+template <int TILES>
+struct MmaAct {
+  const int8_t* xa;
+  const ActScale* sa;
+  int xb[TILES], xt[TILES];
+};
+
+// Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk
+// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) two mma.m16n8k32 per 4 tokens; lane (g, j)
+// supplies qs bytes 8j..8j+7; class = sub-block parity.
+struct MmaQ4K {
+  static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
+
+  __device__ static void issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
+                               long long row_bytes, int p, int lane) {
+    const int end = (long long)p * ROW + 144 < row_bytes ? ROW : 144;  // a row's last pair may hold one superblock
+    const uint8_t* at = weight + (long long)p * ROW;
 #pragma unroll
-  for (int i = 0; i < 9; ++i) {
-    const int piece = lane + 32 * i, r = piece / 18, off = (piece % 18) * 16;
-    const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
-    const long long at = (long long)p * PAIR_BYTES + off;
-    const bool valid = at < row_bytes;
-    cp_async16(stage + r * PAIR_BYTES + off, weight + row * row_bytes + (valid ? at : 0), valid);
+    for (int i = 0; i < 16 * PIECES / 32; ++i) {
+      const int piece = lane + 32 * i, r = piece / PIECES, off = (piece % PIECES) * 16;
+      const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
+      const bool valid = off < end;  // the missing superblock's bytes are zero-filled
+      cp_async16(stage + r * ROW + off, at + row * row_bytes + (valid ? off : 0), valid);
+    }
   }
-}
 
-// Sub-block 2c + p's 6-bit scale and min from a Q4_K header (words: d | dmin, scales 0-3, 4-7, 8-11).
-__device__ __forceinline__ void q4k_scale_min(const uint4& hd, int c, int p, int& sc, int& m) {
-  const int sh = 16 * (c & 1) + 8 * p;
-  if (c < 2) {
-    sc = (int)((hd.y >> sh) & 63u);
-    m = (int)((hd.z >> sh) & 63u);
-  } else {
-    const uint32_t b = hd.w >> sh;
-    sc = (int)((b & 0xFu) | ((((hd.y >> sh) >> 6) & 3u) << 4));
-    m = (int)(((b >> 4) & 0xFu) | ((((hd.z >> sh) >> 6) & 3u) << 4));
+  template <int TILES, int TPT>
+  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
+                              int g, int j) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int sb = 2 * p + q;
+      if (sb >= nsb) break;
+      const uint8_t* blocks = stage + 144 * q;
+      // Headers of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
+      constexpr int H = TPT > 1 ? 2 : 1;
+      uint4 hd[H];
+      float d[H], dmin[H];
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        hd[h] = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
+        d[h] = f16_lo(hd[h].x);
+        dmin[h] = f16_hi(hd[h].x);
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int grp = 8 * sb + 2 * c;  // the activation group of sub-block 2c
+        const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
+        const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
+        const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
+        const uint32_t ahi[4] = {wa.x & 0xF0F0F0F0u, wb.x & 0xF0F0F0F0u, wa.y & 0xF0F0F0F0u, wb.y & 0xF0F0F0F0u};
+#pragma unroll
+        for (int nt = 0; nt < TILES; ++nt) {
+          const uint2 blo = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp);
+          const uint2 bhi = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp + 32);
+          int lo[4], hi[4];  // high nibbles in place: 16x their dots
+          mma_u8s8(lo, alo, blo.x, blo.y);
+          mma_u8s8(hi, ahi, bhi.x, bhi.y);
+#pragma unroll
+          for (int ci = 0; ci < TPT; ++ci) {
+            const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
+            const int q0 = cl ? (rh ? hi[2] : hi[0]) : (rh ? lo[2] : lo[0]);
+            const int q1 = cl ? (rh ? hi[3] : hi[1]) : (rh ? lo[3] : lo[1]);
+            const int dot = cl ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
+            int sc, m;
+            scale_min(hd[h], c, cl, sc, m);
+            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + grp + cl);  // {D, s0, D, s1}
+            const float f = __fmaf_rn(d[h], (float)(sc * dot), -__fmul_rn(dmin[h], (float)(m * (act.y + act.w))));
+            acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+          }
+        }
+      }
+    }
   }
-}
+
+  // Sub-block 2c + p's 6-bit scale and min from a header (words: d | dmin, scales 0-3, 4-7, 8-11).
+  __device__ static void scale_min(const uint4& hd, int c, int p, int& sc, int& m) {
+    const int sh = 16 * (c & 1) + 8 * p;
+    if (c < 2) {
+      sc = (int)((hd.y >> sh) & 63u);
+      m = (int)((hd.z >> sh) & 63u);
+    } else {
+      const uint32_t b = hd.w >> sh;
+      sc = (int)((b & 0xFu) | ((((hd.y >> sh) >> 6) & 3u) << 4));
+      m = (int)(((b >> 4) & 0xFu) | ((((hd.z >> sh) >> 6) & 3u) << 4));
+    }
+  }
+};
 
 }  // namespace mv
 
-// grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16 tiles a head),
-// block: 32 * W; dynamic shared memory: W * STAGES * mv::TILE_STAGE, plus 5 n cols / 2 bytes for N <= 2.
-template <int N, int W, int STAGES, bool ROPE = false>
-__global__ void __launch_bounds__(32 * W) matvec_q4k_mma(const __grid_constant__ mv::Segments seg,
-                                                        const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                        int n, int cols, long long row_bytes,
-                                                        const __grid_constant__ mv::Rope rope) {
+// T: Q4_K. grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16
+// tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * F::ROW bytes, plus 5 n cols / 2 for N <= 2.
+template <int T, int N, int W, int STAGES, bool ROPE = false>
+__global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
+                                                    const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                    int n, int cols, long long row_bytes,
+                                                    const __grid_constant__ mv::Rope rope) {
+  static_assert(T == GGML_Q4_K, "Q4_K");
   static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
   static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
-  constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each
-  constexpr int COMBOS = TPT;                              // (row half, parity) combinations a lane scales per tile
+  using F = mv::MmaQ4K;
+  constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
+  constexpr int STAGE = 16 * F::ROW;
   constexpr bool STAGE_X = N <= 2;
-  __shared__ float part[W][2][N][16];  // each warp's even and odd sums
+  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
 
@@ -1025,16 +1099,16 @@ __global__ void __launch_bounds__(32 * W) matvec_q4k_mma(const __grid_constant__
   const int nsb = cols / 256, pairs = (nsb + 1) / 2;
   const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
 
-  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * mv::TILE_STAGE;
+  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) mv::q4k_issue(ring + i * mv::TILE_STAGE, weight, base0, base1, rows, row_bytes, p0 + i, lane);
+    if (i < count) F::issue(ring + i * STAGE, weight, base0, base1, rows, row_bytes, p0 + i, lane);
     mv::cp_async_commit();
   }
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
   // Plane P of token t at xa + (P n + t) cols, its scales at sa + t cols / 16.
-  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * mv::TILE_STAGE;
+  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
   if constexpr (STAGE_X) {
     const int q16 = n * cols / 8, s16 = n * cols / 32;
     for (int i = threadIdx.x; i < q16 + s16; i += 32 * W)
@@ -1042,86 +1116,38 @@ __global__ void __launch_bounds__(32 * W) matvec_q4k_mma(const __grid_constant__
                                                 : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
     __syncthreads();
   }
-  const int8_t* xa = STAGE_X ? sx : xq;
-  const ActScale* sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
-  int xb[TILES], xt[TILES];  // per column tile: this lane's B column's offset in xa, its scaled token's in sa
+  mv::MmaAct<TILES> x;
+  x.xa = STAGE_X ? sx : xq;
+  x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt) {
-    xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + 8 * j;
-    xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
+    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j;
+    x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
   }
 
-  float acc[TILES][COMBOS];
+  float acc[TILES][TPT];
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
-    for (int ci = 0; ci < COMBOS; ++ci) acc[nt][ci] = 0.f;
+    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
 
   for (int i = 0; i < count; ++i) {
     mv::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
     if (i + STAGES - 1 < count)
-      mv::q4k_issue(ring + (i + STAGES - 1) % STAGES * mv::TILE_STAGE, weight, base0, base1, rows, row_bytes,
-                    p0 + i + STAGES - 1, lane);
+      F::issue(ring + (i + STAGES - 1) % STAGES * STAGE, weight, base0, base1, rows, row_bytes, p0 + i + STAGES - 1,
+               lane);
     mv::cp_async_commit();
-    const uint8_t* stage = ring + i % STAGES * mv::TILE_STAGE;
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int sb = 2 * (p0 + i) + q;
-      if (sb >= nsb) break;
-      const uint8_t* blocks = stage + mv::Q4K_BYTES * q;
-      // Headers of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
-      uint4 hd[TPT > 1 ? 2 : 1];
-      float d[TPT > 1 ? 2 : 1], dmin[TPT > 1 ? 2 : 1];
-#pragma unroll
-      for (int h = 0; h < (TPT > 1 ? 2 : 1); ++h) {
-        hd[h] = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (TPT > 1 ? h : j >> 1)) * mv::PAIR_BYTES);
-        d[h] = mv::f16_lo(hd[h].x);
-        dmin[h] = mv::f16_hi(hd[h].x);
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int grp = 8 * sb + 2 * c;  // the activation group of sub-block 2c
-        const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * mv::PAIR_BYTES + 16 + 32 * c + 8 * j);
-        const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * mv::PAIR_BYTES + 16 + 32 * c + 8 * j);
-        const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
-        const uint32_t ahi[4] = {wa.x & 0xF0F0F0F0u, wb.x & 0xF0F0F0F0u, wa.y & 0xF0F0F0F0u, wb.y & 0xF0F0F0F0u};
-#pragma unroll
-        for (int nt = 0; nt < TILES; ++nt) {
-          const uint2 blo = *reinterpret_cast<const uint2*>(xa + xb[nt] + 32 * grp);
-          const uint2 bhi = *reinterpret_cast<const uint2*>(xa + xb[nt] + 32 * grp + 32);
-          int lo[4], hi[4];  // high nibbles in place: 16x their dots
-          mv::mma_u8s8(lo, alo, blo.x, blo.y);
-          mv::mma_u8s8(hi, ahi, bhi.x, bhi.y);
-#pragma unroll
-          for (int ci = 0; ci < COMBOS; ++ci) {
-            const int rh = TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1;  // m-row g (0) or g + 8 (1)
-            const int p = TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1;  // sub-block 2c + p
-            const int h = TPT > 1 ? rh : 0;
-            const int q0 = p ? (rh ? hi[2] : hi[0]) : (rh ? lo[2] : lo[0]);
-            const int q1 = p ? (rh ? hi[3] : hi[1]) : (rh ? lo[3] : lo[1]);
-            const int dot = p ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
-            int sc, m;
-            mv::q4k_scale_min(hd[h], c, p, sc, m);
-            const int4 act = *(reinterpret_cast<const int4*>(sa + xt[nt]) + grp + p);  // {D, s0, D, s1}
-            const float f = __fmaf_rn(d[h], (float)(sc * dot), -__fmul_rn(dmin[h], (float)(m * (act.y + act.w))));
-            acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
-          }
-        }
-      }
-    }
+    F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
   }
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
-    for (int ci = 0; ci < COMBOS; ++ci) {
-      const int rh = TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1;
-      const int p = TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1;
-      part[warp][p][4 * nt + j % TPT][g + 8 * rh] = acc[nt][ci];
-    }
+    for (int ci = 0; ci < TPT; ++ci)
+      part[warp][mv::combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[nt][ci];
   __syncthreads();
 
-  // m-row mr of token t: the warps' even + odd, in warp order.
+  // m-row mr of token t: the warps' class 0 + class 1, in warp order.
   auto total = [&](int mr, int t) {
     float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
 #pragma unroll
