@@ -653,35 +653,39 @@ struct Rope {
   float mscale;
 };
 
+// Rows r0 and r1 (a rotation pair) of token t, summed: bias, rotation, out and the cache.
+__device__ __forceinline__ void rope_pair_store(float a, float b, int t, float* __restrict__ out,
+                                                const float* __restrict__ bias, int rows, int r0, int r1, int role,
+                                                const Rope& rope) {
+  if (bias != nullptr) {
+    a = __fadd_rn(a, __ldg(bias + r0));
+    b = __fadd_rn(b, __ldg(bias + r1));
+  }
+  if (role != ROPE_V) {
+    const int j = rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1;
+    float c, s;
+    rope::cos_sin(rope.positions[t], __ldg(rope.inv_freq + j), rope.mscale, c, s);
+    rope::rotate(a, b, c, s);
+  }
+  out[(long long)t * rows + r0] = a;
+  out[(long long)t * rows + r1] = b;
+  const long long slot = rope.slots[t];
+  if (role != ROPE_Q && slot >= 0) {
+    __half* cache = (role == ROPE_K ? rope.k_cache : rope.v_cache) + slot * rows;
+    cache[r0] = __float2half_rn(a);
+    cache[r1] = __float2half_rn(b);
+  }
+}
+
 // Sums the lanes' partial sums of the warp's rows r0 and r1 as reduce_store does (so a row's bits are those
-// matvec_q gives), then for each token: bias, rotation, out and the cache.
+// matvec_q gives), then stores each token's pair.
 template <int N>
 __device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict__ out, const float* __restrict__ bias,
                                            int n, int rows, int r0, int r1, int lane, int role, const Rope& rope) {
   warp_sums<N, 2>(acc);
 #pragma unroll
-  for (int t = 0; t < N; ++t) {
-    if (lane != t || t >= n) continue;
-    float a = acc[0][t], b = acc[1][t];
-    if (bias != nullptr) {
-      a = __fadd_rn(a, __ldg(bias + r0));
-      b = __fadd_rn(b, __ldg(bias + r1));
-    }
-    if (role != ROPE_V) {
-      const int j = rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1;
-      float c, s;
-      rope::cos_sin(rope.positions[t], __ldg(rope.inv_freq + j), rope.mscale, c, s);
-      rope::rotate(a, b, c, s);
-    }
-    out[(long long)t * rows + r0] = a;
-    out[(long long)t * rows + r1] = b;
-    const long long slot = rope.slots[t];
-    if (role != ROPE_Q && slot >= 0) {
-      __half* cache = (role == ROPE_K ? rope.k_cache : rope.v_cache) + slot * rows;
-      cache[r0] = __float2half_rn(a);
-      cache[r1] = __float2half_rn(b);
-    }
-  }
+  for (int t = 0; t < N; ++t)
+    if (lane == t && t < n) rope_pair_store(acc[0][t], acc[1][t], t, out, bias, rows, r0, r1, role, rope);
 }
 
 }  // namespace mv
@@ -1165,32 +1169,13 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
       out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
     }
   } else {
-    // As rope_store: each rotation pair of rows (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) and token.
+    // Each rotation pair of rows (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) and token, as rope_store does it.
     const int role = mv::pick(rope.role, s);
     for (int i = threadIdx.x; i < 8 * N; i += 32 * W) {
       const int pi = i & 7, t = i >> 3;
       const int m0 = neox_pairs ? pi : 2 * pi, m1 = neox_pairs ? pi + 8 : 2 * pi + 1;
       const int r0 = row_of(m0), r1 = row_of(m1);
-      if (t >= n || r1 >= rows) continue;
-      float a = total(m0, t), b = total(m1, t);
-      if (bias != nullptr) {
-        a = __fadd_rn(a, __ldg(bias + r0));
-        b = __fadd_rn(b, __ldg(bias + r1));
-      }
-      if (role != mv::ROPE_V) {
-        const int jf = rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1;
-        float cs, sn;
-        rope::cos_sin(rope.positions[t], __ldg(rope.inv_freq + jf), rope.mscale, cs, sn);
-        rope::rotate(a, b, cs, sn);
-      }
-      out[(long long)t * rows + r0] = a;
-      out[(long long)t * rows + r1] = b;
-      const long long slot = rope.slots[t];
-      if (role != mv::ROPE_Q && slot >= 0) {
-        __half* cache = (role == mv::ROPE_K ? rope.k_cache : rope.v_cache) + slot * rows;
-        cache[r0] = __float2half_rn(a);
-        cache[r1] = __float2half_rn(b);
-      }
+      if (t < n && r1 < rows) mv::rope_pair_store(total(m0, t), total(m1, t), t, out, bias, rows, r0, r1, role, rope);
     }
   }
 }
