@@ -22,6 +22,7 @@ class _Workspace:
 @pytest.fixture
 def recorded(monkeypatch):
     """(ops, calls): calls lists ("many", [weight indices]) and ("linear", index) in launch order."""
+    monkeypatch.setattr(matvec, "_shared_optin", lambda: 232448)  # an H200's shared memory per block
     calls = []
     monkeypatch.setattr(matvec, "matvec_many", lambda outs, weights, *rest: calls.append(
         ("many", [w.index for w in weights], [o.shape for o in outs])))  # fmt: skip
@@ -121,3 +122,15 @@ def test_qkv_rotary_store_folds_rotary_into_the_matvec_where_it_pays(recorded, m
     q = ops.qkv_rotary_store(activations(n, cols), weights(*types, cols=cols), None, 32, None, rotary, cache, 0, None)
     assert [c[:2] if c[0] == "many" else c for c in calls] == launches
     assert q.shape == (n, 1, 32)  # weights() gives q 32 rows: one head
+
+
+@pytest.mark.parametrize("optin, fits", [(232448, (4096, 14336, 28672)), (101376, (768, 4096))])
+def test_q4k_takes_the_tensor_core_matvec_where_its_shared_memory_fits(monkeypatch, optin, fits):
+    """matvec_mma's rings, staged activation and partial sums must fit the GPU's shared memory per block at every
+    token count (H200: 227 KiB; sm_89: 99 KiB); wider rows, and every other type, take matvec_q."""
+    monkeypatch.setattr(matvec, "_shared_optin", lambda: optin)
+    for cols in fits:
+        assert matvec.takes_mma(int(T.Q4_K), cols), cols
+    widest = max(fits)
+    assert not matvec.takes_mma(int(T.Q4_K), 2 * widest + 512)
+    assert not matvec.takes_mma(int(T.Q6_K), 4096) and not matvec.takes_mma(int(T.Q8_0), 4096)

@@ -10,7 +10,7 @@ order depends on none of them, so results are bitwise batch invariant.
 
 Q4_K runs matvec_mma, every other block format matvec_q: the mma kernel computes tiles of 16 rows on the tensor
 cores (two int8 planes as B columns, exact int32 sums) from weights staged through shared memory by cp.async,
-10-30% faster on the decode shapes of an 8B model and 4.1 against 3.5 TB/s at steady state on the H200
+2-24% faster on the decode shapes of an 8B model and 4.0 against 3.5 TB/s at steady state on the H200
 (scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch invariant too. (Q6_K built
 the same way was slower than matvec_q: see matvec.cu.)
 
@@ -199,22 +199,45 @@ def mma_shared(t: int, warps: int, stages: int, n: int, cols: int) -> int:
 
 def mma_plan(tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
     """(warps per block, ring stages) of matvec_mma for `tiles` tiles of 16 rows of `cols` columns. From the
-    H200 (scripts/bench_matvec_mma.py): long rows split over 8 warps (4096x14336: 11.5 us against 12.9 over 4);
-    a launch of about two tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.4 us against
-    4.9), larger ones two (14336x4096: 10.9 us against 12.8)."""
-    if cols >= 8192:
+    H200 (scripts/bench_matvec_mma.py): long rows split over 8 warps (4096x14336: 11.8 us against 13.6 over 4);
+    a launch of about two tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.7 us against
+    5.2), larger ones two (14336x4096: 12.0 us against 14.0). The warps split each row's sum, so they depend on
+    the width alone, never on the token count (batch invariance)."""
+    if _mma_warps(cols) == 8:
         return 8, 2
     return (4, 3) if tiles <= 2 * num_sms else (4, 2)
+
+
+def _mma_warps(cols: int) -> int:
+    return 8 if cols >= 8192 else 4
+
+
+def takes_mma(t: int, cols: int) -> bool:
+    """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
+    sums fit the GPU's shared memory at every token count (one decision for every batch width, so that a row's
+    bits do not depend on it: otherwise matvec_q runs the width; e.g. rows of more than ~31k columns on the H200,
+    ~5k on sm_89's 99 KiB)."""
+    if t not in MMA_ROW:
+        return False
+    warps = _mma_warps(cols)
+    stages = max(s for w, s in MMA_SHAPES if w == warps)
+    static = 128 * warps  # matvec_mma's per-warp partial sums, per token
+    need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
+    return need <= _shared_optin()
+
+
+def _shared_optin() -> int:
+    return runtime.context().info.max_shared_per_block_optin
 
 
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block, dynamic shared bytes) of the mat-vec for matrices of these row counts: matvec_q
     planned on the rows their warps cover together (each matrix but the last rounded up to the most rows per warp
-    a variant has), or for Q4_K matvec_mma."""
+    a variant has), or matvec_mma where takes_mma."""
     key = (t, rows, n, cols)  # cols too: the plan depends on the units per row
     launch = _launches.get(key)
     if launch is None:
-        if t in MMA_ROW:
+        if takes_mma(t, cols):
             launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, False)
         else:
             covered = sum(-(-r // 4) * 4 for r in rows[:-1]) + rows[-1]
@@ -240,11 +263,11 @@ def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool) -
 def _launch_rope(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block, dynamic shared bytes) of the mat-vec with the ROPE epilogue. matvec_q: two rows per
     warp, prefetch depth 1 at one token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which
-    plan would give a deeper ring, were not measured with the epilogue). Q4_K: matvec_mma."""
+    plan would give a deeper ring, were not measured with the epilogue). matvec_mma where takes_mma."""
     key = ("rope", t, rows, n, cols)
     launch = _launches.get(key)
     if launch is None:
-        if t in MMA_ROW:
+        if takes_mma(t, cols):
             launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, True)
         else:
             warps = sum(r // 2 for r in rows)
@@ -350,7 +373,7 @@ def rope_pays(weight: QuantWeight, head_dim: int, pairing: str) -> bool:
     warp, and there the separate rotary kernel measured faster. Decode step on the H200, separate kernel /
     matvec_rope: qwen2.5-0.5b (896-wide Q8_0, one unit per lane) 774 / 792 us, llama-3.1-8b (4096-wide Q4_K,
     then on matvec_q) 2,762 / 2,728. Q4_K (matvec_mma) takes it wherever its tiles hold whole rotation pairs."""
-    if weight.ggml_type in MMA_ROW:
+    if takes_mma(weight.ggml_type, weight.cols):
         return pairing != "neox" or head_dim % 16 == 0
     return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
 
@@ -366,7 +389,7 @@ def _check_rope(weights, roles, n, positions, inv_freq, pairing, head_dim, k_cac
         return f"every matrix must be whole heads of an even head_dim, got {head_dim} and rows {rows}"
     if pairing not in ("interleaved", "neox"):
         return f"pairing must be 'interleaved' or 'neox', got {pairing!r}"
-    if pairing == "neox" and head_dim % 16 and weights[0].ggml_type in MMA_ROW:
+    if pairing == "neox" and head_dim % 16 and takes_mma(weights[0].ggml_type, weights[0].cols):
         name = _type_name(weights[0].ggml_type)
         return f"{name}'s neox pairs need head_dim % 16 == 0 (tiles of 16 rows), got {head_dim}"
     if inv_freq.dtype != np.float32 or inv_freq.numel != head_dim // 2:
