@@ -70,11 +70,7 @@ __device__ __forceinline__ int decode_splits(int ctx, int& partition) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// 16 bytes global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
-__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
+using tc::cp_async_16;
 using tc::cp_async_commit;
 using tc::cp_async_wait;
 using tc::ldmatrix_x4;

@@ -62,6 +62,7 @@
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "rope.cuh"
+#include "tensor_core.cuh"
 
 namespace mv {
 
@@ -959,22 +960,6 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 
 namespace mv {
 
-// D = A (16x32 u8, row) * B (32x8 s8, col).
-__device__ __forceinline__ void mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int K>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(K)); }
-
 // The (row half, class) of a lane's combination ci, TPT tokens to a column tile.
 template <int TPT>
 __device__ __forceinline__ int combo_half(int ci, int j) { return TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1; }
@@ -1005,7 +990,8 @@ struct MmaQ4K {
       const int piece = lane + 32 * i, r = piece / PIECES, off = (piece % PIECES) * 16;
       const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
       const bool valid = off < end;  // the missing superblock's bytes are zero-filled
-      cp_async16(stage + r * ROW + off, at + row * row_bytes + (valid ? off : 0), valid);
+      const uint8_t* src = at + row * row_bytes + (valid ? off : 0);
+      tc::cp_async_16(tc::smem_addr(stage + r * ROW + off), src, valid);
     }
   }
 
@@ -1039,8 +1025,8 @@ struct MmaQ4K {
           const uint2 blo = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp);
           const uint2 bhi = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp + 32);
           int lo[4], hi[4];  // high nibbles in place: 16x their dots
-          mma_u8s8(lo, alo, blo.x, blo.y);
-          mma_u8s8(hi, ahi, bhi.x, bhi.y);
+          tc::mma_16832_u8s8(lo, alo, blo.x, blo.y);
+          tc::mma_16832_u8s8(hi, ahi, bhi.x, bhi.y);
 #pragma unroll
           for (int ci = 0; ci < TPT; ++ci) {
             const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
@@ -1107,7 +1093,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < count) F::issue(ring + i * STAGE, weight, base0, base1, rows, row_bytes, p0 + i, lane);
-    mv::cp_async_commit();
+    tc::cp_async_commit();
   }
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
@@ -1136,12 +1122,12 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
     for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
 
   for (int i = 0; i < count; ++i) {
-    mv::cp_async_wait<STAGES - 2>();
+    tc::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
     if (i + STAGES - 1 < count)
       F::issue(ring + (i + STAGES - 1) % STAGES * STAGE, weight, base0, base1, rows, row_bytes, p0 + i + STAGES - 1,
                lane);
-    mv::cp_async_commit();
+    tc::cp_async_commit();
     F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
   }
 #pragma unroll

@@ -1,5 +1,6 @@
-// The inline-PTX pieces the tensor-core kernels share (gemm.cu, skinny_gemm.cu, attention.cu): shared-memory
-// addresses, cp.async copies and their groups, ldmatrix, and mma.sync.m16n8k16 with fp16 inputs and fp32 sums.
+// The inline-PTX pieces the tensor-core kernels share (gemm.cu, skinny_gemm.cu, attention.cu, matvec.cu's
+// matvec_mma): shared-memory addresses, cp.async copies and their groups, ldmatrix, mma.sync.m16n8k16 with fp16
+// inputs and fp32 sums, and mma.sync.m16n8k32 with u8 x s8 inputs and int32 sums.
 #pragma once
 
 namespace tc {
@@ -16,6 +17,11 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES));
   }
+}
+
+// 16 bytes global -> shared through L2; with valid == false nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -43,6 +49,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d = a (16x32 u8, row) * b (32x8 s8, col), int32 sums from zero.
+__device__ __forceinline__ void mma_16832_u8s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
 // Two floats -> two fp16 in one register (lo in the low half), rounded to nearest, saturating at +-65504.
