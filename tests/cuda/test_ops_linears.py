@@ -23,6 +23,7 @@ class _Workspace:
 def recorded(monkeypatch):
     """(ops, calls): calls lists ("many", [weight indices]) and ("linear", index) in launch order."""
     monkeypatch.setattr(matvec, "_shared_optin", lambda: 232448)  # an H200's shared memory per block
+    monkeypatch.setattr(matvec, "_mma_fits", {})
     calls = []
     monkeypatch.setattr(matvec, "matvec_many", lambda outs, weights, *rest: calls.append(
         ("many", [w.index for w in weights], [o.shape for o in outs])))  # fmt: skip
@@ -129,6 +130,7 @@ def test_q4k_takes_the_tensor_core_matvec_where_its_shared_memory_fits(monkeypat
     """matvec_mma's rings, staged activation and partial sums must fit the GPU's shared memory per block at every
     token count (H200: 227 KiB; sm_89: 99 KiB); wider rows, and every other type, take matvec_q."""
     monkeypatch.setattr(matvec, "_shared_optin", lambda: optin)
+    monkeypatch.setattr(matvec, "_mma_fits", {})
     for cols in fits:
         assert matvec.takes_mma(int(T.Q4_K), cols), cols
     widest = max(fits)

@@ -92,6 +92,7 @@ _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
+_mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
 _functions: dict[str, object] = {}
 _num_sms: list[int] = []
 
@@ -219,11 +220,14 @@ def takes_mma(t: int, cols: int) -> bool:
     ~5k on sm_89's 99 KiB)."""
     if t not in MMA_ROW:
         return False
-    warps = _mma_warps(cols)
-    stages = max(s for w, s in MMA_SHAPES if w == warps)
-    static = 128 * warps  # matvec_mma's per-warp partial sums, per token
-    need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
-    return need <= _shared_optin()
+    fits = _mma_fits.get((t, cols))  # asked per layer on eager steps (rope_pays): computed once per width
+    if fits is None:
+        warps = _mma_warps(cols)
+        stages = max(s for w, s in MMA_SHAPES if w == warps)
+        static = 128 * warps  # matvec_mma's per-warp partial sums, per token
+        need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
+        fits = _mma_fits[(t, cols)] = need <= _shared_optin()
+    return fits
 
 
 def _shared_optin() -> int:
