@@ -1,6 +1,6 @@
 """The mat-vec on the tensor cores (matvec_mma) against the __dp4a kernel (matvec_q) on the same weights (GPU).
 
-    python scripts/bench_matvec_mma.py [--n 1] [--hot] [--types Q4_K]
+    python scripts/bench_matvec_mma.py [--n 1] [--hot] [--types Q4_K,Q6_K]
 
 For each shape (the 8B's decode matrices and a ~0.5 GB one, whose launch ramp and tail are ~2% of its time):
 matvec_q as matvec.plan would run it and matvec_mma at every (warps, stages) of matvec.MMA_SHAPES, each
@@ -22,6 +22,8 @@ from infero.checkpoint.tensor_types import GGMLType
 
 SHAPES = {
     "Q4_K": [(14336, 4096), (28672, 4096), (4096, 4096), (6144, 4096), (1024, 4096), (4096, 14336), (229376, 4096)],
+    # the 8B's Q6_K matrices (down of half the layers, v of half, the output head) and a one-wave square
+    "Q6_K": [(4096, 14336), (1024, 4096), (4096, 4096), (14336, 4096), (128256, 4096)],
 }
 
 
@@ -78,7 +80,7 @@ def run(t: int, shapes: list[tuple[int, int]], n: int, hot: bool) -> None:
 
                 times[name].append(time_in_graph(stream, launch_all, len(ws)))
         cells = [f"{us:6.2f} ({nbytes / us / 1e3:5.0f})" for us in (float(np.median(times[k])) for k in kernels)]
-        planned = "mma {}x{}".format(*matvec.mma_plan(-(-rows // 16), cols, ctx.info.num_sms))
+        planned = "mma {}x{}".format(*matvec.mma_plan(t, -(-rows // 16), cols, ctx.info.num_sms))
         print(f"{rows}x{cols:<8} " + " ".join(f"{c:>14}" for c in cells) + f"  {planned}  {diff:.1e}")
 
 

@@ -41,7 +41,8 @@ SHAPES = [(999, 4096), (3001, 512), (7, 14336)]
 SMALL_BLOCK_SHAPES = [(257, 896)]
 FLOAT_SHAPES = [(33, 1003), (33, 1004)]
 # Q4_K (its own kernel, tiles of 16 rows and pairs of superblocks): 40 rows end inside a tile, 768 columns are an
-# odd number of superblocks.
+# odd number of superblocks. Q6_K's (7, 14336) and (999, 4096) above take its tensor-core kernel too (rows of a
+# multiple of 2048), (3001, 512) matvec_q.
 CASES = (
     [(t, s) for t in ALL_TYPES for s in SHAPES]
     + [(Q.Q4_K, (40, 768))]
@@ -307,6 +308,7 @@ GROUPS = [
     (Q.Q4_K, (1024, 4096, 4096), 4096, (False, False, False)),
     (Q.Q4_K, (40, 17, 1000), 768, (True, False, True)),  # tiles of 16 rows cut short; three superblocks a row
     (Q.Q6_K, (999, 1001), 1024, (False, True)),
+    (Q.Q6_K, (40, 17, 1000), 2048, (True, False, True)),  # its tensor-core kernel: tiles cut short, biases
     (Q.IQ4_NL, (3, 257, 65), 512, (True, False, True)),
     (Q.Q3_K, (129, 7, 300), 2048, (False, True, False)),
 ]
@@ -348,6 +350,8 @@ ROPE_CASES = [
     ("interleaved", (Q.Q4_1, Q.Q4_1, Q.Q4_1), 9, 3, 64, 576, False),  # SmolLM2's
     ("neox", (Q.Q6_K, Q.Q6_K, Q.Q4_K), 4, 4, 128, 512, True),
     ("neox", (Q.Q4_K, Q.Q4_K, Q.Q4_K), 4, 2, 64, 768, True),  # Q4_K's tiles of neox pairs; three superblocks a row
+    ("neox", (Q.Q6_K, Q.Q6_K, Q.Q6_K), 4, 2, 64, 2048, True),  # Q6_K on the tensor cores (rows of 2048 and more)
+    ("interleaved", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 128, 4096, False),  # llama-3.1-8b's width: v's own launch
 ]
 
 

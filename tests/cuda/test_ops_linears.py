@@ -125,14 +125,20 @@ def test_qkv_rotary_store_folds_rotary_into_the_matvec_where_it_pays(recorded, m
     assert q.shape == (n, 1, 32)  # weights() gives q 32 rows: one head
 
 
-@pytest.mark.parametrize("optin, fits", [(232448, (4096, 14336, 28672)), (101376, (768, 4096))])
-def test_q4k_takes_the_tensor_core_matvec_where_its_shared_memory_fits(monkeypatch, optin, fits):
+@pytest.mark.parametrize(
+    "optin, q4k, q6k",
+    [(232448, (4096, 14336, 31232), (2048, 4096, 14336, 26624)), (101376, (768, 4096, 7936), (2048,))],  # H200, sm_89
+)
+def test_k_quants_take_the_tensor_core_matvec_where_its_shared_memory_fits(monkeypatch, optin, q4k, q6k):
     """matvec_mma's rings, staged activation and partial sums must fit the GPU's shared memory per block at every
-    token count (H200: 227 KiB; sm_89: 99 KiB); wider rows, and every other type, take matvec_q."""
+    token count (H200: 227 KiB; sm_89: 99 KiB): each type's widest row that fits is the last of its list (Q4_K rows
+    of 8192 and more split over 8 warps, with their rings); wider rows, Q6_K rows of other than a multiple of 2048
+    columns, and every other type take matvec_q."""
     monkeypatch.setattr(matvec, "_shared_optin", lambda: optin)
     monkeypatch.setattr(matvec, "_mma_fits", {})
-    for cols in fits:
-        assert matvec.takes_mma(int(T.Q4_K), cols), cols
-    widest = max(fits)
-    assert not matvec.takes_mma(int(T.Q4_K), 2 * widest + 512)
-    assert not matvec.takes_mma(int(T.Q6_K), 4096) and not matvec.takes_mma(int(T.Q8_0), 4096)
+    for t, fits, step in ((T.Q4_K, q4k, 256), (T.Q6_K, q6k, 2048)):
+        for cols in fits:
+            assert matvec.takes_mma(int(t), cols), (t, cols)
+        assert not matvec.takes_mma(int(t), max(fits) + step), t
+    assert not matvec.takes_mma(int(T.Q6_K), 3072) and not matvec.takes_mma(int(T.Q6_K), 1024)
+    assert not matvec.takes_mma(int(T.Q8_0), 4096)

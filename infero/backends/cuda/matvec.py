@@ -8,11 +8,12 @@ the packed weights with __dp4a and combines them in integers. Float weights
 N, rows per warp RPW, warps per block) is chosen from n and the matrix shape; each output element's reduction
 order depends on none of them, so results are bitwise batch invariant.
 
-Q4_K runs matvec_mma, every other block format matvec_q: the mma kernel computes tiles of 16 rows on the tensor
-cores (two int8 planes as B columns, exact int32 sums) from weights staged through shared memory by cp.async,
-2-24% faster on the decode shapes of an 8B model and 4.0 against 3.5 TB/s at steady state on the H200
-(scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch invariant too. (Q6_K built
-the same way was slower than matvec_q: see matvec.cu.)
+Q4_K runs matvec_mma, and Q6_K where its rows are a multiple of 2048 wide; every other block format matvec_q. The
+mma kernel computes tiles of 16 rows on the tensor cores (two int8 planes as B columns, exact int32 sums) from
+weights staged through shared memory by cp.async: on the H200 Q4_K 2-24% faster on the decode shapes of an 8B
+model and 4.0 against 3.5 TB/s at steady state, Q6_K 8-33% (its 1024-row v projection excepted) and 3.6 against
+2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch
+invariant too.
 
 matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
 give: a layer's q/k/v and gate/up take two launches instead of five (on the H200 the 8B's decode step lost
@@ -49,10 +50,13 @@ def _variants() -> list[tuple[int, int]]:
 
 # (rows per warp, prefetch depth) compiled for N = 1: what plan() can choose (-1: the kernel's default depth).
 N1_VARIANTS = ((1, -1), (1, 1), (2, -1), (2, 1), (2, 2), (2, 3), (2, 4))
-Q4_K = int(GGMLType.Q4_K)
+Q4_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q6_K)
 # The types matvec_mma (tensor cores) runs, every other block format matvec_q: bytes a ring stage holds of a row
-# (matvec.cu's MmaQ4K::ROW: a pair of superblocks).
-MMA_ROW = {Q4_K: 288}
+# (matvec.cu's MmaQ4K::ROW and MmaQ6K::ROW: a pair of superblocks, Q6_K's in the 16-byte pieces around it).
+MMA_ROW = {Q4_K: 288, Q6_K: 464}
+# The widths it takes a multiple of: Q6_K copies a row's pieces from its start, so rows must be 16-byte aligned
+# (210-byte superblocks, 8 of them); its other widths take matvec_q.
+MMA_COLS = {Q4_K: 256, Q6_K: 2048}
 # (warps per block, ring stages) of matvec_mma that mma_plan can choose.
 MMA_SHAPES = ((4, 2), (4, 3), (8, 2))
 
@@ -198,31 +202,33 @@ def mma_shared(t: int, warps: int, stages: int, n: int, cols: int) -> int:
     return warps * stages * 16 * MMA_ROW[t] + (5 * n * cols // 2 if n <= 2 else 0)
 
 
-def mma_plan(tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
-    """(warps per block, ring stages) of matvec_mma for `tiles` tiles of 16 rows of `cols` columns. From the
-    H200 (scripts/bench_matvec_mma.py): long rows split over 8 warps (4096x14336: 11.8 us against 13.6 over 4);
-    a launch of about two tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.7 us against
-    5.2), larger ones two (14336x4096: 12.0 us against 14.0). The warps split each row's sum, so they depend on
-    the width alone, never on the token count (batch invariance)."""
-    if _mma_warps(cols) == 8:
+def mma_plan(t: int, tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
+    """(warps per block, ring stages) of matvec_mma for `tiles` tiles of 16 rows of `cols` columns of type t.
+    From the H200 (scripts/bench_matvec_mma.py): long Q4_K rows split over 8 warps (4096x14336: 11.8 us against
+    13.6 over 4), Q6_K rows over 4 (4096x14336: 18.0 against 19.5; its 7 KiB stages over 8 warps leave one block
+    an SM); a launch of about two Q4_K tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.7 us
+    against 5.2), larger ones two (14336x4096: 12.0 us against 14.0); Q6_K three up to one tile per SM (1024x4096:
+    3.5 against 3.8; 4096x4096: 6.5 with two against 7.5). The warps split each row's sum, so they depend on the
+    type and width alone, never on the token count or the rows (batch invariance, grouped launches)."""
+    if _mma_warps(t, cols) == 8:
         return 8, 2
-    return (4, 3) if tiles <= 2 * num_sms else (4, 2)
+    return (4, 3) if tiles <= (num_sms if t == Q6_K else 2 * num_sms) else (4, 2)
 
 
-def _mma_warps(cols: int) -> int:
-    return 8 if cols >= 8192 else 4
+def _mma_warps(t: int, cols: int) -> int:
+    return 8 if t == Q4_K and cols >= 8192 else 4
 
 
 def takes_mma(t: int, cols: int) -> bool:
     """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
     sums fit the GPU's shared memory at every token count (one decision for every batch width, so that a row's
-    bits do not depend on it: otherwise matvec_q runs the width; e.g. rows of more than ~31k columns on the H200,
-    ~5k on sm_89's 99 KiB)."""
-    if t not in MMA_ROW:
+    bits do not depend on it: otherwise matvec_q runs the width; e.g. Q4_K rows of more than ~31k columns on the
+    H200, 8k and more on sm_89's 99 KiB; Q6_K ~27k and 4k). Q6_K takes it at multiples of 2048 columns only."""
+    if t not in MMA_ROW or cols % MMA_COLS[t]:
         return False
     fits = _mma_fits.get((t, cols))  # asked per layer on eager steps (rope_pays): computed once per width
     if fits is None:
-        warps = _mma_warps(cols)
+        warps = _mma_warps(t, cols)
         stages = max(s for w, s in MMA_SHAPES if w == warps)
         static = 128 * warps  # matvec_mma's per-warp partial sums, per token
         need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
@@ -255,7 +261,7 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
 
 def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool) -> tuple:
     big_n = next(b for b in TOKEN_BUCKETS if b >= n)
-    warps, stages = mma_plan(sum(tiles), cols, _sms())
+    warps, stages = mma_plan(t, sum(tiles), cols, _sms())
     fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}>")
     shared = mma_shared(t, warps, stages, n, cols)
     if shared > _mma_shared.get(fn, 48 << 10):

@@ -15,9 +15,10 @@
 // a run's scales and float work come once, not per plane; no float weight is ever formed. Weight offsets
 // (Q4_0's -8 ...) and minimums (Q4_1's m, the K-quants' dmin * m) are applied through the half sums, scales
 // through one float expression per (unit, token).
-// F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA. Q4_K takes
-// matvec_mma (at the end of this file): the same activation format and exact integer dots, on the tensor cores
-// with the weights staged through shared memory; 2-24% faster than matvec_q on an 8B model's decode shapes.
+// F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA. Q4_K and Q6_K (rows of
+// a multiple of 2048) take matvec_mma (at the end of this file): the same activation format and exact integer dots,
+// on the tensor cores with the weights staged through shared memory; 2-33% faster than matvec_q on an 8B model's
+// decode shapes.
 //
 // Threads. One warp computes RPW (1, 2 or 4) consecutive rows of one segment for all N tokens; the warps cover
 // the segments one after another, each segment's rows rounded up to a whole warp. Blocks hold 1, 2 or 4 warps
@@ -927,9 +928,9 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
   mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
 }
 
-// ---- Q4_K through the tensor cores -----------------------------------------------------------------------------
-// matvec_mma<T>: every Q4_K mat-vec (1-16 tokens, grouped, ROPE), by mma.sync (u8 weights x s8 activation planes,
-// exact int32 sums). Per 16 rows x 64 weights it issues about a third of matvec_q's __dp4a loop's SASS,
+// ---- Q4_K and Q6_K through the tensor cores ---------------------------------------------------------------------
+// matvec_mma<T>: every Q4_K mat-vec and the Q6_K ones of rows of a multiple of 2048 (1-16 tokens, grouped, ROPE),
+// by mma.sync (u8 weights x s8 activation planes, exact int32 sums). Per 16 rows x 64 weights it issues about a third of matvec_q's __dp4a loop's SASS,
 // and it loads the weights in whole lines. The weights go through shared memory: loaded straight into A fragments
 // (8 bytes a lane, 8 rows an instruction) each L2 request carried one 32-byte sector, 2.7x matvec_q's requests,
 // and Q4_K ran at 2.4 TB/s against matvec_q's 3.5 at steady state; staged by cp.async in row-contiguous 16-byte
@@ -947,10 +948,11 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 // elements of plane g % 2 of token g / 2 (below 4 tokens the columns repeat: token (g / 2) mod N). The result's
 // column pair j is then (plane 0, plane 1) of token j mod min(N, 4), rows g and g + 8, and each lane scales the
 // (row, class) combinations of its token that no other lane holding that token scales; a run's class is the
-// parity of its sub-block. The format is a policy (MmaQ4K: its stage rows, copies, fragments and scales). Q6_K
-// written the same way (210-byte superblocks: two shared loads and a byte permute per word; runs of 16 weights:
-// mma.m16n8k16, twice the scaling work per weight) issued ~520 SASS instructions per superblock and 16 rows against
-// Q4_K's ~240, took 104-128 registers, and ran at 2.0 TB/s against matvec_q's 2.9 (docs/performance.md).
+// parity of its sub-block (Q6_K: which half of k it fills, see MmaQ6K). The format is a policy (MmaQ4K, MmaQ6K:
+// stage rows, copies, fragments and scales). A first Q6_K policy gave each 16-weight run its own mma.m16n8k16 and
+// scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
+// MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~400 and runs 8-33% faster than matvec_q
+// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~215.
 //
 // Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
 // increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
@@ -980,6 +982,8 @@ struct MmaAct {
 // supplies qs bytes 8j..8j+7; class = sub-block parity.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
+  template <int TPT>
+  __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
   __device__ static void issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
                                long long row_bytes, int p, int lane) {
@@ -1058,19 +1062,133 @@ struct MmaQ4K {
   }
 };
 
+
+// Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows
+// are 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row,
+// its second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 29
+// pieces, puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..]) holds
+// elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
+// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15
+// is sub-block c = 8h + m + 4r, k 16-31 sub-block c + 2 (r = 0: low nibbles, 1: high). The two sub-blocks of an
+// mma are told apart by the B columns: below 4 tokens column g carries only its class's half of k (class
+// (g / 2) % 2 at one token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per
+// class with the other half of B zero.
+struct MmaQ6K {
+  static constexpr int PIECES = 27, ROW = 16 * 29, XLANE = 4;
+
+  __device__ static void issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
+                               long long row_bytes, int p, int lane) {
+    const long long at = (420LL * p) & ~15LL;
+#pragma unroll
+    for (int i = 0; i < (16 * PIECES + 31) / 32; ++i) {
+      const int piece = lane + 32 * i, r = piece / PIECES, off = (piece % PIECES) * 16;
+      if (piece >= 16 * PIECES) break;
+      const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
+      const bool valid = at + off < row_bytes;  // the last pair's pieces past the row are zero-filled
+      tc::cp_async_16(tc::smem_addr(stage + r * ROW + off), weight + row * row_bytes + (valid ? at + off : 0), valid);
+    }
+  }
+
+  // Below 4 tokens, the class of B column g (what this lane supplies), and where its half of k starts.
+  template <int TPT>
+  __device__ static int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
+  template <int TPT>
+  __device__ static int b_class(int g) { return TPT < 4 ? 32 * column_class<TPT>(g) : 0; }
+
+  // The word at p; ODD: p is 2 bytes off a word.
+  template <bool ODD>
+  __device__ static uint32_t word(const uint8_t* p) {
+    if constexpr (!ODD) return *reinterpret_cast<const uint32_t*>(p);
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(p - 2);
+    return __byte_perm(a[0], a[1], 0x5432);
+  }
+
+  // Unit (h, m) of m-row r: the 6-bit weights of sub-blocks 8h + m + {0, 2, 4, 6} (this lane's 4 elements each).
+  template <bool ODD>
+  __device__ static void unit(uint32_t (&q)[4], const uint8_t* block, int h, int m, int j) {
+    const uint32_t la = word<ODD>(block + 64 * h + 16 * m + 4 * j), lb = word<ODD>(block + 64 * h + 32 + 16 * m + 4 * j);
+    const uint32_t qh = word<ODD>(block + 128 + 32 * h + 16 * m + 4 * j);
+    const uint32_t h0 = qh & 0x33333333u, h1 = (qh >> 2) & 0x33333333u;  // bit pairs 0, 2 and 1, 3 of each byte
+    q[0] = (la & 0x0F0F0F0Fu) | ((h0 << 4) & 0xF0F0F0F0u);
+    q[1] = (lb & 0x0F0F0F0Fu) | ((h1 << 4) & 0xF0F0F0F0u);
+    q[2] = ((la >> 4) & 0x0F0F0F0Fu) | (h0 & 0xF0F0F0F0u);
+    q[3] = ((lb >> 4) & 0x0F0F0F0Fu) | (h1 & 0xF0F0F0F0u);
+  }
+
+  template <int TILES, int TPT>
+  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
+                              int g, int j) {
+    pair_half<false>(acc, x, stage + ((4 * p) & 15), 2 * p, g, j);
+    pair_half<true>(acc, x, stage + ((4 * p) & 15) + 210, 2 * p + 1, g, j);
+  }
+
+  template <bool ODD, int TILES, int TPT>
+  __device__ static void pair_half(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* blocks, int sb,
+                                   int g, int j) {
+    // d of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
+    constexpr int H = TPT > 1 ? 2 : 1;
+    float d[H];
+    const uint8_t* scales[H];
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const uint8_t* b = blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW;
+      d[h] = __half2float(*reinterpret_cast<const __half*>(b + 208));
+      scales[h] = b + 192;
+    }
+    const int cs = column_class<TPT>(g);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        uint32_t wa[4], wb[4];  // m-rows g and g + 8
+        unit<ODD>(wa, blocks + g * ROW, hf, m, j);
+        unit<ODD>(wb, blocks + (g + 8) * ROW, hf, m, j);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t a[4] = {wa[2 * r], wb[2 * r], wa[2 * r + 1], wb[2 * r + 1]};
+          const int c = 8 * hf + m + 4 * r;  // k 0-15's sub-block; k 16-31's is c + 2
+#pragma unroll
+          for (int nt = 0; nt < TILES; ++nt) {
+            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * c;
+            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (from 4 tokens on; below, dots[0] only)
+            if constexpr (TPT < 4) {
+              const uint32_t b = *reinterpret_cast<const uint32_t*>(bx);
+              tc::mma_16832_u8s8(dots[0], a, cs ? 0u : b, cs ? b : 0u);
+            } else {
+              tc::mma_16832_u8s8(dots[0], a, *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(dots[1], a, 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
+            }
+#pragma unroll
+            for (int ci = 0; ci < TPT; ++ci) {
+              const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
+              const int* dt = dots[TPT < 4 ? 0 : cl];
+              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1];
+              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + c + 2 * cl];  // {D, s}
+              // |256 q0 + q1 - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
+              const int sc = reinterpret_cast<const int8_t*>(scales[h])[c + 2 * cl];
+              const float f = __fmul_rn(d[h], (float)(sc * (256 * q0 + q1 - 32 * act.y)));
+              acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
 }  // namespace mv
 
-// T: Q4_K. grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16
+// T: Q4_K or Q6_K. grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16
 // tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * F::ROW bytes, plus 5 n cols / 2 for N <= 2.
 template <int T, int N, int W, int STAGES, bool ROPE = false>
 __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                     int n, int cols, long long row_bytes,
                                                     const __grid_constant__ mv::Rope rope) {
-  static_assert(T == GGML_Q4_K, "Q4_K");
+  static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
   static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
-  using F = mv::MmaQ4K;
+  using F = typename mv::Pick<T == GGML_Q4_K, mv::MmaQ4K, mv::MmaQ6K>::type;
   constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
   constexpr int STAGE = 16 * F::ROW;
   constexpr bool STAGE_X = N <= 2;
@@ -1111,7 +1229,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt) {
-    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j;
+    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j + F::template b_class<TPT>(g);
     x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
   }
 
