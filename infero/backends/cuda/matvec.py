@@ -52,8 +52,8 @@ def _variants() -> list[tuple[int, int]]:
 N1_VARIANTS = ((1, -1), (1, 1), (2, -1), (2, 1), (2, 2), (2, 3), (2, 4))
 Q4_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q6_K)
 # The types matvec_mma (tensor cores) runs, every other block format matvec_q: bytes a ring stage holds of a row
-# (matvec.cu's MmaQ4K::ROW and MmaQ6K::ROW: a pair of superblocks, Q6_K's in the 16-byte pieces around it).
-MMA_ROW = {Q4_K: 288, Q6_K: 464}
+# (matvec.cu's MmaQ4K::ROW and MmaQ6K::ROW: a pair of superblocks, Q6_K's in the 27 16-byte pieces around it).
+MMA_ROW = {Q4_K: 288, Q6_K: 432}
 # The widths it takes a multiple of: Q6_K copies a row's pieces from its start, so rows must be 16-byte aligned
 # (210-byte superblocks, 8 of them); its other widths take matvec_q.
 MMA_COLS = {Q4_K: 256, Q6_K: 2048}
@@ -223,7 +223,7 @@ def takes_mma(t: int, cols: int) -> bool:
     """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
     sums fit the GPU's shared memory at every token count (one decision for every batch width, so that a row's
     bits do not depend on it: otherwise matvec_q runs the width; e.g. Q4_K rows of more than ~31k columns on the
-    H200, 8k and more on sm_89's 99 KiB; Q6_K ~27k and 4k). Q6_K takes it at multiples of 2048 columns only."""
+    H200, 8k and more on sm_89's 99 KiB; Q6_K ~29k and 3k). Q6_K takes it at multiples of 2048 columns only."""
     if t not in MMA_ROW or cols % MMA_COLS[t]:
         return False
     fits = _mma_fits.get((t, cols))  # asked per layer on eager steps (rope_pays): computed once per width

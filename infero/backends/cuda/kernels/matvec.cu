@@ -985,19 +985,11 @@ struct MmaQ4K {
   template <int TPT>
   __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
-  __device__ static void issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
-                               long long row_bytes, int p, int lane) {
-    const int end = (long long)p * ROW + 144 < row_bytes ? ROW : 144;  // a row's last pair may hold one superblock
-    const uint8_t* at = weight + (long long)p * ROW;
-#pragma unroll
-    for (int i = 0; i < 16 * PIECES / 32; ++i) {
-      const int piece = lane + 32 * i, r = piece / PIECES, off = (piece % PIECES) * 16;
-      const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
-      const bool valid = off < end;  // the missing superblock's bytes are zero-filled
-      const uint8_t* src = at + row * row_bytes + (valid ? off : 0);
-      tc::cp_async_16(tc::smem_addr(stage + r * ROW + off), src, valid);
-    }
-  }
+  // Pair p's first byte in a row; whether both its superblocks exist (a row's last pair may hold one: the missing
+  // one's pieces, past the first LOW of the row, are zero-filled).
+  static constexpr int LOW = 9;  // pieces of a pair's first superblock
+  __device__ static long long at(int p) { return (long long)p * ROW; }
+  __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
   template <int TILES, int TPT>
   __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
@@ -1065,8 +1057,8 @@ struct MmaQ4K {
 
 // Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows
 // are 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row,
-// its second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 29
-// pieces, puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..]) holds
+// its second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 432
+// bytes (108 words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..]) holds
 // elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
 // the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15
 // is sub-block c = 8h + m + 4r, k 16-31 sub-block c + 2 (r = 0: low nibbles, 1: high). The two sub-blocks of an
@@ -1074,26 +1066,26 @@ struct MmaQ4K {
 // (g / 2) % 2 at one token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per
 // class with the other half of B zero.
 struct MmaQ6K {
-  static constexpr int PIECES = 27, ROW = 16 * 29, XLANE = 4;
+  static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4;
 
-  __device__ static void issue(uint8_t* stage, const uint8_t* weight, int base0, int base1, int rows,
-                               long long row_bytes, int p, int lane) {
-    const long long at = (420LL * p) & ~15LL;
-#pragma unroll
-    for (int i = 0; i < (16 * PIECES + 31) / 32; ++i) {
-      const int piece = lane + 32 * i, r = piece / PIECES, off = (piece % PIECES) * 16;
-      if (piece >= 16 * PIECES) break;
-      const long long row = min(r < 8 ? base0 + r : base1 + r - 8, rows - 1);
-      const bool valid = at + off < row_bytes;  // the last pair's pieces past the row are zero-filled
-      tc::cp_async_16(tc::smem_addr(stage + r * ROW + off), weight + row * row_bytes + (valid ? at + off : 0), valid);
-    }
-  }
+  // The 16-byte piece holding pair p's first byte. Rows of 8 k superblocks have 4 k pairs, so a row's last pair
+  // starts 12 bytes into a piece and its 27 pieces end with the row: every piece lies inside its row.
+  static constexpr int LOW = PIECES;
+  __device__ static long long at(int p) { return (420LL * p) & ~15LL; }
+  __device__ static bool full(int, long long) { return true; }
 
   // Below 4 tokens, the class of B column g (what this lane supplies), and where its half of k starts.
   template <int TPT>
   __device__ static int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
   template <int TPT>
   __device__ static int b_class(int g) { return TPT < 4 ? 32 * column_class<TPT>(g) : 0; }
+
+  // (lo & 0x0F0F0F0F) | (hi & 0xF0F0F0F0).
+  __device__ static uint32_t nibbles(uint32_t lo, uint32_t hi) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, 0x0F0F0F0F, 0xE4;" : "=r"(r) : "r"(lo), "r"(hi));
+    return r;
+  }
 
   // The word at p; ODD: p is 2 bytes off a word.
   template <bool ODD>
@@ -1108,11 +1100,13 @@ struct MmaQ6K {
   __device__ static void unit(uint32_t (&q)[4], const uint8_t* block, int h, int m, int j) {
     const uint32_t la = word<ODD>(block + 64 * h + 16 * m + 4 * j), lb = word<ODD>(block + 64 * h + 32 + 16 * m + 4 * j);
     const uint32_t qh = word<ODD>(block + 128 + 32 * h + 16 * m + 4 * j);
-    const uint32_t h0 = qh & 0x33333333u, h1 = (qh >> 2) & 0x33333333u;  // bit pairs 0, 2 and 1, 3 of each byte
-    q[0] = (la & 0x0F0F0F0Fu) | ((h0 << 4) & 0xF0F0F0F0u);
-    q[1] = (lb & 0x0F0F0F0Fu) | ((h1 << 4) & 0xF0F0F0F0u);
-    q[2] = ((la >> 4) & 0x0F0F0F0Fu) | (h0 & 0xF0F0F0F0u);
-    q[3] = ((lb >> 4) & 0x0F0F0F0Fu) | (h1 & 0xF0F0F0F0u);
+    // Bit pairs 0, 2 and 1, 3 of each qh byte; each weight byte is then one lop3: low nibble from ql, high from qh
+    // (written as C, the compiler re-derived the masks and spent a third instruction per byte).
+    const uint32_t h0 = qh & 0x33333333u, h1 = (qh >> 2) & 0x33333333u;
+    q[0] = nibbles(la, h0 << 4);
+    q[1] = nibbles(lb, h1 << 4);
+    q[2] = nibbles(la >> 4, h0);
+    q[3] = nibbles(lb >> 4, h1);
   }
 
   template <int TILES, int TPT>
@@ -1176,6 +1170,48 @@ struct MmaQ6K {
   }
 };
 
+// A warp's copies into its ring: piece lane + 32 i (slot i) of the stage's 16 rows laid end to end, so consecutive
+// lanes copy consecutive 16-byte pieces of a row (an instruction covers whole lines of one or two rows; copying 128
+// bytes of each of 4 rows an instruction instead ran 2-6% slower on Q6_K). A slot's row and offset are fixed per
+// lane, so each copy is the pair's offset plus a precomputed one: ~3 instructions a copy where recomputing the
+// piece's row and address took ~17 (a third of Q6_K's loop).
+template <class F>
+struct MmaCopy {
+  static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
+  static_assert(F::ROW == 16 * F::PIECES, "stage rows end to end");
+  const uint8_t* base[2];  // the tile's first row of each half (m-rows 0 and 8)
+  unsigned off[SLOTS];     // slot i's piece: bytes past its half's base
+  unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
+
+  __device__ MmaCopy(const uint8_t* weight, int base0, int base1, int rows, long long row_bytes, int lane) {
+    const int first0 = min(base0, rows - 1), first1 = min(base1, rows - 1);
+    base[0] = weight + (long long)first0 * row_bytes;
+    base[1] = weight + (long long)first1 * row_bytes;
+    low = 0;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) {
+      const int piece = lane + 32 * i, r = piece / F::PIECES, o = piece % F::PIECES, h = r >= 8;
+      const int row = min((h ? base1 : base0) + (r & 7), rows - 1);
+      off[i] = (unsigned)((row - (h ? first1 : first0)) * row_bytes) + 16 * o;
+      low |= (unsigned)(o < F::LOW) << i;
+    }
+  }
+
+  __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane) const {
+    const long long at = F::at(p);
+    const bool full = F::full(p, row_bytes);
+    const uint8_t *h0 = base[0] + at, *h1 = base[1] + at;
+    const unsigned s = tc::smem_addr(stage) + 16 * lane;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) {
+      const int piece = lane + 32 * i;
+      if (piece >= PIECES) break;
+      const uint8_t* h = 32 * i + 31 < HALF ? h0 : 32 * i >= HALF ? h1 : piece >= HALF ? h1 : h0;
+      tc::cp_async_16(s + 512 * i, h + off[i], full || (low >> i & 1));
+    }
+  }
+};
+
 }  // namespace mv
 
 // T: Q4_K or Q6_K. grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16
@@ -1208,9 +1244,10 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
 
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
+  const mv::MmaCopy<F> copy(weight, base0, base1, rows, row_bytes, lane);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) F::issue(ring + i * STAGE, weight, base0, base1, rows, row_bytes, p0 + i, lane);
+    if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
     tc::cp_async_commit();
   }
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
@@ -1243,8 +1280,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
     tc::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
     if (i + STAGES - 1 < count)
-      F::issue(ring + (i + STAGES - 1) % STAGES * STAGE, weight, base0, base1, rows, row_bytes, p0 + i + STAGES - 1,
-               lane);
+      copy.issue(ring + (i + STAGES - 1) % STAGES * STAGE, p0 + i + STAGES - 1, row_bytes, lane);
     tc::cp_async_commit();
     F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
   }
