@@ -351,7 +351,8 @@ ROPE_CASES = [
     ("neox", (Q.Q6_K, Q.Q6_K, Q.Q4_K), 4, 4, 128, 512, True),
     ("neox", (Q.Q4_K, Q.Q4_K, Q.Q4_K), 4, 2, 64, 768, True),  # Q4_K's tiles of neox pairs; three superblocks a row
     ("neox", (Q.Q6_K, Q.Q6_K, Q.Q6_K), 4, 2, 64, 2048, True),  # Q6_K on the tensor cores (rows of 2048 and more)
-    ("interleaved", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 128, 4096, False),  # llama-3.1-8b's width: v's own launch
+    ("interleaved", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 128, 4096, False),  # llama-3.1-8b's width: one mixed launch
+    ("neox", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 64, 2048, True),  # mixed, neox pairs and biases
 ]
 
 
@@ -391,10 +392,13 @@ def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, typ
     q3, k3, v3 = (out.reshape(n, -1, head_dim) for out in ref)
     elementwise.rotary_store_kv(q3, k3, v3, positions, inv_freq, mscale, pairing, head_dim, ref_k, ref_v, slots,
                                 stream)  # fmt: skip
-    # Fused: the same launches with the epilogue.
+    # Fused, as ops.qkv_rotary_store launches it: one launch per type, or one for all three where matvec.mixes them
+    # (Q4_K q/k with Q6_K v at 4096 columns).
     got = [fresh((n, r), np.float32) for r in rows]
     got_k, got_v = fresh(cache_shape, np.float16), fresh(cache_shape, np.float16)
-    for group in groups.values():
+    mixed = matvec.mixes(tuple(int(t) for t in types), cols)
+    assert mixed == (types == (Q.Q4_K, Q.Q4_K, Q.Q6_K) and cols % 2048 == 0)
+    for group in [[0, 1, 2]] if mixed else groups.values():
         matvec.matvec_rope([got[i] for i in group], [weights[i] for i in group], tuple("qkv"[i] for i in group), x,
                            [biases[i] for i in group], positions, inv_freq, mscale, pairing, head_dim, got_k, got_v,
                            slots, stream, ws)  # fmt: skip

@@ -99,7 +99,15 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
     "types, n, rope_dim, cols, launches",
     [
         ((T.Q8_0,) * 3, 1, 32, 2048, [("rope", [0, 1, 2], ("q", "k", "v"))]),
-        ((T.Q4_K, T.Q4_K, T.Q6_K), 2, 32, 2048, [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))]),
+        ((T.Q4_K, T.Q4_K, T.Q6_K), 2, 32, 2048, [("rope", [0, 1, 2], ("q", "k", "v"))]),  # one mixed launch
+        (
+            (T.Q4_K, T.Q4_K, T.Q6_K),
+            2,
+            32,
+            3072,
+            [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))],
+        ),  # Q6_K: matvec_q
+        ((T.Q6_K, T.Q6_K, T.Q4_K), 1, 32, 2048, [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))]),
         ((T.Q8_0,) * 3, 3, 32, 2048, [("many", [0, 1, 2]), ("rotary",)]),  # past matvec_rope's two tokens
         ((T.F16,) * 3, 1, 32, 2048, [("linear", 0), ("linear", 1), ("linear", 2), ("rotary",)]),  # float weights
         ((T.Q8_0,) * 3, 1, 16, 2048, [("many", [0, 1, 2]), ("rotary",)]),  # partial rotary
@@ -109,7 +117,8 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
 def test_qkv_rotary_store_folds_rotary_into_the_matvec_where_it_pays(recorded, monkeypatch, types, n, rope_dim, cols,
                                                                      launches):  # fmt: skip
     """At one or two tokens on block formats with rows of several units per lane, with rotary over whole heads, q/k/v
-    run as matvec_rope launches (one per type: Q4_K_M's Q6_K layers of V take a second); otherwise as linears then
+    run as matvec_rope launches: one per type, or one for Q4_K q/k with Q6_K v (Q4_K_M's Q6_K layers of V) where
+    both take the tensor-core kernel (Q6_K: rows of a multiple of 2048); otherwise as linears then
     rotary_store_kv."""
     ops, calls = recorded
     monkeypatch.setattr(matvec, "matvec_rope", lambda outs, ws, roles, *rest: calls.append(

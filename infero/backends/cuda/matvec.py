@@ -59,6 +59,8 @@ MMA_ROW = {Q4_K: 288, Q6_K: 432}
 MMA_COLS = {Q4_K: 256, Q6_K: 2048}
 # (warps per block, ring stages) of matvec_mma that mma_plan can choose.
 MMA_SHAPES = ((4, 2), (4, 3), (8, 2))
+# (type of q and k, type of v) that one matvec_rope launch takes mixed: Q4_K_M stores some layers' v as Q6_K.
+MMA_MIXED = ((Q4_K, Q6_K),)
 
 runtime.declare(
     SOURCE,
@@ -68,7 +70,8 @@ runtime.declare(
     + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()]
     + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))]
     + [f"matvec_mma<{t}, {n}, {w}, {s}, false>" for t in MMA_ROW for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
-    + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES],
+    + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES]
+    + [f"matvec_mma<{t}, {n}, 4, {s}, true, {t2}>" for t, t2 in MMA_MIXED for n in (1, 2) for s in (2, 3)],
 )
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
@@ -197,9 +200,11 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
     return seg
 
 
-def mma_shared(t: int, warps: int, stages: int, n: int, cols: int) -> int:
-    """Dynamic shared memory of matvec_mma: the warps' rings, and below 3 tokens the staged activation."""
-    return warps * stages * 16 * MMA_ROW[t] + (5 * n * cols // 2 if n <= 2 else 0)
+def mma_shared(t: int, warps: int, stages: int, n: int, cols: int, t2: int | None = None) -> int:
+    """Dynamic shared memory of matvec_mma: the warps' rings (stages of the larger row where a launch mixes types
+    t and t2), and below 3 tokens the staged activation."""
+    row = max(MMA_ROW[t], MMA_ROW[t2 if t2 is not None else t])
+    return warps * stages * 16 * row + (5 * n * cols // 2 if n <= 2 else 0)
 
 
 def mma_plan(t: int, tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
@@ -236,6 +241,15 @@ def takes_mma(t: int, cols: int) -> bool:
     return fits
 
 
+def mixes(types: tuple[int, ...], cols: int) -> bool:
+    """Whether matvec_rope takes these three matrices (q, k, v) of mixed types in one matvec_mma launch: q and k of
+    one type and v of another per MMA_MIXED, both on the tensor cores at this width with the same warps, so every
+    row gets the bits its type's own launch gives it."""
+    return (len(types) == 3 and types[0] == types[1] and (types[0], types[2]) in MMA_MIXED
+            and takes_mma(types[0], cols) and takes_mma(types[2], cols)
+            and _mma_warps(types[0], cols) == _mma_warps(types[2], cols) == 4)  # fmt: skip
+
+
 def _shared_optin() -> int:
     return runtime.context().info.max_shared_per_block_optin
 
@@ -259,25 +273,30 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
     return launch
 
 
-def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool) -> tuple:
+def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool, t2: int | None = None) -> tuple:
     big_n = next(b for b in TOKEN_BUCKETS if b >= n)
     warps, stages = mma_plan(t, sum(tiles), cols, _sms())
-    fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}>")
-    shared = mma_shared(t, warps, stages, n, cols)
+    mixed = "" if t2 is None else f", {t2}"
+    fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}{mixed}>")
+    shared = mma_shared(t, warps, stages, n, cols, t2)
     if shared > _mma_shared.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _mma_shared[fn] = shared
     return fn, (sum(tiles),), (32 * warps,), shared
 
 
-def _launch_rope(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
+def _launch_rope(types: tuple[int, ...], rows: tuple[int, ...], n: int, cols: int) -> tuple:
     """(function, grid, block, dynamic shared bytes) of the mat-vec with the ROPE epilogue. matvec_q: two rows per
     warp, prefetch depth 1 at one token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which
-    plan would give a deeper ring, were not measured with the epilogue). matvec_mma where takes_mma."""
-    key = ("rope", t, rows, n, cols)
+    plan would give a deeper ring, were not measured with the epilogue). matvec_mma where takes_mma, for mixed
+    types where mixes."""
+    key = ("rope", types, rows, n, cols)
     launch = _launches.get(key)
+    t = types[0]
     if launch is None:
-        if takes_mma(t, cols):
+        if types[-1] != t:
+            launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, True, types[-1])
+        elif takes_mma(t, cols):
             launch = _launch_mma(t, tuple(-(-r // 16) for r in rows), n, cols, True)
         else:
             warps = sum(r // 2 for r in rows)
@@ -360,9 +379,9 @@ def matvec_rope(
     and k rotated by position with rope_dim = head_dim (inv_freq [head_dim / 2], mscale, "interleaved" or "neox"
     pairs), k and v written as fp16 into k_cache / v_cache [blocks, block_size, kv_heads, head_dim] at
     slot_mapping (int64 [n]; negative: not written). outs get the rotated q / k and v. Bitwise what matvec_many
-    followed by rotary_store_kv gives."""
+    followed by rotary_store_kv gives. The weights share one type, or (mixes) q and k one and v another."""
     biases = [None] * len(weights) if biases is None else list(biases)
-    error = _check_many(outs, weights, x, biases) or _check_rope(
+    error = _check_many(outs, weights, x, biases, mixed=True) or _check_rope(
         weights, roles, x.shape[0], positions, inv_freq, pairing, head_dim, k_cache, v_cache, slot_mapping
     )
     if error:
@@ -421,7 +440,10 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
     if n == 0 or sum(rows) == 0:
         return
     t, cols = weights[0].ggml_type, weights[0].cols
-    fn, grid, block, shared = _launch_q(t, rows, n, cols) if rope is None else _launch_rope(t, rows, n, cols)
+    if rope is None:
+        fn, grid, block, shared = _launch_q(t, rows, n, cols)
+    else:
+        fn, grid, block, shared = _launch_rope(tuple(w.ggml_type for w in weights), rows, n, cols)
     mark = workspace.offset
     if quantized is None:
         q_shape, s_shape = activation_shapes(n, cols)
@@ -436,9 +458,13 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
 
 
 def _check_many(
-    outs: list[DeviceTensor], weights: list[QuantWeight], x: DeviceTensor, biases: list[DeviceTensor | None]
+    outs: list[DeviceTensor],
+    weights: list[QuantWeight],
+    x: DeviceTensor,
+    biases: list[DeviceTensor | None],
+    mixed: bool = False,
 ) -> str | None:
-    """What is wrong with a grouped call's arguments, or None."""
+    """What is wrong with a grouped call's arguments, or None. mixed: types that mixes() takes are allowed."""
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         return f"{len(weights)} weights; one launch takes 1 to {MAX_SEGMENTS}"
     if len(outs) != len(weights) or len(biases) != len(weights):
@@ -446,7 +472,10 @@ def _check_many(
     first = weights[0]
     if first.ggml_type in FLOAT_TYPES:
         return f"float weights ({_type_name(first.ggml_type)}) take matvec, one matrix per launch"
+    mixed = mixed and mixes(tuple(w.ggml_type for w in weights), first.cols)
     for i, w in enumerate(weights[1:], 1):
+        if mixed and w.cols == first.cols:
+            continue
         if (w.ggml_type, w.cols, w.data.shape[1]) != (first.ggml_type, first.cols, first.data.shape[1]):
             return (f"weight {i} ({_type_name(w.ggml_type)}, {w.cols} columns) differs from weight 0 "
                     f"({_type_name(first.ggml_type)}, {first.cols} columns); one launch takes one type and one "

@@ -200,7 +200,8 @@ class CudaOps:
         """q of [n, heads, head_dim]; k and v into the cache (see CpuOps.qkv_rotary_store). Decode steps of one or
         two tokens on block-format weights of several units per lane (matvec.rope_pays) run it as the q/k/v mat-vec
         with the rotation and the cache write in its epilogue (matvec.matvec_rope: one kernel fewer per layer,
-        bitwise the same); the rest as linears and rotary_store_kv."""
+        bitwise the same; one launch per type, or one for all three where matvec.mixes them); the rest as linears
+        and rotary_store_kv."""
         n = x.shape[0]
         biases = (None,) * len(weights) if biases is None else tuple(biases)
         epilogue = all(w.ggml_type not in matvec.FLOAT_TYPES and not self._takes_skinny(x, w)
@@ -210,7 +211,8 @@ class CudaOps:
             q, k, v = (y.reshape(n, -1, head_dim) for y in self.linears(x, weights, biases))
             return self.rotary_store_kv(q, k, v, positions, rotary, cache, layer, slot_mapping)
         outs = [self.ws.empty((n, w.rows), np.float32) for w in weights]
-        for group in _launch_groups(weights, range(len(weights))):
+        mixed = matvec.mixes(tuple(w.ggml_type for w in weights), weights[0].cols)
+        for group in [[0, 1, 2]] if mixed else _launch_groups(weights, range(len(weights))):
             matvec.matvec_rope(
                 [outs[i] for i in group], [weights[i] for i in group], tuple(matvec.ROPE_ROLES[i] for i in group), x,
                 [biases[i] for i in group], positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing,

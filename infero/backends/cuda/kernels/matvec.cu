@@ -982,6 +982,7 @@ struct MmaAct {
 // supplies qs bytes 8j..8j+7; class = sub-block parity.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
+  static constexpr int SB_BYTES = 144;
   template <int TPT>
   __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
@@ -1066,7 +1067,7 @@ struct MmaQ4K {
 // (g / 2) % 2 at one token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per
 // class with the other half of B zero.
 struct MmaQ6K {
-  static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4;
+  static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4, SB_BYTES = 210;
 
   // The 16-byte piece holding pair p's first byte. Rows of 8 k superblocks have 4 k pairs, so a row's last pair
   // starts 12 bytes into a piece and its 27 pieces end with the row: every piece lies inside its row.
@@ -1170,6 +1171,9 @@ struct MmaQ6K {
   }
 };
 
+template <int T>
+using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
+
 // A warp's copies into its ring: piece lane + 32 i (slot i) of the stage's 16 rows laid end to end, so consecutive
 // lanes copy consecutive 16-byte pieces of a row (an instruction covers whole lines of one or two rows; copying 128
 // bytes of each of 4 rows an instruction instead ran 2-6% slower on Q6_K). A slot's row and offset are fixed per
@@ -1214,27 +1218,16 @@ struct MmaCopy {
 
 }  // namespace mv
 
-// T: Q4_K or Q6_K. grid: the segments' tiles of 16 rows one after another (a neox-rotated segment: head_dim / 16
-// tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * F::ROW bytes, plus 5 n cols / 2 for N <= 2.
-template <int T, int N, int W, int STAGES, bool ROPE = false>
-__global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
-                                                    const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                    int n, int cols, long long row_bytes,
-                                                    const __grid_constant__ mv::Rope rope) {
-  static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
-  static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
-  static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
-  using F = typename mv::Pick<T == GGML_Q4_K, mv::MmaQ4K, mv::MmaQ6K>::type;
+// The tile of 16 rows at (segment s, tile) in format F; STAGE: the bytes of a ring stage (the launch's largest).
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
+__device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
+                                         const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
+                                         const mv::Rope& rope, int s, int tile, float (&part)[W][2][N][16]) {
   constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
-  constexpr int STAGE = 16 * F::ROW;
   constexpr bool STAGE_X = N <= 2;
-  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
-
-  const int t0 = (seg.rows[0] + 15) / 16, t1 = t0 + (seg.rows[1] + 15) / 16;
-  const int s = (blockIdx.x >= t0) + (blockIdx.x >= t1);
-  const int tile = blockIdx.x - (s == 0 ? 0 : s == 1 ? t0 : t1), rows = mv::pick(seg.rows, s);
+  const int rows = mv::pick(seg.rows, s);
   const bool neox_pairs = ROPE && rope.neox && mv::pick(rope.role, s) != mv::ROPE_V;
   const int base0 = neox_pairs ? tile / (rope.head_dim / 16) * rope.head_dim + 8 * (tile % (rope.head_dim / 16))
                                : 16 * tile;
@@ -1242,7 +1235,6 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   const uint8_t* weight = mv::pick(seg.weight, s);
   const int nsb = cols / 256, pairs = (nsb + 1) / 2;
   const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
-
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(weight, base0, base1, rows, row_bytes, lane);
 #pragma unroll
@@ -1318,4 +1310,33 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
       if (t < n && r1 < rows) mv::rope_pair_store(total(m0, t), total(m1, t), t, out, bias, rows, r0, r1, role, rope);
     }
   }
+}
+
+// T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
+// Q4_K_M's Q6_K layers of v). grid: the segments' tiles of 16 rows one after another (a neox-rotated segment:
+// head_dim / 16 tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * (the larger F::ROW) bytes,
+// plus 5 n cols / 2 for N <= 2.
+template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T>
+__global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
+                                                    const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                    int n, int cols, long long row_bytes,
+                                                    const __grid_constant__ mv::Rope rope) {
+  static_assert((T == GGML_Q4_K || T == GGML_Q6_K) && (T2 == GGML_Q4_K || T2 == GGML_Q6_K), "Q4_K or Q6_K");
+  static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
+  static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
+  using F = mv::MmaFormat<T>;
+  using F2 = mv::MmaFormat<T2>;
+  constexpr int STAGE = 16 * (F::ROW > F2::ROW ? F::ROW : F2::ROW);
+  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
+  const int t0 = (seg.rows[0] + 15) / 16, t1 = t0 + (seg.rows[1] + 15) / 16;
+  const int s = (blockIdx.x >= t0) + (blockIdx.x >= t1);
+  const int tile = blockIdx.x - (s == 0 ? 0 : s == 1 ? t0 : t1);
+  if constexpr (T2 != T) {
+    if (s == 2) {  // its rows are those of its own type (contiguous GGUF rows)
+      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, (long long)(cols / 256) * F2::SB_BYTES, rope, s,
+                                              tile, part);
+      return;
+    }
+  }
+  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, s, tile, part);
 }
