@@ -11,7 +11,7 @@ order depends on none of them, so results are bitwise batch invariant.
 Q4_K runs matvec_mma, and Q6_K where its rows are a multiple of 2048 wide; every other block format matvec_q. The
 mma kernel computes tiles of 16 rows on the tensor cores (two int8 planes as B columns, exact int32 sums) from
 weights staged through shared memory by cp.async: on the H200 Q4_K 2-24% faster on the decode shapes of an 8B
-model and 4.0 against 3.5 TB/s at steady state, Q6_K 8-33% (its 1024-row v projection excepted) and 3.6 against
+model and 4.2 against 3.5 TB/s at steady state, Q6_K 8-33% (its 1024-row v projection excepted) and 3.7 against
 2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch
 invariant too.
 

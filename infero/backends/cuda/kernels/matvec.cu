@@ -951,8 +951,8 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 // parity of its sub-block (Q6_K: which half of k it fills, see MmaQ6K). The format is a policy (MmaQ4K, MmaQ6K:
 // stage rows, copies, fragments and scales). A first Q6_K policy gave each 16-weight run its own mma.m16n8k16 and
 // scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
-// MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~400 and runs 8-33% faster than matvec_q
-// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~215.
+// MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
+// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200.
 //
 // Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
 // increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
