@@ -100,13 +100,8 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
     [
         ((T.Q8_0,) * 3, 1, 32, 2048, [("rope", [0, 1, 2], ("q", "k", "v"))]),
         ((T.Q4_K, T.Q4_K, T.Q6_K), 2, 32, 2048, [("rope", [0, 1, 2], ("q", "k", "v"))]),  # one mixed launch
-        (
-            (T.Q4_K, T.Q4_K, T.Q6_K),
-            2,
-            32,
-            3072,
-            [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))],
-        ),  # Q6_K: matvec_q
+        # 3072 columns: Q6_K on matvec_q, so v apart
+        ((T.Q4_K, T.Q4_K, T.Q6_K), 2, 32, 3072, [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))]),
         ((T.Q6_K, T.Q6_K, T.Q4_K), 1, 32, 2048, [("rope", [0, 1], ("q", "k")), ("rope", [2], ("v",))]),
         ((T.Q8_0,) * 3, 3, 32, 2048, [("many", [0, 1, 2]), ("rotary",)]),  # past matvec_rope's two tokens
         ((T.F16,) * 3, 1, 32, 2048, [("linear", 0), ("linear", 1), ("linear", 2), ("rotary",)]),  # float weights

@@ -929,13 +929,13 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 }
 
 // ---- Q4_K and Q6_K through the tensor cores ---------------------------------------------------------------------
-// matvec_mma<T>: every Q4_K mat-vec and the Q6_K ones of rows of a multiple of 2048 (1-16 tokens, grouped, ROPE),
-// by mma.sync (u8 weights x s8 activation planes, exact int32 sums). Per 16 rows x 64 weights it issues about a third of matvec_q's __dp4a loop's SASS,
-// and it loads the weights in whole lines. The weights go through shared memory: loaded straight into A fragments
-// (8 bytes a lane, 8 rows an instruction) each L2 request carried one 32-byte sector, 2.7x matvec_q's requests,
-// and Q4_K ran at 2.4 TB/s against matvec_q's 3.5 at steady state; staged by cp.async in row-contiguous 16-byte
-// pieces the requests carry whole lines and Q4_K streams at 4.1-4.3 TB/s (scripts/bench_matvec_mma.py,
-// docs/performance.md).
+// matvec_mma<T>: every Q4_K mat-vec and the Q6_K ones of rows of a multiple of 2048 (1-16 tokens, grouped, ROPE), by
+// mma.sync (u8 weights x s8 activation planes, exact int32 sums). Per 16 rows x 64 Q4_K weights it issues about a third
+// of matvec_q's __dp4a loop's SASS, and it loads the weights in whole lines. The weights go through shared memory:
+// loaded straight into A fragments (8 bytes a lane, 8 rows an instruction) each L2 request carried one 32-byte sector,
+// 2.7x matvec_q's requests, and Q4_K ran at 2.4 TB/s against matvec_q's 3.5 at steady state; staged by cp.async in
+// row-contiguous 16-byte pieces the requests carry whole lines and Q4_K streams at 4.1-4.3 TB/s
+// (scripts/bench_matvec_mma.py, docs/performance.md).
 //
 // Blocks. A block computes one tile of 16 rows for all tokens: m-rows 0-7 are rows base0 + i, 8-15 rows base1 + i
 // (base1 = base0 + 8, but base0 + head_dim / 2 for neox rotation pairs, so that m-rows i and i + 8 are a pair).
@@ -1055,22 +1055,21 @@ struct MmaQ4K {
   }
 };
 
-
-// Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows
-// are 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row,
-// its second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 432
-// bytes (108 words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..]) holds
-// elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
-// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15
-// is sub-block c = 8h + m + 4r, k 16-31 sub-block c + 2 (r = 0: low nibbles, 1: high). The two sub-blocks of an
-// mma are told apart by the B columns: below 4 tokens column g carries only its class's half of k (class
-// (g / 2) % 2 at one token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per
-// class with the other half of B zero.
+// Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows are
+// 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row, its
+// second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 432 bytes (108
+// words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..])
+// holds elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
+// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15 is
+// sub-block c = 8h + m + 4r, k 16-31 sub-block c + 2 (r = 0: low nibbles, 1: high). The two sub-blocks of an mma are
+// told apart by the B columns: below 4 tokens column g carries only its class's half of k (class (g / 2) % 2 at one
+// token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per class with the other half of
+// B zero.
 struct MmaQ6K {
   static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4, SB_BYTES = 210;
 
-  // The 16-byte piece holding pair p's first byte. Rows of 8 k superblocks have 4 k pairs, so a row's last pair
-  // starts 12 bytes into a piece and its 27 pieces end with the row: every piece lies inside its row.
+  // The 16-byte piece holding pair p's first byte. A row of 8i superblocks has 4i pairs, so its last pair starts 12
+  // bytes into a piece and that pair's 27 pieces end with the row: every piece lies inside its row.
   static constexpr int LOW = PIECES;
   __device__ static long long at(int p) { return (420LL * p) & ~15LL; }
   __device__ static bool full(int, long long) { return true; }
@@ -1099,7 +1098,8 @@ struct MmaQ6K {
   // Unit (h, m) of m-row r: the 6-bit weights of sub-blocks 8h + m + {0, 2, 4, 6} (this lane's 4 elements each).
   template <bool ODD>
   __device__ static void unit(uint32_t (&q)[4], const uint8_t* block, int h, int m, int j) {
-    const uint32_t la = word<ODD>(block + 64 * h + 16 * m + 4 * j), lb = word<ODD>(block + 64 * h + 32 + 16 * m + 4 * j);
+    const uint32_t la = word<ODD>(block + 64 * h + 16 * m + 4 * j);
+    const uint32_t lb = word<ODD>(block + 64 * h + 32 + 16 * m + 4 * j);
     const uint32_t qh = word<ODD>(block + 128 + 32 * h + 16 * m + 4 * j);
     // Bit pairs 0, 2 and 1, 3 of each qh byte; each weight byte is then one lop3: low nibble from ql, high from qh
     // (written as C, the compiler re-derived the masks and spent a third instruction per byte).
@@ -1184,7 +1184,7 @@ struct MmaCopy {
   static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
   static_assert(F::ROW == 16 * F::PIECES, "stage rows end to end");
   const uint8_t* base[2];  // the tile's first row of each half (m-rows 0 and 8)
-  unsigned off[SLOTS];     // slot i's piece: bytes past its half's base
+  unsigned off[SLOTS];     // slot i's piece: bytes past its half's base (under 8 rows: 32 bits hold it)
   unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
 
   __device__ MmaCopy(const uint8_t* weight, int base0, int base1, int rows, long long row_bytes, int lane) {
