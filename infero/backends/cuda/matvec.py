@@ -401,7 +401,8 @@ def rope_pays(weight: QuantWeight, head_dim: int, pairing: str) -> bool:
     two rows per warp, which plan gives rows of several units per lane; rows of one unit per lane run one row per
     warp, and there the separate rotary kernel measured faster. Decode step on the H200, separate kernel /
     matvec_rope: qwen2.5-0.5b (896-wide Q8_0, one unit per lane) 774 / 792 us, llama-3.1-8b (4096-wide Q4_K,
-    then on matvec_q) 2,762 / 2,728. Q4_K (matvec_mma) takes it wherever its tiles hold whole rotation pairs."""
+    then on matvec_q) 2,762 / 2,728. A type and width on matvec_mma (takes_mma) takes it wherever its tiles hold
+    whole rotation pairs."""
     if takes_mma(weight.ggml_type, weight.cols):
         return pairing != "neox" or head_dim % 16 == 0
     return -(-(weight.cols // UNIT_ELEMS.get(weight.ggml_type, 32)) // 32) > 1
