@@ -18,6 +18,8 @@ from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.sampling import SamplingParams
 from infero.errors import InferoError
 
+BLOCK_SIZE = 16  # the benchmarks' KV cache blocks
+
 
 def decode_step_bytes(model, backend, context_len: int) -> int:
     """Bytes one decode step reads: every weight except the embedding table (one row), plus the KV prefix."""
@@ -31,7 +33,7 @@ def decode_step_bytes(model, backend, context_len: int) -> int:
 
 
 def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> dict:
-    model, backend, block = llm.model, llm.backend, 16
+    model, backend, block = llm.model, llm.backend, BLOCK_SIZE
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, size=prompt_len).tolist()
     blocks = -(-(prompt_len + decode_tokens + 16) // block)
@@ -46,12 +48,16 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
         output.append(token)
         return token
 
+    def prefill() -> int:
+        last = prefill_chunks(llm, cache, table, ids)
+        return forward(ids[last:], last)
+
     forward(ids[:16], 0)  # warm-up: kernels compiled and loaded
-    forward(ids, 0)
+    prefill()
     prefill_times = []
     for _ in range(3):
         t = time.perf_counter()
-        token = forward(ids, 0)
+        token = prefill()
         prefill_times.append(time.perf_counter() - t)
     prefill_s = float(np.median(prefill_times))
     times = []
@@ -77,6 +83,17 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     }
 
 
+def prefill_chunks(llm, cache, table: list[int], ids: list[int]) -> int:
+    """Run all but the last chunk of the prompt ids (chunks of the engine's max_num_batched_tokens, as the engine
+    runs a long prompt; without logits); the start of the last chunk, which the caller runs."""
+    chunk = llm.engine.config.max_num_batched_tokens
+    last = (len(ids) - 1) // chunk * chunk
+    for start in range(0, last, chunk):
+        step = SequenceStep(ids[start : start + chunk], start, table, logits="none")
+        llm.backend.forward(llm.model, build_batch([step], BLOCK_SIZE), cache)
+    return last
+
+
 def engine_token_seconds(llm, prompt_ids: list[int], tokens: int) -> float:
     """Median seconds between the tokens of one greedy stream through the engine's own loop (scheduling, forward,
     sampling, detokenizing), past its first three."""
@@ -91,12 +108,13 @@ def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     `steps` replays), re-captured on every call so that it runs the launches as the caller has just set them.
     For A/B comparisons inside one process (scripts/sweep_decode_plan.py): alternate the variants, since the
     step's time drifts by tens of microseconds between measurements."""
-    model, backend, block = llm.model, llm.backend, 16
+    model, backend, block = llm.model, llm.backend, BLOCK_SIZE
     blocks = -(-(prompt_len + 64) // block)
     cache = backend.allocate_kv_cache(model.config, blocks, block)
     table = list(range(blocks))
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=prompt_len + 1).tolist()
-    backend.forward(model, build_batch([SequenceStep(ids[:-1], 0, table)], block), cache)
+    last = prefill_chunks(llm, cache, table, ids[:-1])
+    backend.forward(model, build_batch([SequenceStep(ids[last:-1], last, table)], block), cache)
     step = build_batch([SequenceStep(ids[-1:], prompt_len, table)], block)
     timer = backend.event_timer()
 
@@ -117,7 +135,7 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
     """Median time (s) of a decode step of `batch` sequences, each after its own prompt_len-token prompt: what a
     server's step costs at that many concurrent requests (upload, forward, the engine's sampler picking the batch's
     greedy next tokens and bringing them to the host)."""
-    model, backend, block = llm.model, llm.backend, 16
+    model, backend, block = llm.model, llm.backend, BLOCK_SIZE
     limit = llm.engine.config.max_num_seqs
     if not 1 <= batch <= limit:
         raise InferoError(f"bench decode --batch: {batch} sequences; this engine steps 1 to {limit} (--max-num-seqs)")
@@ -137,7 +155,8 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
 
     tokens = []
     for prompt, table in zip(prompts, tables, strict=True):
-        logits = backend.forward(model, build_batch([SequenceStep(prompt, 0, table)], block), cache)
+        last = prefill_chunks(llm, cache, table, prompt)
+        logits = backend.forward(model, build_batch([SequenceStep(prompt[last:], last, table)], block), cache)
         tokens.append(int(np.argmax(backend.to_host(logits, 0, 1)[0])))
     times = []
     for i in range(steps):
@@ -168,16 +187,18 @@ def profile(llm, prompt_len: int = 512, steps: int = 16, batch: int = 1) -> tupl
         raise ValueError("--profile needs the CUDA backend")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len + steps)).tolist()
-    blocks = -(-(prompt_len + steps + 16) // 16)
-    cache = backend.allocate_kv_cache(model.config, blocks * batch, 16)
+    blocks = -(-(prompt_len + steps + 16) // BLOCK_SIZE)
+    cache = backend.allocate_kv_cache(model.config, blocks * batch, BLOCK_SIZE)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
 
     def decode_batch(i: int):
         seqs = [SequenceStep([ids[b][prompt_len + i]], prompt_len + i, tables[b]) for b in range(batch)]
-        return build_batch(seqs, 16)
+        return build_batch(seqs, BLOCK_SIZE)
 
     for b in range(batch):
-        backend.forward(model, build_batch([SequenceStep(ids[b][:prompt_len], 0, tables[b])], 16), cache)
+        last = prefill_chunks(llm, cache, tables[b], ids[b][:prompt_len])
+        step = SequenceStep(ids[b][last:prompt_len], last, tables[b])
+        backend.forward(model, build_batch([step], BLOCK_SIZE), cache)
     backend.forward(model, decode_batch(0), cache)  # the engine's graph for this width, and every kernel loaded
     timer = backend.event_timer(in_graph=True)
     timed = _TimedOps(model.ops, timer)

@@ -33,3 +33,27 @@ def test_the_table_reports_the_engine_loop_beside_the_single_step(llm):
     assert r["engine_decode_tok_s"] == pytest.approx(1e3 / r["engine_ms"]) and r["async_scheduling"] is False
     table = decode.format_table("tiny", "cpu", r)
     assert "decode, engine loop" in table and "asynchronous scheduling off" in table
+
+
+def test_a_prompt_longer_than_a_step_is_prefilled_in_chunks(tmp_path):
+    """The benchmarks run a prompt past max_num_batched_tokens in chunks, as the engine does (one forward of it
+    overran the GPU backend's step buffers): the chunks leave the cache as one forward of the whole prompt does."""
+    import numpy as np
+
+    from infero.engine.batch import SequenceStep, build_batch
+    from infero.engine.engine import EngineConfig
+
+    path = write_tiny_model(tmp_path / "m.gguf", Q.Q8_0, seed=5)
+    llm = LLM(path, device="cpu", engine_config=EngineConfig(max_num_batched_tokens=16))
+    ids = np.random.default_rng(1).integers(0, llm.config.vocab_size, size=41).tolist()
+    table = list(range(4))
+    caches = [llm.backend.allocate_kv_cache(llm.config, 4, decode.BLOCK_SIZE) for _ in range(2)]
+    last = decode.prefill_chunks(llm, caches[0], table, ids[:-1])
+    assert last == 32  # chunks at 0 and 16 run by prefill_chunks, the caller's from 32
+    forward = llm.backend.forward
+    forward(llm.model, build_batch([SequenceStep(ids[last:-1], last, table, "none")], decode.BLOCK_SIZE), caches[0])
+    forward(llm.model, build_batch([SequenceStep(ids[:-1], 0, table, "none")], decode.BLOCK_SIZE), caches[1])
+    step = build_batch([SequenceStep(ids[-1:], 40, table)], decode.BLOCK_SIZE)
+    chunked, whole = (np.asarray(forward(llm.model, step, cache)) for cache in caches)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert decode.run(llm, prompt_len=40, decode_tokens=4)["prefill_tokens"] == 40

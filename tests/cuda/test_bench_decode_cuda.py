@@ -65,3 +65,25 @@ def test_graph_step_timer_captures_the_step_anew_on_every_call(llm):
     assert first > 0 and second > 0 and graphs
     assert set(llm.backend._graphs) == set(graphs)
     assert all(llm.backend._graphs[width] is not graphs[width] for width in graphs)
+
+
+def test_a_step_larger_than_the_engine_was_sized_for_is_refused_clearly(gpu, tmp_path):
+    """One forward of more tokens than max_num_batched_tokens (or more cache blocks than the context holds) would
+    overrun the step's buffers on the GPU: it is refused with an error naming the limit, and the backend keeps
+    working; the benchmarks run such a prompt in chunks."""
+    import numpy as np
+
+    from infero.engine.batch import SequenceStep, build_batch
+    from infero.engine.engine import EngineConfig
+    from infero.errors import InferoError
+
+    path = write_tiny_model(tmp_path / "m.gguf", Q.Q4_K, seed=3)
+    llm = LLM(path, device="cuda", engine_config=EngineConfig(max_num_batched_tokens=32))
+    ids = np.random.default_rng(2).integers(0, llm.config.vocab_size, size=100).tolist()
+    cache = llm.backend.allocate_kv_cache(llm.config, 8, decode.BLOCK_SIZE)
+    with pytest.raises(InferoError, match="max_num_batched_tokens"):
+        llm.backend.forward(llm.model, build_batch([SequenceStep(ids, 0, list(range(8)))], decode.BLOCK_SIZE), cache)
+    with pytest.raises(InferoError, match="blocks"):
+        llm.backend.forward(llm.model, build_batch([SequenceStep(ids[:1], 0, list(range(400)))], 16), cache)
+    r = decode.run(llm, prompt_len=100, decode_tokens=4)  # chunks of 32
+    assert r["prefill_tokens"] == 100 and r["decode_tok_s"] > 0

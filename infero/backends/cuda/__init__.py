@@ -17,6 +17,7 @@ from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, TokenFeed
+from infero.errors import InferoError
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -174,6 +175,13 @@ class CudaBackend:
         tokens = pad_to or n
         dummy_block = cache.num_blocks  # the extra block allocate_kv_cache reserved
         lay, host = self._layout, self._staging.array
+        if tokens > lay.max_tokens or rows > lay.max_rows or batch.block_tables.shape[1] > lay.max_blocks:
+            # Past these the arrays would overrun each other in the staging buffer (and the workspace, sized alike).
+            raise InferoError(
+                f"a step of {n} tokens of {s} sequences ({batch.block_tables.shape[1]} cache blocks each) is larger "
+                f"than the engine was sized for: {lay.max_tokens} tokens (max_num_batched_tokens), {lay.max_rows} "
+                f"sequences, {lay.max_blocks} blocks (the context length); run a longer prompt in chunks"
+            )
         # The previous step's copy may still be queued behind its predecessor's kernels: wait until the GPU has
         # read the pinned buffer before overwriting it (steps without sampling never synchronize otherwise).
         self._staging_free.synchronize()
@@ -259,7 +267,7 @@ class _BatchLayout:
     """Byte offsets of the batch arrays inside one device buffer (8-byte aligned)."""
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
-        self.max_blocks = max_blocks
+        self.max_tokens, self.max_rows, self.max_blocks = max_tokens, max_rows, max_blocks
         sizes = {
             "token_ids": 4 * max_tokens, "feed_rows": 4 * max_tokens, "positions": 4 * max_tokens,
             "slot_mapping": 8 * max_tokens,
