@@ -238,7 +238,7 @@ class _TimedOps:
             if name == "linear":
                 w = args[1]
                 label = f"linear {_type_name(w)} {w.rows}x{w.cols}"
-            elif name in ("linears", "qkv_rotary_store"):
+            elif name in ("linears", "qkv_rotary_store", "swiglu_gate_up"):
                 ws = args[1]
                 types, rows = "+".join(_type_name(w) for w in ws), "+".join(str(w.rows) for w in ws)
                 label = f"{name} {types} {rows}x{ws[0].cols}"

@@ -114,8 +114,7 @@ class LlamaModel:
             attn = ops.attention(q, cache, i, batch, self.scale)
             x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
             h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
-            gate, up = ops.linears(h, (layer.w_gate, layer.w_up))
-            x = ops.linear(ops.swiglu(gate, up), layer.w_down)
+            x = ops.linear(ops.swiglu_gate_up(h, (layer.w_gate, layer.w_up)), layer.w_down)
         rows = batch.logits_indices
         x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
         h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)

@@ -465,3 +465,69 @@ def test_grouped_matvec_rejects_what_one_launch_cannot_take(gpu):
         call(q8, q8, q8, q8)
     with pytest.raises(ValueError, match="float weights"):
         call(f32, f32)
+
+
+# Gate, up and SwiGLU of a decode step in one launch (matvec_glu): against the same math in float64 (x as the
+# activation format gives it, gguf's weights; bound TIGHT as above: the SwiGLU of fp32 sums adds a few ulp), its
+# quantized output bitwise numpy's quantization of its float output, two tokens bitwise one, and within TIGHT of
+# linears + swiglu (which sum each row over several warps: not the same order).
+GLU_CASES = [(Q.Q4_K, 14336, 4096, False), (Q.Q4_K, 96, 768, True), (Q.Q6_K, 512, 2048, True)]
+
+
+GLU_IDS = [f"{t.name}-{r}x{c}" for t, r, c, _ in GLU_CASES]
+
+
+@pytest.mark.parametrize("qtype, rows, cols, with_bias", GLU_CASES, ids=GLU_IDS)
+def test_matvec_glu_is_swiglu_of_gate_and_up(gpu, qtype, rows, cols, with_bias):
+    from infero.backends.cuda import driver, elementwise, matvec, runtime
+    from infero.backends.cuda.tensor import empty, from_host
+
+    (gate, wg), (up, wu) = weight_case(qtype, rows, cols, seed=1), weight_case(qtype, rows, cols, seed=2)
+    assert matvec.glu_fits(gate, up, 1) and matvec.glu_fits(gate, up, 2)
+    rng = np.random.default_rng(rows + cols)
+    biases = [rng.normal(0, 0.5, size=rows).astype(np.float32) if with_bias else None for _ in range(2)]
+    x = (rng.normal(0, 1, size=(2, cols)) * rng.uniform(0.1, 10, size=(1, cols))).astype(np.float32)
+    stream = runtime.stream()
+    outs = {}
+    for n in (1, 2):
+        out = empty((n, rows), np.float32)
+        driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)
+        q_shape, s_shape = matvec.activation_shapes(n, cols)
+        quantized = (empty(q_shape, np.int8), empty(s_shape, np.int32))
+        matvec.quantize(*quantized, from_host(x[:n]), stream)
+        y_shape, ys_shape = matvec.activation_shapes(n, rows)
+        out_quantized = (empty(y_shape, np.int8), empty(ys_shape, np.int32))
+        bd = tuple(from_host(b) if b is not None else None for b in biases)
+        matvec.matvec_glu(out, gate, up, from_host(x[:n]), bd, quantized, out_quantized, stream)
+        stream.synchronize()
+        outs[n] = out.to_host()
+        assert not np.isnan(outs[n]).any(), f"n={n}: {int(np.isnan(outs[n]).sum())} unwritten outputs"
+        assert_quantized_like_numpy(*out_quantized, outs[n])
+    assert np.array_equal(outs[2][:1].view(np.uint32), outs[1].view(np.uint32)), "token 0 of two differs from one"
+    xhat = quantize_like_kernel(x)[3]
+    g, u = (xhat @ w.T + (b if b is not None else 0) for w, b in ((wg, biases[0]), (wu, biases[1])))
+    ref = g / (1 + np.exp(-g)) * u
+    err = rel_err(outs[2], ref)
+    print(f"matvec_glu {qtype.name} {rows}x{cols}: {describe(outs[2], ref)}")
+    assert err < TIGHT, describe(outs[2], ref)
+    lin_g, lin_u = run_matvec_many([gate, up], x, biases)
+    out2 = empty((2, rows), np.float32)
+    elementwise.swiglu(out2, from_host(lin_g), from_host(lin_u), stream)
+    stream.synchronize()
+    assert rel_err(outs[2], out2.to_host().astype(np.float64)) < TIGHT
+
+
+def test_matvec_glu_rejects_what_it_cannot_take(gpu):
+    from infero.backends.cuda import matvec
+    from infero.backends.cuda.tensor import empty
+
+    gate, up = weight_case(Q.Q4_K, 64, 256)[0], weight_case(Q.Q4_K, 64, 256, seed=1)[0]
+    assert not matvec.glu_fits(gate, up, 3)  # one or two tokens
+    assert not matvec.glu_fits(gate, weight_case(Q.Q4_K, 32, 256)[0], 1)  # the same shapes
+    assert not matvec.glu_fits(weight_case(Q.Q4_K, 48, 256)[0], weight_case(Q.Q4_K, 48, 256)[0], 1)  # whole groups
+    assert not matvec.glu_fits(weight_case(Q.Q8_0, 64, 256)[0], weight_case(Q.Q8_0, 64, 256)[0], 1)  # tensor cores
+    x = empty((3, 256), np.float32)
+    q = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(3, 256), (np.int8, np.int32), strict=True))
+    y = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(3, 64), (np.int8, np.int32), strict=True))
+    with pytest.raises(ValueError, match="glu_fits"):
+        matvec.matvec_glu(empty((3, 64), np.float32), gate, up, x, (None, None), q, y, None)

@@ -73,6 +73,10 @@ class CpuOps:
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
+    def swiglu_gate_up(self, x: np.ndarray, weights) -> np.ndarray:
+        """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch)."""
+        return self.swiglu(*self.linears(x, weights))
+
     def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
         """Rotate the first rope_dim dimensions of every head of x [n, heads, head_dim] by position."""
         cos, sin = rotary.cos_sin(positions)

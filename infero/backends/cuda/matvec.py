@@ -61,6 +61,9 @@ MMA_COLS = {Q4_K: 256, Q6_K: 2048}
 MMA_SHAPES = ((4, 2), (4, 3), (8, 2))
 # (type of q and k, type of v) that one matvec_rope launch takes mixed: Q4_K_M stores some layers' v as Q6_K.
 MMA_MIXED = ((Q4_K, Q6_K),)
+# Ring stages of matvec_mma_glu (gate, up and SwiGLU in one launch): with 2, an 8B's 448 Q4_K blocks of gate + up
+# are one wave at 4 blocks an SM; 3 and 4 leave room for 3 (two waves) and measured 0.2 ms slower in its step.
+GLU_STAGES = 2
 
 runtime.declare(
     SOURCE,
@@ -71,7 +74,8 @@ runtime.declare(
     + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))]
     + [f"matvec_mma<{t}, {n}, {w}, {s}, false>" for t in MMA_ROW for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
     + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES]
-    + [f"matvec_mma<{t}, {n}, 4, {s}, true, {t2}>" for t, t2 in MMA_MIXED for n in (1, 2) for s in (2, 3)],
+    + [f"matvec_mma<{t}, {n}, 4, {s}, true, {t2}>" for t, t2 in MMA_MIXED for n in (1, 2) for s in (2, 3)]
+    + [f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>" for t in MMA_ROW for n in (1, 2)],
 )
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
@@ -97,6 +101,7 @@ _Q_ARGS = (None, _P, _P, _I, _I, _L, None)  # None: a ctypes.Structure, passed b
 _NO_ROPE = Rope()
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
+_GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P)
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
@@ -248,6 +253,50 @@ def mixes(types: tuple[int, ...], cols: int) -> bool:
     return (len(types) == 3 and types[0] == types[1] and (types[0], types[2]) in MMA_MIXED
             and takes_mma(types[0], cols) and takes_mma(types[2], cols)
             and _mma_warps(types[0], cols) == _mma_warps(types[2], cols) == 4)  # fmt: skip
+
+
+def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
+    """Whether matvec_glu runs these gate and up projections for n tokens: one type on the tensor cores at their
+    width, the same shape, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
+    t, cols, rows = gate.ggml_type, gate.cols, gate.rows
+    return (1 <= n <= 2 and (up.ggml_type, up.cols, up.rows) == (t, cols, rows) and rows % 32 == 0
+            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 128 * 4 * n <= _shared_optin())  # fmt: skip
+
+
+def _glu_shared(t: int, n: int, cols: int) -> int:
+    return mma_shared(t, 4, GLU_STAGES, n, cols)
+
+
+def matvec_glu(
+    out: DeviceTensor,
+    gate: QuantWeight,
+    up: QuantWeight,
+    x: DeviceTensor,
+    biases: tuple[DeviceTensor | None, DeviceTensor | None],
+    quantized: tuple[DeviceTensor, DeviceTensor],
+    out_quantized: tuple[DeviceTensor, DeviceTensor],
+    stream: driver.Stream,
+) -> None:
+    """out [n, rows] = silu(x @ dequant(gate)^T + b_gate) * (x @ dequant(up)^T + b_up) for a decode step of one or
+    two tokens (glu_fits), in one launch that also writes out in the activation format to out_quantized (the down
+    projection's input). quantized: x in the activation format. Bitwise what linears with each row's sum over one
+    warp and the swiglu kernel give (matvec.cu's matvec_mma_glu)."""
+    n, t, cols, rows = x.shape[0], gate.ggml_type, gate.cols, gate.rows
+    error = _check_many([out, out], [gate, up], x, list(biases)) or (
+        None if glu_fits(gate, up, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (glu_fits)"
+    )
+    if error:
+        raise ValueError(f"matvec_glu: {error}")
+    check_activation(quantized, n, cols)
+    check_activation(out_quantized, n, rows)
+    fn = _kernel(f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>")
+    shared = _glu_shared(t, n, cols)
+    if shared > _mma_shared.get(fn, 48 << 10):
+        driver.set_max_dynamic_shared(fn, shared)
+        _mma_shared[fn] = shared
+    args = (segments([out, out], [gate, up], list(biases)), quantized[0].ptr, quantized[1].ptr, n, cols,
+            gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr)  # fmt: skip
+    driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True)
 
 
 def _shared_optin() -> int:

@@ -40,6 +40,8 @@ class CudaOps:
         self._rotary_tables: dict[int, DeviceTensor] = {}
         self._xq = self._xs = None  # the mat-vec's quantized activation (one at a time, see _quantized)
         self._quantized_key = None
+        self._glu_q = self._glu_s = None  # matvec_glu's output, in the format: read while _xq holds its input
+        self._glu_key = None
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
 
@@ -54,6 +56,10 @@ class CudaOps:
         self._xq = empty((int(np.prod(q_shape)),), np.int8, arena)
         self._xs = empty((int(np.prod(s_shape)),), np.int32, arena)
         self._quantized_key = None
+        q_shape, s_shape = matvec.activation_shapes(2, -(-config.intermediate_size // 32) * 32)
+        self._glu_q = empty((int(np.prod(q_shape)),), np.int8, arena)
+        self._glu_s = empty((int(np.prod(s_shape)),), np.int32, arena)
+        self._glu_key = None
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
         self._skinny_keys = {}
@@ -69,16 +75,21 @@ class CudaOps:
             self._skinny_keys[ggml_type] = key
         return xa
 
-    def _quantize_into(self, x: DeviceTensor):
+    def _quantize_into(self, x: DeviceTensor, glu: bool = False):
         """The quantized-activation buffers viewed for x [n, cols], now owned by x; or None where x cannot
-        take the format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers)."""
+        take the format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers). glu: the
+        second pair, which matvec_glu writes while it reads its input from the first."""
         if not self._quantizable(x):
             return None
         n, cols = x.shape
-        self._quantized_key = (x.ptr, x.shape, self.ws.generation)
+        key = (x.ptr, x.shape, self.ws.generation)
+        if glu:
+            self._glu_key, xq, xs = key, self._glu_q, self._glu_s
+        else:
+            self._quantized_key, xq, xs = key, self._xq, self._xs
         q_shape, s_shape = matvec.activation_shapes(n, cols)
-        return (DeviceTensor(self._xq.ptr, q_shape, np.dtype(np.int8), self._xq),
-                DeviceTensor(self._xs.ptr, s_shape, np.dtype(np.int32), self._xs))  # fmt: skip
+        return (DeviceTensor(xq.ptr, q_shape, np.dtype(np.int8), xq),
+                DeviceTensor(xs.ptr, s_shape, np.dtype(np.int32), xs))  # fmt: skip
 
     def _quantizable(self, x: DeviceTensor) -> bool:
         return self._xq is not None and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
@@ -86,8 +97,9 @@ class CudaOps:
     def _quantized(self, x: DeviceTensor):
         """x in the mat-vec's activation format: the buffers as they are if x was the last activation written
         there (by a fused norm or SwiGLU, or an earlier linear), else after quantizing it now."""
-        if self._quantized_key == (x.ptr, x.shape, self.ws.generation):
-            return self._quantize_into(x)
+        key = (x.ptr, x.shape, self.ws.generation)
+        if key in (self._quantized_key, self._glu_key):
+            return self._quantize_into(x, glu=key == self._glu_key)
         quantized = self._quantize_into(x)
         if quantized is not None:
             matvec.quantize(*quantized, x, self.stream)
@@ -174,6 +186,20 @@ class CudaOps:
             matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
                                [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
+
+    def swiglu_gate_up(self, x: DeviceTensor, weights) -> DeviceTensor:
+        """swiglu(*linears(x, (w_gate, w_up))); a decode step of one or two tokens whose gate and up take
+        matvec.matvec_glu runs it as one launch, which writes the down projection's quantized input too (no
+        SwiGLU kernel between the mat-vecs)."""
+        gate, up = weights
+        n = x.shape[0]
+        if not (self._glu_q is not None and self._quantizable(x) and matvec.glu_fits(gate, up, n)
+                and not self._takes_skinny(x, gate)):  # fmt: skip
+            return self.swiglu(*self.linears(x, weights))
+        out = self.ws.empty((n, gate.rows), np.float32)
+        quantized = self._quantized(x)
+        matvec.matvec_glu(out, gate, up, x, (None, None), quantized, self._quantize_into(out, glu=True), self.stream)
+        return out
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)

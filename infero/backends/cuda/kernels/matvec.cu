@@ -1187,10 +1187,12 @@ struct MmaCopy {
   unsigned off[SLOTS];     // slot i's piece: bytes past its half's base (under 8 rows: 32 bits hold it)
   unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
 
-  __device__ MmaCopy(const uint8_t* weight, int base0, int base1, int rows, long long row_bytes, int lane) {
+  // Half h's rows from weight_h (the same matrix, or gate and up for matvec_mma_glu).
+  __device__ MmaCopy(const uint8_t* weight0, const uint8_t* weight1, int base0, int base1, int rows, long long row_bytes,
+                     int lane) {
     const int first0 = min(base0, rows - 1), first1 = min(base1, rows - 1);
-    base[0] = weight + (long long)first0 * row_bytes;
-    base[1] = weight + (long long)first1 * row_bytes;
+    base[0] = weight0 + (long long)first0 * row_bytes;
+    base[1] = weight1 + (long long)first1 * row_bytes;
     low = 0;
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) {
@@ -1216,6 +1218,52 @@ struct MmaCopy {
   }
 };
 
+// The activation as the fragments read it: below 3 tokens first copied by the whole block into shared memory at sx
+// (every thread must call, after its PDL wait); plane P of token t at xa + (P n + t) cols, its scales at sa + t cols /
+// 16.
+template <class F, int N, int TILES, int TPT>
+__device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t* __restrict__ xq,
+                                                        const ActScale* __restrict__ xs, int n, int cols, int g,
+                                                        int j) {
+  constexpr bool STAGE_X = N <= 2;
+  if constexpr (STAGE_X) {
+    const int q16 = n * cols / 8, s16 = n * cols / 32;
+    for (int i = threadIdx.x; i < q16 + s16; i += blockDim.x)
+      reinterpret_cast<uint4*>(sx)[i] = i < q16 ? __ldg(reinterpret_cast<const uint4*>(xq) + i)
+                                                : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
+    __syncthreads();
+  }
+  MmaAct<TILES> x;
+  x.xa = STAGE_X ? sx : xq;
+  x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
+#pragma unroll
+  for (int nt = 0; nt < TILES; ++nt) {
+    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j + F::template b_class<TPT>(g);
+    x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
+  }
+  return x;
+}
+
+// A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
+// issued by the caller, before its PDL wait).
+template <class F, int STAGES, int STAGE, int TILES, int TPT>
+__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const MmaCopy<F>& copy, uint8_t* ring, int p0,
+                                           int count, long long row_bytes, const MmaAct<TILES>& x, int nsb, int g,
+                                           int j, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
+  for (int i = 0; i < count; ++i) {
+    tc::cp_async_wait<STAGES - 2>();
+    __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
+    if (i + STAGES - 1 < count)
+      copy.issue(ring + (i + STAGES - 1) % STAGES * STAGE, p0 + i + STAGES - 1, row_bytes, lane);
+    tc::cp_async_commit();
+    F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
+  }
+}
+
 }  // namespace mv
 
 // The tile of 16 rows at (segment s, tile) in format F; STAGE: the bytes of a ring stage (the launch's largest).
@@ -1224,7 +1272,6 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int s, int tile, float (&part)[W][2][N][16]) {
   constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
-  constexpr bool STAGE_X = N <= 2;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   const int rows = mv::pick(seg.rows, s);
@@ -1236,7 +1283,7 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   const int nsb = cols / 256, pairs = (nsb + 1) / 2;
   const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
-  const mv::MmaCopy<F> copy(weight, base0, base1, rows, row_bytes, lane);
+  const mv::MmaCopy<F> copy(weight, weight, base0, base1, rows, row_bytes, lane);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
@@ -1244,38 +1291,10 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   }
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
-  // Plane P of token t at xa + (P n + t) cols, its scales at sa + t cols / 16.
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
-  if constexpr (STAGE_X) {
-    const int q16 = n * cols / 8, s16 = n * cols / 32;
-    for (int i = threadIdx.x; i < q16 + s16; i += 32 * W)
-      reinterpret_cast<uint4*>(sx)[i] = i < q16 ? __ldg(reinterpret_cast<const uint4*>(xq) + i)
-                                                : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
-    __syncthreads();
-  }
-  mv::MmaAct<TILES> x;
-  x.xa = STAGE_X ? sx : xq;
-  x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
-#pragma unroll
-  for (int nt = 0; nt < TILES; ++nt) {
-    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j + F::template b_class<TPT>(g);
-    x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
-  }
-
+  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT>(sx, xq, xs, n, cols, g, j);
   float acc[TILES][TPT];
-#pragma unroll
-  for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
-
-  for (int i = 0; i < count; ++i) {
-    tc::cp_async_wait<STAGES - 2>();
-    __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
-    if (i + STAGES - 1 < count)
-      copy.issue(ring + (i + STAGES - 1) % STAGES * STAGE, p0 + i + STAGES - 1, row_bytes, lane);
-    tc::cp_async_commit();
-    F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
-  }
+  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
@@ -1339,4 +1358,63 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
     }
   }
   mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, s, tile, part);
+}
+
+// matvec_mma_glu<T>: a decode step's gate and up projections (segments 0 and 1, the same type, width and rows) and
+// SwiGLU after them, out = silu(gate) * up (+ biases first), also written in the down projection's activation format
+// (yq, ys; act_quant.cuh), so that no SwiGLU kernel runs between the two mat-vecs: that kernel and its place in the
+// chain cost ~2.6 us a layer of llama-3.1-8b's batch-1 step on the H200 (scripts/ab_skip_ops.py).
+//
+// Blocks. A block's 4 warps each own one tile: m-rows 0-7 are gate rows base + i, 8-15 the up rows base + i, base =
+// 32 blockIdx.x + 8 warp, and a warp walks every superblock pair of its rows (no split of a row over warps). So a
+// block's 32 outputs are one group of the activation format, which it quantizes itself; and gate + up of an 8B
+// model (448 blocks at 2 stages, 4 blocks an SM) run in one wave, where matvec_mma's tiles of 16 rows over 4 warps
+// took 3.4: the 8B's step on the H200 2,447 -> 2,287 us against linears + swiglu (3 stages, two waves: 2,500).
+// Reduction order: a row's sum as matvec_mma's over one warp (bitwise matvec_mma<T, N, 1, ...>'s rows); then
+// SwiGLU as the swiglu kernel computes it, and the same quantization: bitwise linears(1 warp a tile) + swiglu.
+// grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
+template <int T, int N, int STAGES>
+__global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
+                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                     int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
+                                                     ActScale* __restrict__ ys) {
+  static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
+  static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
+  using F = mv::MmaFormat<T>;
+  constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
+  __shared__ float part[W][2][N][16];
+  extern __shared__ uint4 dyn[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
+  const int rows = seg.rows[0], base = 32 * blockIdx.x + 8 * warp;
+  const int nsb = cols / 256, pairs = (nsb + 1) / 2;
+  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
+  const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[1], base, base, rows, row_bytes, lane);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < pairs) copy.issue(ring + i * STAGE, i, row_bytes, lane);
+    tc::cp_async_commit();
+  }
+  pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
+
+  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
+  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT>(sx, xq, xs, n, cols, g, j);
+  float acc[TILES][TPT];
+  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, 0, pairs, row_bytes, x, nsb, g, j, lane);
+#pragma unroll
+  for (int ci = 0; ci < TPT; ++ci)
+    part[warp][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
+  __syncthreads();
+
+  // Warp t: token t's 32 outputs, lane l the row 32 blockIdx.x + l (its warp's m-rows l % 8 and l % 8 + 8).
+  if (warp < n) {
+    const int t = warp, w = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
+    float gate = __fadd_rn(part[w][0][t][i], part[w][1][t][i]);
+    float up = __fadd_rn(part[w][0][t][i + 8], part[w][1][t][i + 8]);
+    if (seg.bias[0] != nullptr) gate = __fadd_rn(gate, __ldg(seg.bias[0] + row));
+    if (seg.bias[1] != nullptr) up = __fadd_rn(up, __ldg(seg.bias[1] + row));
+    const float h = gate / (1.0f + expf(-gate)) * up;
+    seg.out[0][(long long)t * rows + row] = h;
+    const float v[1] = {h};
+    aq::quantize_store<1>(v, true, yq, ys, n, rows, t, row);
+  }
 }
