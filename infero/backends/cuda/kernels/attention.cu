@@ -445,28 +445,44 @@ __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
 
 // grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
 // splits in order. Only decode sequences (q_len == 1) with more than one split.
+// Its chain after the wait is one round of loads: the batch metadata is read before the wait (uploaded before the
+// step, pdl.cuh), and every split's (m, l) and output element are loaded at once into registers. Reading them in
+// the merge's own loops (metadata, then the maxima, then the sums), the merge cost ~5 us a layer of llama-3.1-8b's
+// step on the H200 (scripts/ab_skip_ops.py), as much as the decode kernel itself; loaded at once, the step took
+// 38.3 us less (docs/performance.md).
 template <int HD>
 __global__ void __launch_bounds__(HD)
     attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
                            const int* __restrict__ query_starts, int num_heads, int max_splits,
                            int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
-  pdl_enter();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
-  if (query_starts[seq + 1] - q_start != 1) return;
+  const bool decode = query_starts[seq + 1] - q_start == 1;
   int partition;
   const int num_splits = decode_splits(context_lens[seq], partition);
-  if (num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
+  pdl_enter();
+  if (!decode || num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
   const size_t first = ((size_t)seq * num_heads + head) * max_splits;
+  float2 ml[DECODE_MAX_SPLITS];
+  float o[DECODE_MAX_SPLITS];
+#pragma unroll
+  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
+    if (s < num_splits) {
+      ml[s] = part_ml[first + s];
+      o[s] = part_out[(first + s) * HD + threadIdx.x];
+    }
   float m = neg_inf();
-  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[first + s].x);
+#pragma unroll
+  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
+    if (s < num_splits) m = fmaxf(m, ml[s].x);
   float l = 0.f, acc = 0.f;
-  for (int s = 0; s < num_splits; ++s) {
-    const float2 ml = part_ml[first + s];
-    const float w = ml.y * exp2f(ml.x - m);
-    l += w;
-    acc += w * part_out[(first + s) * HD + threadIdx.x];
-  }
+#pragma unroll
+  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
+    if (s < num_splits) {
+      const float w = ml[s].y * exp2f(ml[s].x - m);
+      l += w;
+      acc += w * o[s];
+    }
   store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, head, threadIdx.x, acc / l);
 }
