@@ -279,8 +279,9 @@ def matvec_glu(
 ) -> None:
     """out [n, rows] = silu(x @ dequant(gate)^T + b_gate) * (x @ dequant(up)^T + b_up) for a decode step of one or
     two tokens (glu_fits), in one launch that also writes out in the activation format to out_quantized (the down
-    projection's input). quantized: x in the activation format. Bitwise what linears with each row's sum over one
-    warp and the swiglu kernel give (matvec.cu's matvec_mma_glu)."""
+    projection's input). quantized: x in the activation format. A row's sum runs as matvec_mma's over one warp (the
+    plan's linears split it over 4 or 8: other bits, within fp32 rounding), then SwiGLU and the quantization as the
+    swiglu kernel's (matvec.cu's matvec_mma_glu)."""
     n, t, cols, rows = x.shape[0], gate.ggml_type, gate.cols, gate.rows
     error = _check_many([out, out], [gate, up], x, list(biases)) or (
         None if glu_fits(gate, up, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (glu_fits)"

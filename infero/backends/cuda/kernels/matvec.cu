@@ -1370,8 +1370,8 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // block's 32 outputs are one group of the activation format, which it quantizes itself; and gate + up of an 8B
 // model (448 blocks at 2 stages, 4 blocks an SM) run in one wave, where matvec_mma's tiles of 16 rows over 4 warps
 // took 3.4: the 8B's step on the H200 2,447 -> 2,287 us against linears + swiglu (3 stages, two waves: 2,500).
-// Reduction order: a row's sum as matvec_mma's over one warp (bitwise matvec_mma<T, N, 1, ...>'s rows); then
-// SwiGLU as the swiglu kernel computes it, and the same quantization: bitwise linears(1 warp a tile) + swiglu.
+// Reduction order: a row's sum as matvec_mma's with one warp a tile (each class in pair order, then class 0 + class
+// 1, bias last), independent of n; then SwiGLU as the swiglu kernel computes it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 template <int T, int N, int STAGES>
 __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
