@@ -102,6 +102,7 @@ _NO_ROPE = Rope()
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
 _GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P)
+_MMA_PART_BYTES = 128  # static shared memory of matvec_mma's partial sums (part[W][2][N][16]), per warp and token
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
@@ -240,7 +241,7 @@ def takes_mma(t: int, cols: int) -> bool:
     if fits is None:
         warps = _mma_warps(t, cols)
         stages = max(s for w, s in MMA_SHAPES if w == warps)
-        static = 128 * warps  # matvec_mma's per-warp partial sums, per token
+        static = _MMA_PART_BYTES * warps
         need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
         fits = _mma_fits[(t, cols)] = need <= _shared_optin()
     return fits
@@ -260,7 +261,8 @@ def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
     width, the same shape, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
     t, cols, rows = gate.ggml_type, gate.cols, gate.rows
     return (1 <= n <= 2 and (up.ggml_type, up.cols, up.rows) == (t, cols, rows) and rows % 32 == 0
-            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 128 * 4 * n <= _shared_optin())  # fmt: skip
+            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 4 * _MMA_PART_BYTES * n <= _shared_optin()
+            )  # fmt: skip
 
 
 def _glu_shared(t: int, n: int, cols: int) -> int:
@@ -292,9 +294,7 @@ def matvec_glu(
     check_activation(out_quantized, n, rows)
     fn = _kernel(f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>")
     shared = _glu_shared(t, n, cols)
-    if shared > _mma_shared.get(fn, 48 << 10):
-        driver.set_max_dynamic_shared(fn, shared)
-        _mma_shared[fn] = shared
+    _allow_shared(fn, shared)
     args = (segments([out, out], [gate, up], list(biases)), quantized[0].ptr, quantized[1].ptr, n, cols,
             gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr)  # fmt: skip
     driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True)
@@ -329,10 +329,15 @@ def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool, t
     mixed = "" if t2 is None else f", {t2}"
     fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}{mixed}>")
     shared = mma_shared(t, warps, stages, n, cols, t2)
+    _allow_shared(fn, shared)
+    return fn, (sum(tiles),), (32 * warps,), shared
+
+
+def _allow_shared(fn, shared: int) -> None:
+    """Let a matvec_mma kernel take `shared` bytes of dynamic shared memory (past the default 48 KiB)."""
     if shared > _mma_shared.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _mma_shared[fn] = shared
-    return fn, (sum(tiles),), (32 * warps,), shared
 
 
 def _launch_rope(types: tuple[int, ...], rows: tuple[int, ...], n: int, cols: int) -> tuple:

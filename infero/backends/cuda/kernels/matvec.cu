@@ -1221,14 +1221,14 @@ struct MmaCopy {
 // The activation as the fragments read it: below 3 tokens first copied by the whole block into shared memory at sx
 // (every thread must call, after its PDL wait); plane P of token t at xa + (P n + t) cols, its scales at sa + t cols /
 // 16.
-template <class F, int N, int TILES, int TPT>
+template <class F, int N, int TILES, int TPT, int THREADS>
 __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t* __restrict__ xq,
                                                         const ActScale* __restrict__ xs, int n, int cols, int g,
                                                         int j) {
   constexpr bool STAGE_X = N <= 2;
   if constexpr (STAGE_X) {
     const int q16 = n * cols / 8, s16 = n * cols / 32;
-    for (int i = threadIdx.x; i < q16 + s16; i += blockDim.x)
+    for (int i = threadIdx.x; i < q16 + s16; i += THREADS)
       reinterpret_cast<uint4*>(sx)[i] = i < q16 ? __ldg(reinterpret_cast<const uint4*>(xq) + i)
                                                 : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
     __syncthreads();
@@ -1292,7 +1292,7 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
-  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT>(sx, xq, xs, n, cols, g, j);
+  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j);
   float acc[TILES][TPT];
   mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
 #pragma unroll
@@ -1397,7 +1397,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
-  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT>(sx, xq, xs, n, cols, g, j);
+  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j);
   float acc[TILES][TPT];
   mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, 0, pairs, row_bytes, x, nsb, g, j, lane);
 #pragma unroll
