@@ -2,8 +2,11 @@
 for each, alternated so that the drift between measurements (tens of microseconds) falls on all alike.
 
     python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--values 16,8] [--repeats 8]
+    python scripts/ab_step.py --model FILE.gguf --flag MODULE:PREDICATE --predicate
 
-Without --values the attribute is a bool, compared True against False.
+Without --values the attribute is a bool, compared True against False. With --predicate it is a function the
+launchers ask whether a fused path runs (matvec:glu_fits, matvec:norm_fits), compared as it is (True) against one
+that always answers False.
 The flag is a module attribute the launchers read at capture time (one added for the comparison: decode attention's
 early K/V loads were measured through attention.DECODE_EARLY_KV, then the switch was removed); the graph is
 re-captured for every measurement.
@@ -25,6 +28,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--flag", required=True, help="module:ATTRIBUTE")
     parser.add_argument("--values", help="comma-separated ints to compare (default: True,False)")
+    parser.add_argument("--predicate", action="store_true", help="the attribute is a function: as is vs False")
     parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the whole run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=512)
@@ -40,10 +44,11 @@ def main() -> None:
     step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
     values = [int(v) for v in args.values.split(",")] if args.values else [True, False]
+    settings = {True: default, False: lambda *args, **kwargs: False} if args.predicate else {v: v for v in values}
     times: dict = {value: [] for value in values}
     for _ in range(args.repeats):
         for value in values:
-            setattr(module, attribute, value)
+            setattr(module, attribute, settings[value])
             times[value].append(step_us())
     setattr(module, attribute, default)
     print(f"{attribute:<24} {'median us':>10}  each")

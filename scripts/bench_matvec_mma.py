@@ -54,16 +54,16 @@ def run(t: int, shapes: list[tuple[int, int]], n: int, hot: bool) -> None:
         _, rpw, wpb, ahead = matvec.plan(rows, n, ctx.info.num_sms, t, cols // 32)
         warps = -(-rows // rpw)
         kernels = {"matvec_q": (matvec._kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>"), (-(-warps // wpb),),
-                                (32 * wpb,), 0)}  # fmt: skip
+                                (32 * wpb,), 0, (), ARGS)}  # fmt: skip
         for name, (w, s) in zip(mma_names, matvec.MMA_SHAPES, strict=True):
             fn = matvec._kernel(f"matvec_mma<{t}, {big_n}, {w}, {s}, false>")
             shared = matvec.mma_shared(t, w, s, n, cols)
             driver.set_max_dynamic_shared(fn, shared)
-            kernels[name] = (fn, (-(-rows // 16),), (32 * w,), shared)
+            kernels[name] = (fn, (-(-rows // 16),), (32 * w,), shared, (0, 0.0), matvec._MMA_ARGS)  # no deferred norm
         outs = {}
-        for name, (fn, grid, block, shared) in kernels.items():
+        for name, (fn, grid, block, shared, extra, types) in kernels.items():
             out = empty((n, rows), np.float32)
-            driver.launch(fn, grid, block, launch_args(out, ws[0], xq, xs, n), ARGS, stream, shared)
+            driver.launch(fn, grid, block, launch_args(out, ws[0], xq, xs, n) + extra, types, stream, shared)
             stream.synchronize()
             outs[name] = out.to_host()
         ref = outs["matvec_q"]
@@ -72,11 +72,11 @@ def run(t: int, shapes: list[tuple[int, int]], n: int, hot: bool) -> None:
         every = [launch_args(out, w, xq, xs, n) for w in ws]
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for _ in range(3):
-            for name, (fn, grid, block, shared) in kernels.items():
+            for name, (fn, grid, block, shared, extra, types) in kernels.items():
 
-                def launch_all(fn=fn, grid=grid, block=block, shared=shared, every=every):
+                def launch_all(fn=fn, grid=grid, block=block, shared=shared, every=every, extra=extra, types=types):
                     for a in every:
-                        driver.launch(fn, grid, block, a, ARGS, stream, shared, pdl=True)
+                        driver.launch(fn, grid, block, a + extra, types, stream, shared, pdl=True)
 
                 times[name].append(time_in_graph(stream, launch_all, len(ws)))
         cells = [f"{us:6.2f} ({nbytes / us / 1e3:5.0f})" for us in (float(np.median(times[k])) for k in kernels)]

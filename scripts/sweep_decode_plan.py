@@ -35,17 +35,18 @@ def main() -> None:
     header = f"{'launch (type rows x cols)':<30} {'planned':>12} {'planned us':>16} {'best':>14} {'best us':>9}"
     print(f"{header} {'gain us':>8}")
     best_all = {}
-    for key, (fn, grid, block, _) in sorted(planned.items(), key=lambda kv: -sum(kv[0][1])):
+    for key, (fn, grid, block, *_) in sorted(planned.items(), key=lambda kv: -sum(kv[0][1])):
         t, rows, n, cols = key
         base = [step_us()]  # the planned launch, measured around the variants: the spread says what is noise
         results = []
         for rpw, ahead in matvec.N1_VARIANTS:
             warps = sum(-(-r // rpw) for r in rows)
             for wpb in (1, 2, 4):
-                launch = (matvec._kernel(f"matvec_q<{t}, 1, {rpw}, {ahead}>"), (-(-warps // wpb),), (32 * wpb,), 0)
+                variant = matvec._kernel(f"matvec_q<{t}, 1, {rpw}, {ahead}>")
+                launch = (variant, (-(-warps // wpb),), (32 * wpb,), 0, False)
                 matvec._launches[key] = launch
                 results.append((step_us(), (rpw, ahead, wpb), launch))
-        matvec._launches[key] = (fn, grid, block, 0)
+        matvec._launches[key] = (fn, grid, block, 0, False)
         base.append(step_us())
         us, variant, launch = min(results, key=lambda r: r[0])
         mean = sum(base) / 2

@@ -235,9 +235,9 @@ class _TimedOps:
 
         def timed(*args, **kwargs):
             label = name
-            if name == "linear":
+            if name in ("linear", "linear_add_rms_norm"):
                 w = args[1]
-                label = f"linear {_type_name(w)} {w.rows}x{w.cols}"
+                label = f"{name} {_type_name(w)} {w.rows}x{w.cols}"
             elif name in ("linears", "qkv_rotary_store", "swiglu_gate_up"):
                 ws = args[1]
                 types, rows = "+".join(_type_name(w) for w in ws), "+".join(str(w.rows) for w in ws)

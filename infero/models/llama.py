@@ -99,9 +99,8 @@ class LlamaModel:
         ops, c = self.ops, self.config
         n = batch.num_tokens
         x = ops.embedding(self.embedding, batch.token_ids)
-        residual = None
+        h, residual = ops.add_rms_norm(x, None, self.layers[0].attn_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
             qkv, biases = (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv)
             if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
                 q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
@@ -112,9 +111,18 @@ class LlamaModel:
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
                 q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
             attn = ops.attention(q, cache, i, batch, self.scale)
-            x = ops.linear(attn.reshape(n, c.q_size), layer.wo)
-            h, residual = ops.add_rms_norm(x, residual, layer.ffn_norm, c.rms_norm_eps)
-            x = ops.linear(ops.swiglu_gate_up(h, (layer.w_gate, layer.w_up)), layer.w_down)
+            # The residual add and the next norm go with the projection before them (the GPU folds them into its
+            # launch at decode), so each is told which weights read the normed output.
+            gate_up = (layer.w_gate, layer.w_up)
+            h, residual = ops.linear_add_rms_norm(attn.reshape(n, c.q_size), layer.wo, residual, layer.ffn_norm,
+                                                  c.rms_norm_eps, readers=gate_up)  # fmt: skip
+            g = ops.swiglu_gate_up(h, gate_up)
+            if i + 1 < len(self.layers):
+                following = self.layers[i + 1]
+                h, residual = ops.linear_add_rms_norm(g, layer.w_down, residual, following.attn_norm, c.rms_norm_eps,
+                                                      readers=(following.wq, following.wk, following.wv))  # fmt: skip
+            else:
+                x = ops.linear(g, layer.w_down)
         rows = batch.logits_indices
         x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
         h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)

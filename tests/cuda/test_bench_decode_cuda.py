@@ -28,11 +28,14 @@ def test_profile_times_every_op_of_a_decode_step_inside_a_graph(llm):
     calls = {label: n for label, _, n in rows}
     layers = llm.config.num_layers
     assert calls["attention"] == layers
-    # q/k/v with their rotation and cache write in one op, gate/up with SwiGLU in one, o, down and the output head
-    # through linear: one call each.
+    # q/k/v with their rotation and cache write in one op, gate/up with SwiGLU in one; o and down with the residual
+    # add and the norm after them (the last down and the output head through linear, the first and the last norm
+    # alone): one call each.
     assert sum(n for label, n in calls.items() if label.startswith("qkv_rotary_store ")) == layers
     assert sum(n for label, n in calls.items() if label.startswith("swiglu_gate_up ")) == layers
-    assert sum(n for label, n in calls.items() if label.startswith("linear ")) == 2 * layers + 1
+    assert sum(n for label, n in calls.items() if label.startswith("linear_add_rms_norm ")) == 2 * layers - 1
+    assert sum(n for label, n in calls.items() if label.startswith("linear ")) == 2
+    assert calls["add_rms_norm"] == 2
     assert all(us > 0 for _, us, _ in rows)
     # Inside one graph the ops run back to back: their sum is the step's GPU time plus the event nodes' own cost,
     # far below what eager launches through Python would show (tens of microseconds per op).

@@ -344,6 +344,7 @@ def test_grouped_matvec_is_bitwise_the_separate_matvecs(gpu, qtype, rows, cols, 
 # rotary_store_kv (both tested against numpy above and in test_elementwise.py), for both pairings, biases, one and
 # two tokens, q and k of one type with v of another (Q4_K_M's Q6_K layers: two launches), positions far out and a
 # padding token (slot -1) that writes nothing to the cache.
+# deferred: x arrives as matvec_norm writes it (residual * norm weight, the norm's 1 / rms left to the reader).
 ROPE_CASES = [
     ("interleaved", ((Q.Q4_K, Q.Q4_K, Q.Q6_K)), 8, 2, 128, 256, False),  # llama-3.1-8b's shapes, scaled down
     ("neox", (Q.Q8_0, Q.Q8_0, Q.Q8_0), 14, 2, 64, 896, True),  # qwen2.5-0.5b's, with its biases
@@ -354,12 +355,16 @@ ROPE_CASES = [
     ("interleaved", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 128, 4096, False),  # llama-3.1-8b's width: one mixed launch
     ("neox", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 64, 2048, True),  # mixed, neox pairs and biases
 ]
+ROPE_CASES = [case + (False,) for case in ROPE_CASES] + [
+    ("interleaved", (Q.Q4_K, Q.Q4_K, Q.Q6_K), 4, 2, 128, 4096, False, True),  # the 8B's q/k/v after matvec_norm
+    ("neox", (Q.Q4_K, Q.Q4_K, Q.Q4_K), 4, 2, 64, 768, True, True),
+]
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("pairing, types, heads, kv_heads, head_dim, cols, with_bias", ROPE_CASES)
+@pytest.mark.parametrize("pairing, types, heads, kv_heads, head_dim, cols, with_bias, deferred", ROPE_CASES)
 def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, types, heads, kv_heads, head_dim,
-                                                              cols, with_bias):  # fmt: skip
+                                                              cols, with_bias, deferred):  # fmt: skip
     from infero.backends.cuda import driver, elementwise, matvec, runtime
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
@@ -367,7 +372,10 @@ def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, typ
     rows = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     weights = [weight_case(t, r, cols, seed=i)[0] for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     biases = [from_host(rng.normal(0, 0.5, size=r).astype(np.float32)) if with_bias else None for r in rows]
-    x = from_host(rng.normal(0, 1, size=(n, cols)).astype(np.float32))
+    x_host = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
+    x = from_host(x_host)
+    norm_weight = rng.uniform(0.5, 2, size=cols).astype(np.float32)
+    quantized = deferred_activation(x_host, norm_weight, 1e-5)[0] if deferred else None
     positions = from_host(np.array([31000, 5][:n], np.int32))
     slots = from_host(np.array([37, -1][:n], np.int64))  # the second token is padding
     inv_freq = from_host((1e6 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
@@ -388,7 +396,7 @@ def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, typ
     ws = Workspace(1 << 20)
     for group in groups.values():
         matvec.matvec_many([ref[i] for i in group], [weights[i] for i in group], x, [biases[i] for i in group],
-                           stream, ws)  # fmt: skip
+                           stream, ws, quantized)  # fmt: skip
     q3, k3, v3 = (out.reshape(n, -1, head_dim) for out in ref)
     elementwise.rotary_store_kv(q3, k3, v3, positions, inv_freq, mscale, pairing, head_dim, ref_k, ref_v, slots,
                                 stream)  # fmt: skip
@@ -401,7 +409,7 @@ def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, typ
     for group in [[0, 1, 2]] if mixed else groups.values():
         matvec.matvec_rope([got[i] for i in group], [weights[i] for i in group], tuple("qkv"[i] for i in group), x,
                            [biases[i] for i in group], positions, inv_freq, mscale, pairing, head_dim, got_k, got_v,
-                           slots, stream, ws)  # fmt: skip
+                           slots, stream, ws, quantized)  # fmt: skip
     assert ws.offset == 0
     stream.synchronize()
     for name, a, b in [("q", got[0], ref[0]), ("k", got[1], ref[1]), ("v", got[2], ref[2]),
@@ -415,7 +423,8 @@ def test_matvec_rope_is_bitwise_matvec_then_rotary_store_kv(gpu, n, pairing, typ
             assert np.isfinite(flat[37]).all() and np.isnan(np.delete(flat, 37, axis=0)).all(), f"{name}: slots"
         else:
             assert np.isfinite(a).all(), f"{name}: unwritten rows"
-    print(f"matvec_rope {pairing} {'+'.join(t.name for t in types)} n={n}: bitwise matvec_many + rotary_store_kv")
+    label = f"{pairing} {'+'.join(t.name for t in types)} n={n}{' deferred norm' if deferred else ''}"
+    print(f"matvec_rope {label}: bitwise matvec_many + rotary_store_kv")
 
 
 def test_matvec_rope_rejects_what_it_cannot_take(gpu):
@@ -531,3 +540,146 @@ def test_matvec_glu_rejects_what_it_cannot_take(gpu):
     y = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(3, 64), (np.int8, np.int32), strict=True))
     with pytest.raises(ValueError, match="glu_fits"):
         matvec.matvec_glu(empty((3, 64), np.float32), gate, up, x, (None, None), q, y, None)
+
+
+# A decode step's linear layer into the residual stream with the next RMSNorm deferred to its readers (matvec_norm),
+# and those readers. The producer: its residual bitwise the plain mat-vec's output added to the residual (the same
+# warps split each row), its activation bitwise numpy's quantization of residual * norm weight, each group's sum of
+# squares bitwise the kernel's butterfly, two tokens bitwise one. The readers (matvec_mma, matvec_mma_glu; matvec_rope
+# above): against float64 with the activation as the format gives it, times 1 / rms in float64 (bound TIGHT: the
+# factor is fp32 from fp32 sums), and within INT8_BOUND of the exact norm (two planes' rounding).
+NORM_CASES = [(Q.Q4_K, 4096, 4096), (Q.Q4_K, 256, 8192), (Q.Q6_K, 512, 2048), (Q.Q4_K, 96, 768)]
+
+
+def butterfly_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (32 lanes) by a float32 xor butterfly, offsets 16 to 1: what every lane ends with."""
+    v = v.astype(np.float32)
+    lanes = np.arange(32)
+    for o in (16, 8, 4, 2, 1):
+        v = (v + v[..., lanes ^ o]).astype(np.float32)
+    return v[..., 0]
+
+
+def deferred_activation(r: np.ndarray, norm_weight: np.ndarray, eps: float):
+    """(matvec.Activation of the residual r [n, cols] with its RMSNorm deferred, as matvec_norm writes it; the float64
+    values a reader computes with: the format's values of r * norm_weight, times 1 / rms(r))."""
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import from_host
+
+    n, cols = r.shape
+    y = (r * norm_weight).astype(np.float32)
+    xq, xs, norm_ss = deferred_buffers(n, cols)
+    matvec.quantize(xq, xs, from_host(y), runtime.stream())
+    sums = butterfly_sum((r * r).astype(np.float32).reshape(n, cols // 32, 32))
+    driver.copy_host_to_device(norm_ss.ptr, np.ascontiguousarray(sums))
+    inv_rms = 1 / np.sqrt(np.mean(r.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
+    return matvec.Activation(xq, xs, norm_ss, eps), quantize_like_kernel(y)[3] * inv_rms
+
+
+def deferred_buffers(n: int, cols: int):
+    """q, s and norm_ss of an activation with a deferred norm: norm_ss right after s (matvec.Activation)."""
+    from infero.backends.cuda import matvec
+    from infero.backends.cuda.tensor import DeviceTensor, empty
+
+    q_shape, s_shape = matvec.activation_shapes(n, cols)
+    s_and_sums = empty((int(np.prod(s_shape)) + n * cols // 32,), np.int32)
+    xs = DeviceTensor(s_and_sums.ptr, s_shape, np.dtype(np.int32), s_and_sums)
+    norm_ss = DeviceTensor(xs.ptr + xs.nbytes, (n, cols // 32), np.dtype(np.float32), s_and_sums)
+    return empty(q_shape, np.int8), xs, norm_ss
+
+
+@pytest.mark.parametrize("qtype, rows, cols", NORM_CASES, ids=[f"{t.name}-{r}x{c}" for t, r, c in NORM_CASES])
+def test_matvec_norm_adds_into_the_residual_and_writes_the_readers_activation(gpu, qtype, rows, cols):
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import empty, from_host
+
+    weight, w = weight_case(qtype, rows, cols)
+    assert matvec.norm_fits(weight, 1) and matvec.norm_fits(weight, 2)
+    rng = np.random.default_rng(rows + 3 * cols)
+    x = (rng.normal(0, 1, size=(2, cols)) * rng.uniform(0.1, 10, size=(1, cols))).astype(np.float32)
+    residual0 = rng.normal(0, 3, size=(2, rows)).astype(np.float32)
+    norm_weight = rng.uniform(0.2, 2, size=rows).astype(np.float32)
+    stream = runtime.stream()
+    results = {}
+    for n in (1, 2):
+        residual = from_host(residual0[:n])
+        q_shape, s_shape = matvec.activation_shapes(n, cols)
+        quantized = (empty(q_shape, np.int8), empty(s_shape, np.int32))
+        matvec.quantize(*quantized, from_host(x[:n]), stream)
+        out = matvec.Activation(*deferred_buffers(n, rows), 1e-5)
+        driver.memset_d8(out.norm_ss.ptr, 0xFF, out.norm_ss.nbytes, stream)
+        matvec.matvec_norm(residual, weight, from_host(x[:n]), quantized, from_host(norm_weight), out, stream)
+        stream.synchronize()
+        r = residual.to_host()
+        expected = (residual0[:n] + run_matvec(weight, x[:n], None)).astype(np.float32)
+        differ = np.argwhere(r.view(np.uint32) != expected.view(np.uint32))
+        assert not len(differ), (
+            f"n={n}: {len(differ)} residual elements differ from the plain mat-vec's, first at {differ[0].tolist()}"
+        )
+        assert_quantized_like_numpy(out.q, out.s, (r * norm_weight).astype(np.float32))
+        sums = butterfly_sum((r * r).astype(np.float32).reshape(n, rows // 32, 32))
+        assert np.array_equal(out.norm_ss.to_host().view(np.uint32), sums.view(np.uint32)), f"n={n}: sums of squares"
+        results[n] = (r, out.q.to_host(), out.s.to_host(), out.norm_ss.to_host())
+    r1, q1, s1, ss1 = results[1]
+    r2, q2, s2, ss2 = results[2]
+    assert np.array_equal(r2[:1].view(np.uint32), r1.view(np.uint32)), "token 0 of two differs from one"
+    assert np.array_equal(q2[:, :1], q1) and np.array_equal(s2[:1], s1) and np.array_equal(ss2[:1], ss1)
+    ref = residual0.astype(np.float64) + quantize_like_kernel(x)[3] @ w.T
+    print(f"matvec_norm {qtype.name} {rows}x{cols}: residual {describe(r2, ref)}")
+
+
+READER_CASES = [(Q.Q4_K, 1024, 4096), (Q.Q6_K, 2048, 2048), (Q.Q4_K, 64, 256)]
+
+
+@pytest.mark.parametrize("qtype, rows, cols", READER_CASES, ids=[f"{t.name}-{r}x{c}" for t, r, c in READER_CASES])
+def test_the_readers_of_a_deferred_norm_apply_it(gpu, qtype, rows, cols):
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty
+
+    (weight, w), (up, wu) = weight_case(qtype, rows, cols, seed=3), weight_case(qtype, rows, cols, seed=4)
+    rng = np.random.default_rng(rows * cols)
+    r = (rng.normal(0, 1, size=(2, cols)) * rng.uniform(0.1, 30, size=(1, cols))).astype(np.float32)
+    norm_weight = rng.uniform(0.2, 2, size=cols).astype(np.float32)
+    exact = r / np.sqrt(np.mean(r.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * norm_weight
+    stream = runtime.stream()
+    for n in (1, 2):
+        act, xhat = deferred_activation(r[:n], norm_weight, 1e-5)
+        out = empty((n, rows), np.float32)
+        driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)
+        matvec.matvec(out, weight, empty((n, cols), np.float32), None, stream, Workspace(1 << 16), act)
+        glu = empty((n, rows), np.float32)
+        driver.memset_d8(glu.ptr, 0xFF, glu.nbytes, stream)
+        y_shape, ys_shape = matvec.activation_shapes(n, rows)
+        glu_q = (empty(y_shape, np.int8), empty(ys_shape, np.int32))
+        matvec.matvec_glu(glu, weight, up, empty((n, cols), np.float32), (None, None), act, glu_q, stream)
+        stream.synchronize()
+        g, u = xhat @ w.T, xhat @ wu.T
+        for name, got, ref, exact_ref in [("matvec", out.to_host(), g, exact[:n] @ w.T),
+                                          ("matvec_glu", glu.to_host(), g / (1 + np.exp(-g)) * u,
+                                           None)]:  # fmt: skip
+            print(f"{name} {qtype.name} {rows}x{cols} n={n}: {describe(got, ref)}")
+            assert rel_err(got, ref) < TIGHT, f"{name} n={n}: {describe(got, ref)}"
+            if exact_ref is not None:
+                assert rel_err(got, exact_ref) < INT8_BOUND, f"{name} n={n} against the exact norm"
+
+
+def test_matvec_norm_and_its_readers_reject_what_they_cannot_take(gpu):
+    from infero.backends.cuda import matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty
+
+    weight = weight_case(Q.Q4_K, 64, 256)[0]
+    assert not matvec.norm_fits(weight, 3)  # one or two tokens
+    assert not matvec.norm_fits(weight_case(Q.Q4_K, 48, 256)[0], 1)  # whole groups of 32 rows
+    assert not matvec.norm_fits(weight_case(Q.Q8_0, 64, 256)[0], 1)  # the tensor cores
+    assert not matvec.norm_fits(weight_case(Q.Q4_K, 8192 + 32, 256)[0], 1)  # rows its readers take
+    x = empty((3, 256), np.float32)
+    q = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(3, 256), (np.int8, np.int32), strict=True))
+    y = matvec.Activation(*deferred_buffers(3, 64), 1e-5)
+    with pytest.raises(ValueError, match="norm_fits"):
+        matvec.matvec_norm(empty((3, 64), np.float32), weight, x, q, empty((64,), np.float32), y, None)
+    rng = np.random.default_rng(0)
+    act = deferred_activation(rng.normal(size=(1, 256)).astype(np.float32), np.ones(256, np.float32), 1e-5)[0]
+    q8 = weight_case(Q.Q8_0, 64, 256)[0]
+    with pytest.raises(ValueError, match="deferred RMSNorm"):
+        matvec.matvec(empty((1, 64), np.float32), q8, empty((1, 256), np.float32), None, runtime.stream(),
+                      Workspace(1 << 16), act)  # fmt: skip

@@ -75,6 +75,29 @@ def test_decode_after_prefill_and_chunked_prefill_match_whole_prefill(gpu, model
     assert rel_err(decode, whole) < 5e-3 and rel_err(chunked, whole) < 5e-3
 
 
+def test_decode_steps_fold_the_norms_into_the_projections_before_them(gpu, models, monkeypatch):
+    """A decode step of a Q4_K model runs every residual add + RMSNorm but the first and the last inside the
+    projection before it (matvec_norm, the norm's scale applied by the next mat-vecs), and its logits track the
+    numpy reference's and the GPU's own prefill (which runs the norms as kernels)."""
+    from infero.backends.cuda import matvec
+
+    path = write_tiny_model(models / "norms.gguf", Q.Q4_K, seed=19)
+    calls = []
+    launch = matvec.matvec_norm
+    monkeypatch.setattr(matvec, "matvec_norm", lambda *args: (calls.append(args[1].rows), launch(*args)))
+    llm = LLM(path, device="cuda")
+    llm.backend.use_graphs = False  # every step's launches go through Python, so they can be counted
+    steps = [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))]
+    decode = logits_of(llm, PROMPT, steps)
+    whole = logits_of(llm, PROMPT)
+    ref = logits_of(LLM(path, device="cpu"), PROMPT)
+    assert len(calls) == (2 * llm.model.config.num_layers - 1) * (len(steps) - 1)
+    ok, agreement = top1_agreement(decode, ref)
+    print(f"decode with folded norms: rel err {rel_err(decode, ref):.2e} against numpy, "
+          f"{rel_err(decode, whole):.2e} against prefill; top-1 agreement {agreement:.3f}")  # fmt: skip
+    assert rel_err(decode, ref) < 2e-2 and ok and rel_err(decode, whole) < 5e-3
+
+
 def test_graph_replay_is_bit_identical_to_eager(gpu, models):
     path = write_tiny_model(models / "graphs.gguf", Q.Q6_K, seed=11)
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]

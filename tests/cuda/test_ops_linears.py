@@ -146,3 +146,45 @@ def test_k_quants_take_the_tensor_core_matvec_where_its_shared_memory_fits(monke
         assert not matvec.takes_mma(int(t), max(fits) + step), t
     assert not matvec.takes_mma(int(T.Q6_K), 3072) and not matvec.takes_mma(int(T.Q6_K), 1024)
     assert not matvec.takes_mma(int(T.Q8_0), 4096)
+
+
+@pytest.mark.parametrize(
+    "weight_type, reader_types, n, folded",
+    [
+        (T.Q4_K, (T.Q4_K, T.Q4_K), 1, True),  # o before the FFN norm, read by gate and up
+        (T.Q6_K, (T.Q4_K, T.Q4_K, T.Q6_K), 2, True),  # down before the next attention norm, read by q/k/v
+        (T.Q4_K, (T.Q4_K, T.Q4_K), 3, False),  # three tokens: the readers do not stage the activation
+        (T.Q8_0, (T.Q4_K, T.Q4_K), 1, False),  # the linear off the tensor cores
+        (T.Q4_K, (T.Q4_K, T.Q8_0), 1, False),  # a reader off them
+        (T.Q4_K, (T.F16,), 1, False),
+        (T.Q4_K, (), 1, False),  # no readers named
+    ],
+)
+def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_take_the_tensor_cores(
+    recorded, monkeypatch, weight_type, reader_types, n, folded
+):
+    """A decode step's linear into the residual stream runs the residual add and the norm in its own launch
+    (matvec_norm, the 1 / rms applied by the readers) where it and every weight that reads the normed output take
+    the tensor-core mat-vec at one or two tokens; otherwise as linear, then add_rms_norm."""
+    ops, calls = recorded
+    monkeypatch.setattr(matvec, "_num_sms", [132])
+    monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
+    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
+    monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
+    monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: None)
+    weight = SimpleNamespace(index=9, ggml_type=int(weight_type), rows=2048, cols=2048)
+    readers = [SimpleNamespace(ggml_type=int(t), rows=64, cols=2048) for t in reader_types]
+    ops.linear_add_rms_norm(activations(n, 2048), weight, object(), None, 1e-5, readers)
+    assert calls == ([("norm", 9)] if folded else [("linear", 9), ("add_rms_norm",)])
+
+
+def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():
+    """linear_add_rms_norm's folded output exists only quantized, for the readers it was given: a float read (here a
+    float weight's mat-vec) raises instead of computing from unwritten memory."""
+    ops = CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None))
+    x = activations(1, 2048)
+    ops._act_keys, ops._act_norms = [ops._key(x), None], [1e-5, None]
+    f16 = SimpleNamespace(ggml_type=int(T.F16), rows=64, cols=2048)
+    with pytest.raises(RuntimeError, match="readers"):
+        ops.linear(x, f16)

@@ -49,6 +49,11 @@ class CpuOps:
         residual = x if residual is None else residual + x
         return self.rms_norm(residual, weight, eps), residual
 
+    def linear_add_rms_norm(self, x, weight, residual, norm_weight, eps: float, readers=()):
+        """add_rms_norm(linear(x, weight), residual, norm_weight, eps); readers (the weights that read the normed
+        output) matter to the GPU only."""
+        return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
+
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """x @ W.T one row at a time.
 

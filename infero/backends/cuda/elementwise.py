@@ -86,7 +86,7 @@ def add_rms_norm(
     add = x is not None
     if quantized is not None:
         matvec.check_activation(quantized, rows, dim)
-    xq, xs = (q.ptr for q in quantized) if quantized is not None else (0, 0)
+    xq, xs = (quantized[0].ptr, quantized[1].ptr) if quantized is not None else (0, 0)
     fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}>")
     args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows)
     driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
@@ -174,7 +174,7 @@ def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driv
     if quantized is not None:
         _require(vec, lambda: "quantized SwiGLU output needs 16-byte aligned tensors")
         matvec.check_activation(quantized, n // cols, cols)
-        xq, xs = (q.ptr for q in quantized)
+        xq, xs = quantized[0].ptr, quantized[1].ptr
     items = n // 4 if vec else n
     fn = _kernel(f"swiglu<{_b(vec)}, {_b(quantized is not None)}>")
     args = (out.ptr, gate.ptr, up.ptr, n, xq, xs, cols)

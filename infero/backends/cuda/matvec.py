@@ -21,11 +21,17 @@ give: a layer's q/k/v and gate/up take two launches instead of five (on the H200
 
 matvec_rope is matvec_many for a decode step's q/k/v (one or two tokens) with rotary_store_kv's work in its
 epilogue: q and k rotated, k and v into the KV cache, bitwise what the two launches give (kernels/rope.cuh).
+
+matvec_glu is a decode step's gate + up + SwiGLU in one launch; matvec_norm a decode step's o or down projection with
+the residual add and the next RMSNorm in its epilogue, the norm's 1 / rms left to the mat-vecs that read its output
+(an Activation with norm_ss): no norm kernel runs between a decode step's mat-vecs (on the H200 the 8B's step took
+184 us less, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,7 +81,8 @@ runtime.declare(
     + [f"matvec_mma<{t}, {n}, {w}, {s}, false>" for t in MMA_ROW for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
     + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES]
     + [f"matvec_mma<{t}, {n}, 4, {s}, true, {t2}>" for t, t2 in MMA_MIXED for n in (1, 2) for s in (2, 3)]
-    + [f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>" for t in MMA_ROW for n in (1, 2)],
+    + [f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>" for t in MMA_ROW for n in (1, 2)]
+    + [f"matvec_mma_norm<{t}, {n}, {w}, {s}>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES],
 )
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
@@ -101,7 +108,11 @@ _Q_ARGS = (None, _P, _P, _I, _I, _L, None)  # None: a ctypes.Structure, passed b
 _NO_ROPE = Rope()
 _F_ARGS = (_P, _P, _P, _P, _I, _I, _I, _L, _I)
 _QUANTIZE_ARGS = (_P, _P, _P, _I, _I)
-_GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P)
+_MMA_ARGS = _Q_ARGS + (_I, ctypes.c_float)  # matvec_mma: matvec_q's, then whether a norm is deferred, and its eps
+_GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _I, ctypes.c_float)
+_NORM_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _P, _P, _P)
+# Widest row whose deferred norm a reader takes (matvec.cu's NORM_LOADS groups of 32 per lane).
+NORM_MAX_COLS = 8 * 32 * 32
 _MMA_PART_BYTES = 128  # static shared memory of matvec_mma's partial sums (part[W][2][N][16]), per warp and token
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
@@ -171,10 +182,31 @@ def activation_shapes(n: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ..
     return (2, n, cols), (n, cols // 16, 2)
 
 
+class Activation(NamedTuple):
+    """An activation in the mat-vec's format (activation_shapes): q int8, s int32. norm_ss: where matvec_norm wrote
+    it, the activation is residual * norm weight and norm_ss float32 [n, cols / 32], right after s in memory (the
+    readers stage both in one copy), holds the sum of squares of each 32-element group of the residual: the RMSNorm's
+    1 / rms (with eps) is left to the reader, a tensor-core mat-vec of one or two tokens. A plain (q, s) tuple is an
+    activation without a deferred norm."""
+
+    q: DeviceTensor
+    s: DeviceTensor
+    norm_ss: DeviceTensor | None = None
+    eps: float = 0.0
+
+
+def _deferred_norm(quantized) -> tuple[int, float]:
+    """The kernels' (deferred, eps) arguments: (1, eps) for an activation whose RMSNorm its reader applies, else 0."""
+    if len(quantized) > 2 and quantized[2] is not None:
+        return 1, float(quantized[3])
+    return 0, 0.0
+
+
 def check_activation(quantized: tuple[DeviceTensor, DeviceTensor], rows: int, cols: int) -> None:
     """Raise ValueError unless quantized is (xq int8, xs int32) of activation_shapes(rows, cols), cols % 32 == 0:
-    the buffers a kernel that writes its output in the activation format is handed."""
-    xq, xs = quantized
+    the buffers a kernel that writes its output in the activation format is handed (an Activation: with its
+    norm_ss float32 [rows, cols / 32] if it has one)."""
+    xq, xs = quantized[0], quantized[1]
     if cols % 32:
         raise ValueError(f"only rows of a multiple of 32 elements can be quantized, got {cols}")
     q_shape, s_shape = activation_shapes(rows, cols)
@@ -182,6 +214,21 @@ def check_activation(quantized: tuple[DeviceTensor, DeviceTensor], rows: int, co
         raise ValueError(f"xq must be int8 {list(q_shape)}, got {xq.dtype} {xq.shape}")
     if xs.dtype != np.int32 or xs.shape != s_shape:
         raise ValueError(f"xs must be int32 {list(s_shape)}, got {xs.dtype} {xs.shape}")
+    norm_ss = quantized[2] if len(quantized) > 2 else None
+    if norm_ss is not None and (norm_ss.dtype != np.float32 or norm_ss.shape != (rows, cols // 32)):
+        raise ValueError(f"norm_ss must be float32 {[rows, cols // 32]}, got {norm_ss.dtype} {norm_ss.shape}")
+    if norm_ss is not None and norm_ss.ptr != xs.ptr + xs.nbytes:
+        raise ValueError("norm_ss must follow xs in memory (the mat-vecs stage them in one copy)")
+
+
+def _check_deferred_norm(quantized, n: int, cols: int, mma: bool) -> str | None:
+    """What keeps a mat-vec launch from applying its activation's deferred norm, or None (also where it has none)."""
+    if not _deferred_norm(quantized)[0]:
+        return None
+    if not mma or n > 2 or cols > NORM_MAX_COLS or cols % 128:
+        return (f"an activation with a deferred RMSNorm is read by the tensor-core mat-vecs of one or two tokens and "
+                f"rows of at most {NORM_MAX_COLS} only, not {n} tokens of {cols} on this weight type")  # fmt: skip
+    return None
 
 
 def quantize(xq: DeviceTensor, xs: DeviceTensor, x: DeviceTensor, stream: driver.Stream) -> None:
@@ -206,11 +253,13 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
     return seg
 
 
-def mma_shared(t: int, warps: int, stages: int, n: int, cols: int, t2: int | None = None) -> int:
+def mma_shared(t: int, warps: int, stages: int, n: int, cols: int, t2: int | None = None,
+               deferred: bool = False) -> int:  # fmt: skip
     """Dynamic shared memory of matvec_mma: the warps' rings (stages of the larger row where a launch mixes types
-    t and t2), and below 3 tokens the staged activation."""
+    t and t2), and below 3 tokens the staged activation (two int8 planes and their scales; deferred: and a deferred
+    norm's sums, Activation)."""
     row = max(MMA_ROW[t], MMA_ROW[t2 if t2 is not None else t])
-    return warps * stages * 16 * row + (5 * n * cols // 2 if n <= 2 else 0)
+    return warps * stages * 16 * row + ((5 * n * cols // 2 + (n * cols // 8 if deferred else 0)) if n <= 2 else 0)
 
 
 def mma_plan(t: int, tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
@@ -265,8 +314,8 @@ def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
             )  # fmt: skip
 
 
-def _glu_shared(t: int, n: int, cols: int) -> int:
-    return mma_shared(t, 4, GLU_STAGES, n, cols)
+def _glu_shared(t: int, n: int, cols: int, deferred: bool = False) -> int:
+    return mma_shared(t, 4, GLU_STAGES, n, cols, deferred=deferred)
 
 
 def matvec_glu(
@@ -292,12 +341,75 @@ def matvec_glu(
         raise ValueError(f"matvec_glu: {error}")
     check_activation(quantized, n, cols)
     check_activation(out_quantized, n, rows)
+    if error := _check_deferred_norm(quantized, n, cols, True):
+        raise ValueError(f"matvec_glu: {error}")
     fn = _kernel(f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>")
-    shared = _glu_shared(t, n, cols)
+    shared = _glu_shared(t, n, cols, bool(_deferred_norm(quantized)[0]))
     _allow_shared(fn, shared)
     args = (segments([out, out], [gate, up], list(biases)), quantized[0].ptr, quantized[1].ptr, n, cols,
-            gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr)  # fmt: skip
+            gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr, *_deferred_norm(quantized))  # fmt: skip
     driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True)
+
+
+def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
+    """Whether this weight's mat-vec (matvec_mma, and matvec_glu where glu_fits) takes an activation whose RMSNorm
+    is deferred to it (Activation.norm_ss), for n tokens: one or two, rows of at most NORM_MAX_COLS that its
+    shared memory holds with the norm's sums."""
+    t, cols = weight.ggml_type, weight.cols
+    if not (1 <= n <= 2 and cols <= NORM_MAX_COLS and cols % 128 == 0 and takes_mma(t, cols)):
+        return False
+    warps = _mma_warps(t, cols)
+    stages = max(s for w, s in MMA_SHAPES if w == warps)
+    optin = _shared_optin()
+    return (mma_shared(t, warps, stages, n, cols, deferred=True) + _MMA_PART_BYTES * warps * n <= optin
+            and _glu_shared(t, n, cols, True) + 4 * _MMA_PART_BYTES * n <= optin)  # fmt: skip
+
+
+def norm_fits(weight: QuantWeight, n: int) -> bool:
+    """Whether matvec_norm runs this weight for n tokens: one or two tokens of a type on the tensor cores at its
+    width, whole groups of 32 rows and at most NORM_MAX_COLS of them (what its readers take), and its shared memory
+    fits."""
+    t, rows, cols = weight.ggml_type, weight.rows, weight.cols
+    if not (1 <= n <= 2 and rows % 32 == 0 and rows <= NORM_MAX_COLS and takes_mma(t, cols)):
+        return False
+    warps, stages = mma_plan(t, rows // 16, cols, _sms())
+    return mma_shared(t, 2 * warps, stages, n, cols) + 2 * warps * _MMA_PART_BYTES * n <= _shared_optin()
+
+
+def matvec_norm(
+    residual: DeviceTensor,
+    weight: QuantWeight,
+    x: DeviceTensor,
+    quantized: tuple[DeviceTensor, DeviceTensor],
+    norm_weight: DeviceTensor,
+    out_quantized: Activation,
+    stream: driver.Stream,
+) -> None:
+    """A decode step's linear layer into the residual stream and the RMSNorm after it, for the mat-vecs that read the
+    norm (norm_fits): residual [n, rows] += x @ dequant(weight)^T, and out_quantized (an Activation with norm_ss and
+    eps) receives residual * norm_weight in the activation format with each group's sum of squares, so that its
+    readers (matvec_mma, matvec_mma_glu) apply the norm's 1 / rms (matvec.cu's matvec_mma_norm). quantized: x in the
+    activation format. Each row's sum is bitwise what matvec gives it (the same warps split it), the residual too."""
+    n, t, cols, rows = x.shape[0], weight.ggml_type, weight.cols, weight.rows
+    error = _check(residual, weight, x, None) or (
+        None if norm_fits(weight, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (norm_fits)"
+    )
+    if error:
+        raise ValueError(f"matvec_norm: {error}")
+    if norm_weight.dtype != np.float32 or norm_weight.numel != rows:
+        raise ValueError(f"matvec_norm: norm_weight must be float32 [{rows}], got {norm_weight.dtype} "
+                         f"{norm_weight.shape}")  # fmt: skip
+    check_activation(quantized, n, cols)
+    check_activation(out_quantized, n, rows)
+    if _deferred_norm(quantized)[0] or not _deferred_norm(out_quantized)[0]:
+        raise ValueError("matvec_norm: its input cannot have a deferred norm, and its output needs norm_ss")
+    warps, stages = mma_plan(t, rows // 16, cols, _sms())
+    fn = _kernel(f"matvec_mma_norm<{t}, {n}, {warps}, {stages}>")
+    shared = mma_shared(t, 2 * warps, stages, n, cols)
+    _allow_shared(fn, shared)
+    args = (segments([residual], [weight], [None]), quantized[0].ptr, quantized[1].ptr, n, cols,
+            weight.data.shape[1], residual.ptr, norm_weight.ptr, *(a.ptr for a in out_quantized[:3]))  # fmt: skip
+    driver.launch(fn, (rows // 32,), (64 * warps,), args, _NORM_ARGS, stream, shared, pdl=True)
 
 
 def _shared_optin() -> int:
@@ -305,9 +417,9 @@ def _shared_optin() -> int:
 
 
 def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
-    """(function, grid, block, dynamic shared bytes) of the mat-vec for matrices of these row counts: matvec_q
-    planned on the rows their warps cover together (each matrix but the last rounded up to the most rows per warp
-    a variant has), or matvec_mma where takes_mma."""
+    """(function, grid, block, dynamic shared bytes, whether matvec_mma) of the mat-vec for matrices of these row
+    counts: matvec_q planned on the rows their warps cover together (each matrix but the last rounded up to the most
+    rows per warp a variant has), or matvec_mma where takes_mma."""
     key = (t, rows, n, cols)  # cols too: the plan depends on the units per row
     launch = _launches.get(key)
     if launch is None:
@@ -318,7 +430,7 @@ def _launch_q(t: int, rows: tuple[int, ...], n: int, cols: int) -> tuple:
             big_n, rpw, wpb, ahead = plan(covered, n, _sms(), t, cols // UNIT_ELEMS.get(t, 32))
             warps = sum(-(-r // rpw) for r in rows)
             fn = _kernel(f"matvec_q<{t}, {big_n}, {rpw}, {ahead}>")
-            launch = (fn, (-(-warps // wpb),), (32 * wpb,), 0)
+            launch = (fn, (-(-warps // wpb),), (32 * wpb,), 0, False)
         _launches[key] = launch
     return launch
 
@@ -330,7 +442,7 @@ def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool, t
     fn = _kernel(f"matvec_mma<{t}, {big_n}, {warps}, {stages}, {'true' if rope else 'false'}{mixed}>")
     shared = mma_shared(t, warps, stages, n, cols, t2)
     _allow_shared(fn, shared)
-    return fn, (sum(tiles),), (32 * warps,), shared
+    return fn, (sum(tiles),), (32 * warps,), shared, True
 
 
 def _allow_shared(fn, shared: int) -> None:
@@ -341,10 +453,10 @@ def _allow_shared(fn, shared: int) -> None:
 
 
 def _launch_rope(types: tuple[int, ...], rows: tuple[int, ...], n: int, cols: int) -> tuple:
-    """(function, grid, block, dynamic shared bytes) of the mat-vec with the ROPE epilogue. matvec_q: two rows per
-    warp, prefetch depth 1 at one token (what plan gives q/k/v of more than 16 rows per SM; smaller ones, which
-    plan would give a deeper ring, were not measured with the epilogue). matvec_mma where takes_mma, for mixed
-    types where mixes."""
+    """(function, grid, block, dynamic shared bytes, whether matvec_mma) of the mat-vec with the ROPE epilogue.
+    matvec_q: two rows per warp, prefetch depth 1 at one token (what plan gives q/k/v of more than 16 rows per SM;
+    smaller ones, which plan would give a deeper ring, were not measured with the epilogue). matvec_mma where
+    takes_mma, for mixed types where mixes."""
     key = ("rope", types, rows, n, cols)
     launch = _launches.get(key)
     t = types[0]
@@ -357,7 +469,7 @@ def _launch_rope(types: tuple[int, ...], rows: tuple[int, ...], n: int, cols: in
             warps = sum(r // 2 for r in rows)
             wpb = _warps_per_block(warps, _sms())
             fn = _kernel(f"matvec_q<{t}, {1 if n == 1 else 2}, 2, {1 if n == 1 else -1}, true>")
-            launch = (fn, (-(-warps // wpb),), (32 * wpb,), 0)
+            launch = (fn, (-(-warps // wpb),), (32 * wpb,), 0, False)
         _launches[key] = launch
     return launch
 
@@ -497,19 +609,27 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
         return
     t, cols = weights[0].ggml_type, weights[0].cols
     if rope is None:
-        fn, grid, block, shared = _launch_q(t, rows, n, cols)
+        fn, grid, block, shared, mma = _launch_q(t, rows, n, cols)
     else:
-        fn, grid, block, shared = _launch_rope(tuple(w.ggml_type for w in weights), rows, n, cols)
+        fn, grid, block, shared, mma = _launch_rope(tuple(w.ggml_type for w in weights), rows, n, cols)
+    if quantized is not None and _deferred_norm(quantized)[0]:
+        if error := _check_deferred_norm(quantized, n, cols, mma):
+            raise ValueError(f"{name}: {error}")
+        shared += n * cols // 8  # the norm's sums, staged with the activation
+        _allow_shared(fn, shared)
     mark = workspace.offset
     if quantized is None:
         q_shape, s_shape = activation_shapes(n, cols)
         quantized = (workspace.empty(q_shape, np.int8), workspace.empty(s_shape, np.int32))
         quantize(*quantized, x, stream)
-    xq, xs = quantized
+    xq, xs = quantized[0], quantized[1]
     if (xq.shape, xs.shape) != activation_shapes(n, cols):
         raise ValueError(f"{name}: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
     args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1], rope or _NO_ROPE)
-    driver.launch(fn, grid, block, args, _Q_ARGS, stream, shared, pdl=True)
+    if mma:
+        driver.launch(fn, grid, block, args + _deferred_norm(quantized), _MMA_ARGS, stream, shared, pdl=True)
+    else:
+        driver.launch(fn, grid, block, args, _Q_ARGS, stream, shared, pdl=True)
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
 
 

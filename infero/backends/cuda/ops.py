@@ -38,28 +38,29 @@ class CudaOps:
     def __init__(self, backend):
         self.backend = backend
         self._rotary_tables: dict[int, DeviceTensor] = {}
-        self._xq = self._xs = None  # the mat-vec's quantized activation (one at a time, see _quantized)
-        self._quantized_key = None
-        self._glu_q = self._glu_s = None  # matvec_glu's output, in the format: read while _xq holds its input
-        self._glu_key = None
+        # Two buffers of the mat-vec's quantized activation, so that a kernel can write its output there while it
+        # reads its input from the other (matvec_glu, matvec_norm): per buffer its q and s planes, the activation
+        # that owns it (_key) and, for linear_add_rms_norm's output, the deferred norm's eps (its sums of squares
+        # follow the scales in the s buffer, matvec.Activation).
+        self._act_q: list[DeviceTensor] = []
+        self._act_s: list[DeviceTensor] = []
+        self._act_keys: list = [None, None]
+        self._act_norms: list = [None, None]
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
 
     def prepare(self, config) -> None:
-        """The fixed buffer of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
-        linear input. One suffices: the stream runs every mat-vec reading one activation before the kernel that
-        quantizes the next, so the next overwrites only what is no longer read."""
+        """The fixed buffers of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
+        linear input. Two suffice: the stream runs every mat-vec reading one activation before the kernel that
+        quantizes the next, so the next overwrites only what is no longer read, and a kernel whose input is in one
+        writes its output to the other."""
         widest = max(config.hidden_size, config.q_size, config.intermediate_size)
         widest = -(-widest // 32) * 32
         arena = self.backend.weights_arena
         q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
-        self._xq = empty((int(np.prod(q_shape)),), np.int8, arena)
-        self._xs = empty((int(np.prod(s_shape)),), np.int32, arena)
-        self._quantized_key = None
-        q_shape, s_shape = matvec.activation_shapes(2, -(-config.intermediate_size // 32) * 32)
-        self._glu_q = empty((int(np.prod(q_shape)),), np.int8, arena)
-        self._glu_s = empty((int(np.prod(s_shape)),), np.int32, arena)
-        self._glu_key = None
+        self._act_q = [empty((int(np.prod(q_shape)),), np.int8, arena) for _ in range(2)]
+        self._act_s = [empty((int(np.prod(s_shape)),), np.int32, arena) for _ in range(2)]
+        self._act_keys, self._act_norms = [None, None], [None, None]
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
         self._skinny_keys = {}
@@ -69,41 +70,61 @@ class CudaOps:
         n, cols = x.shape
         buffer = self._skinny[ggml_type]
         xa = DeviceTensor(buffer.ptr, skinny_gemm.activation_shape(n, cols), np.dtype(np.uint32), buffer)
-        key = (x.ptr, x.shape, self.ws.generation)
+        key = self._key(x)
         if self._skinny_keys.get(ggml_type) != key:
+            self._require_values(x)
             skinny_gemm.convert(xa, x, ggml_type, self.stream)
             self._skinny_keys[ggml_type] = key
         return xa
 
-    def _quantize_into(self, x: DeviceTensor, glu: bool = False):
-        """The quantized-activation buffers viewed for x [n, cols], now owned by x; or None where x cannot
-        take the format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers). glu: the
-        second pair, which matvec_glu writes while it reads its input from the first."""
+    def _key(self, x: DeviceTensor) -> tuple:
+        return (x.ptr, x.shape, self.ws.generation)
+
+    def _quantize_into(self, x: DeviceTensor, keep: DeviceTensor | None = None, norm=None):
+        """A quantized-activation buffer viewed for x [n, cols], now owned by x; or None where x cannot take the
+        format (more rows than the mat-vec takes, columns not a multiple of 32, no buffers). keep: the activation
+        the writing kernel reads meanwhile (its buffer is not taken). norm: the eps of a deferred RMSNorm
+        (linear_add_rms_norm: the view gets its norm_ss)."""
         if not self._quantizable(x):
             return None
-        n, cols = x.shape
-        key = (x.ptr, x.shape, self.ws.generation)
-        if glu:
-            self._glu_key, xq, xs = key, self._glu_q, self._glu_s
-        else:
-            self._quantized_key, xq, xs = key, self._xq, self._xs
-        q_shape, s_shape = matvec.activation_shapes(n, cols)
-        return (DeviceTensor(xq.ptr, q_shape, np.dtype(np.int8), xq),
-                DeviceTensor(xs.ptr, s_shape, np.dtype(np.int32), xs))  # fmt: skip
+        key, kept = self._key(x), self._key(keep) if keep is not None else None
+        slot = 1 if kept is not None and self._act_keys[0] == kept else 0
+        self._act_keys[slot], self._act_norms[slot] = key, norm
+        if self._act_keys[1 - slot] == key:  # x written anew: the other buffer's copy is stale
+            self._act_keys[1 - slot] = None
+        return self._activation(slot, x.shape)
+
+    def _activation(self, slot: int, shape: tuple[int, int]) -> matvec.Activation:
+        q_shape, s_shape = matvec.activation_shapes(*shape)
+        xq, xs, eps = self._act_q[slot], self._act_s[slot], self._act_norms[slot]
+        q = DeviceTensor(xq.ptr, q_shape, np.dtype(np.int8), xq)
+        s = DeviceTensor(xs.ptr, s_shape, np.dtype(np.int32), xs)
+        if eps is None:
+            return matvec.Activation(q, s)
+        norm_ss = DeviceTensor(s.ptr + s.nbytes, (shape[0], shape[1] // 32), np.dtype(np.float32), xs)
+        return matvec.Activation(q, s, norm_ss, eps)
 
     def _quantizable(self, x: DeviceTensor) -> bool:
-        return self._xq is not None and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
+        return bool(self._act_q) and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
 
     def _quantized(self, x: DeviceTensor):
-        """x in the mat-vec's activation format: the buffers as they are if x was the last activation written
-        there (by a fused norm or SwiGLU, or an earlier linear), else after quantizing it now."""
-        key = (x.ptr, x.shape, self.ws.generation)
-        if key in (self._quantized_key, self._glu_key):
-            return self._quantize_into(x, glu=key == self._glu_key)
+        """x in the mat-vec's activation format: a buffer as it is if x was the last activation written there (by a
+        fused norm, SwiGLU or attention, or an earlier linear), else after quantizing it now."""
+        key = self._key(x)
+        if key in self._act_keys:
+            return self._activation(self._act_keys.index(key), x.shape)
         quantized = self._quantize_into(x)
         if quantized is not None:
-            matvec.quantize(*quantized, x, self.stream)
+            matvec.quantize(quantized.q, quantized.s, x, self.stream)
         return quantized
+
+    def _require_values(self, x: DeviceTensor) -> None:
+        """Raise unless x holds its float values: linear_add_rms_norm's output with a deferred norm has none, only
+        its quantized form for the readers it was given."""
+        key = self._key(x)
+        if any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms, strict=True)):
+            raise RuntimeError("a linear_add_rms_norm output whose norm its readers apply was read as float32 values; "
+                               "pass every weight that reads it as `readers`")  # fmt: skip
 
     @property
     def ws(self):
@@ -159,12 +180,38 @@ class CudaOps:
         if self._takes_skinny(x, weight):
             xa = self._skinny_input(x, weight.ggml_type)
             skinny_gemm.skinny_gemm(out, weight, xa, bias, self.stream, self.ws)
-        elif n <= MATVEC_MAX_TOKENS:
-            quantized = None if weight.ggml_type in matvec.FLOAT_TYPES else self._quantized(x)
-            matvec.matvec(out, weight, x, bias, self.stream, self.ws, quantized)
+        elif n <= MATVEC_MAX_TOKENS and weight.ggml_type not in matvec.FLOAT_TYPES:
+            matvec.matvec(out, weight, x, bias, self.stream, self.ws, self._quantized(x))
         else:
-            gemm.gemm(out, weight, x, bias, self.stream, self.ws)
+            self._require_values(x)
+            if n <= MATVEC_MAX_TOKENS:
+                matvec.matvec(out, weight, x, bias, self.stream, self.ws)
+            else:
+                gemm.gemm(out, weight, x, bias, self.stream, self.ws)
         return out
+
+    def linear_add_rms_norm(self, x: DeviceTensor, weight: QuantWeight, residual: DeviceTensor, norm_weight, eps: float,
+                            readers=()):  # fmt: skip
+        """add_rms_norm(linear(x, weight), residual, norm_weight, eps). readers: the weights that read the normed
+        output, each through a mat-vec (the next layer's q/k/v, or gate and up). Where the linear and all of its
+        readers run on the tensor cores at one or two tokens (a decode step), the linear's own launch adds into the
+        residual and writes the readers' activation, leaving the norm's 1 / rms to them (matvec.matvec_norm: no
+        add_rms_norm kernel); the output then exists only in that form, for those readers."""
+        if not self._defers_norm(x, weight, residual, readers):
+            return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
+        h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: its readers take the quantized form
+        quantized = self._quantized(x)
+        out_quantized = self._quantize_into(h, keep=x, norm=eps)
+        matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
+        return h, residual
+
+    def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
+        n = x.shape[0]
+        return (residual is not None and bool(readers) and self._quantizable(x)
+                and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, n)
+                and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
+                        and matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w) for w in readers)
+                )  # fmt: skip
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
@@ -193,12 +240,11 @@ class CudaOps:
         SwiGLU kernel between the mat-vecs)."""
         gate, up = weights
         n = x.shape[0]
-        if not (self._glu_q is not None and self._quantizable(x) and matvec.glu_fits(gate, up, n)
-                and not self._takes_skinny(x, gate)):  # fmt: skip
+        if not (self._quantizable(x) and matvec.glu_fits(gate, up, n) and not self._takes_skinny(x, gate)):
             return self.swiglu(*self.linears(x, weights))
         out = self.ws.empty((n, gate.rows), np.float32)
         quantized = self._quantized(x)
-        matvec.matvec_glu(out, gate, up, x, (None, None), quantized, self._quantize_into(out, glu=True), self.stream)
+        matvec.matvec_glu(out, gate, up, x, (None, None), quantized, self._quantize_into(out, keep=x), self.stream)
         return out
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:

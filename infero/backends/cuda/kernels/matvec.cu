@@ -1220,18 +1220,33 @@ struct MmaCopy {
 
 // The activation as the fragments read it: below 3 tokens first copied by the whole block into shared memory at sx
 // (every thread must call, after its PDL wait); plane P of token t at xa + (P n + t) cols, its scales at sa + t cols /
-// 16.
+// 16. deferred (N <= 2 only): the activation is residual * norm weight as matvec_mma_norm wrote it, its scales
+// followed in memory by each 32-element group's sum of squares of the residual [n, cols / 32] (cols % 128 == 0), which
+// are staged with them; warp t adds token t's (lane i: groups i, i + 32, ... in order, then a butterfly, so every
+// reader gets the same factor) and leaves RMSNorm's 1 / rms in inv_rms[t] for the caller's epilogue, which scales
+// each output by it after its block barrier (the quantization is scale invariant: the planes of r w and of r w / rms
+// differ only in rounding). Scaling the staged group scales instead cost two more barriers and a pass over them:
+// ~0.8-1.3 us a launch on the H200 (scripts/bench_norm_fold.py).
 template <class F, int N, int TILES, int TPT, int THREADS>
 __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t* __restrict__ xq,
-                                                        const ActScale* __restrict__ xs, int n, int cols, int g,
-                                                        int j) {
+                                                        const ActScale* __restrict__ xs, int n, int cols, int g, int j,
+                                                        int deferred, float norm_eps, float* inv_rms) {
   constexpr bool STAGE_X = N <= 2;
   if constexpr (STAGE_X) {
-    const int q16 = n * cols / 8, s16 = n * cols / 32;
+    const int q16 = n * cols / 8, s16 = n * cols / 32 + (deferred ? n * cols / 128 : 0);
     for (int i = threadIdx.x; i < q16 + s16; i += THREADS)
       reinterpret_cast<uint4*>(sx)[i] = i < q16 ? __ldg(reinterpret_cast<const uint4*>(xq) + i)
                                                 : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
     __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = cols / 32;
+    if (deferred && warp < n) {
+      const float* sums = reinterpret_cast<const float*>(sx + 2 * n * cols + n * cols / 2) + warp * groups;
+      float total = 0.f;
+      for (int i = lane; i < groups; i += 32) total = __fadd_rn(total, sums[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xFFFFFFFFu, total, o));
+      if (lane == 0) inv_rms[warp] = 1.0f / sqrtf(total / (float)cols + norm_eps);
+    }
   }
   MmaAct<TILES> x;
   x.xa = STAGE_X ? sx : xq;
@@ -1270,7 +1285,8 @@ __device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const MmaCo
 template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
-                                         const mv::Rope& rope, int s, int tile, float (&part)[W][2][N][16]) {
+                                         const mv::Rope& rope, int deferred, float norm_eps,
+                                         int s, int tile, float (&part)[W][2][N][16]) {
   constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -1292,7 +1308,9 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
-  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j);
+  __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
+  const mv::MmaAct<TILES> x =
+      mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
   float acc[TILES][TPT];
   mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
 #pragma unroll
@@ -1302,12 +1320,12 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
       part[warp][mv::combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[nt][ci];
   __syncthreads();
 
-  // m-row mr of token t: the warps' class 0 + class 1, in warp order.
+  // m-row mr of token t: the warps' class 0 + class 1, in warp order (times a deferred norm's factor).
   auto total = [&](int mr, int t) {
     float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
 #pragma unroll
     for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
-    return v;
+    return deferred ? __fmul_rn(v, inv_rms[t]) : v;
   };
   auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
   float* out = mv::pick(seg.out, s);
@@ -1334,12 +1352,13 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
 // T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
 // Q4_K_M's Q6_K layers of v). grid: the segments' tiles of 16 rows one after another (a neox-rotated segment:
 // head_dim / 16 tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * (the larger F::ROW) bytes,
-// plus 5 n cols / 2 for N <= 2.
+// plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums).
 template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T>
 __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                     int n, int cols, long long row_bytes,
-                                                    const __grid_constant__ mv::Rope rope) {
+                                                    const __grid_constant__ mv::Rope rope, int deferred,
+                                                    float norm_eps) {
   static_assert((T == GGML_Q4_K || T == GGML_Q6_K) && (T2 == GGML_Q4_K || T2 == GGML_Q6_K), "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
   static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
@@ -1352,12 +1371,12 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   const int tile = blockIdx.x - (s == 0 ? 0 : s == 1 ? t0 : t1);
   if constexpr (T2 != T) {
     if (s == 2) {  // its rows are those of its own type (contiguous GGUF rows)
-      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, (long long)(cols / 256) * F2::SB_BYTES, rope, s,
-                                              tile, part);
+      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, (long long)(cols / 256) * F2::SB_BYTES, rope,
+                                              deferred, norm_eps, s, tile, part);
       return;
     }
   }
-  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, s, tile, part);
+  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, s, tile, part);
 }
 
 // matvec_mma_glu<T>: a decode step's gate and up projections (segments 0 and 1, the same type, width and rows) and
@@ -1372,12 +1391,13 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // took 3.4: the 8B's step on the H200 2,447 -> 2,287 us against linears + swiglu (3 stages, two waves: 2,500).
 // Reduction order: a row's sum as matvec_mma's with one warp a tile (each class in pair order, then class 0 + class
 // 1, bias last), independent of n; then SwiGLU as the swiglu kernel computes it, and the same quantization.
-// grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
+// grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
+// for a deferred norm's sums); rows % 32 == 0.
 template <int T, int N, int STAGES>
 __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                      int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
-                                                     ActScale* __restrict__ ys) {
+                                                     ActScale* __restrict__ ys, int deferred, float norm_eps) {
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
@@ -1397,7 +1417,9 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
-  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j);
+  __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
+  const mv::MmaAct<TILES> x =
+      mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
   float acc[TILES][TPT];
   mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, 0, pairs, row_bytes, x, nsb, g, j, lane);
 #pragma unroll
@@ -1410,11 +1432,84 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
     const int t = warp, w = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
     float gate = __fadd_rn(part[w][0][t][i], part[w][1][t][i]);
     float up = __fadd_rn(part[w][0][t][i + 8], part[w][1][t][i + 8]);
+    if (deferred) {
+      gate = __fmul_rn(gate, inv_rms[t]);
+      up = __fmul_rn(up, inv_rms[t]);
+    }
     if (seg.bias[0] != nullptr) gate = __fadd_rn(gate, __ldg(seg.bias[0] + row));
     if (seg.bias[1] != nullptr) up = __fadd_rn(up, __ldg(seg.bias[1] + row));
     const float h = gate / (1.0f + expf(-gate)) * up;
     seg.out[0][(long long)t * rows + row] = h;
     const float v[1] = {h};
     aq::quantize_store<1>(v, true, yq, ys, n, rows, t, row);
+  }
+}
+
+// matvec_mma_norm<T>: a decode step's linear layer whose output joins the residual stream and then goes through
+// RMSNorm into the next mat-vecs (the attention output projection before the FFN norm, the down projection before
+// the next layer's attention norm), with add_rms_norm's work in its epilogue: residual += x W^T, written back, and
+// residual * norm_weight written in the activation format (yq, ys; act_quant.cuh) with each 32-element group's sum
+// of squares of the residual in norm_ss [n, rows / 32] (right after ys's scales, where the readers stage them). The
+// norm's 1 / rms needs the whole row, so its readers apply it (mma_activation, to the group scales). No add_rms_norm
+// kernel, nor its place in the chain of dependent launches, runs between the mat-vecs: ~3.2 us a layer each of
+// llama-3.1-8b's two norms on the H200 (scripts/ab_skip_ops.py).
+//
+// Blocks. Two tiles of 16 rows (32 rows: one activation group, which the block quantizes itself) of W warps each,
+// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row's sum, and so
+// the residual, is bitwise that launch's plus the residual. grid rows / 32, block 64 W, dynamic shared memory
+// 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
+template <int T, int N, int W, int STAGES>
+__global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant__ mv::Segments seg,
+                                                         const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                         int n, int cols, long long row_bytes,
+                                                         float* __restrict__ residual,
+                                                         const float* __restrict__ norm_weight,
+                                                         int8_t* __restrict__ yq, ActScale* __restrict__ ys,
+                                                         float* __restrict__ norm_ss) {
+  static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
+  static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
+  using F = mv::MmaFormat<T>;
+  constexpr int STAGE = 16 * F::ROW, TILES = 1, TPT = N;
+  __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  extern __shared__ uint4 dyn[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
+  const int half = warp / W, wi = warp % W;
+  const int rows = seg.rows[0], base = 32 * blockIdx.x + 16 * half;
+  const int nsb = cols / 256, pairs = (nsb + 1) / 2;
+  const int p0 = wi * pairs / W, count = (wi + 1) * pairs / W - p0;
+  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
+  const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[0], base, base + 8, rows, row_bytes, lane);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
+    tc::cp_async_commit();
+  }
+  pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
+
+  // Warp t < n: token t's 32 rows, lane l the row 32 blockIdx.x + l; its residual loaded now, used at the end.
+  const int row = 32 * blockIdx.x + lane;
+  float r = warp < n ? residual[(long long)warp * rows + row] : 0.f;
+  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + 2 * W * STAGES * STAGE;
+  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 64 * W>(sx, xq, xs, n, cols, g, j, 0, 0.f, nullptr);
+  float acc[TILES][TPT];
+  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
+#pragma unroll
+  for (int ci = 0; ci < TPT; ++ci)
+    part[half][wi][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
+  __syncthreads();
+
+  if (warp < n) {
+    const int t = warp, h = lane >> 4, mr = lane & 15;
+    float v = __fadd_rn(part[h][0][0][t][mr], part[h][0][1][t][mr]);  // matvec_mma's sum: warps in order
+#pragma unroll
+    for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[h][w][0][t][mr], part[h][w][1][t][mr]));
+    r = __fadd_rn(r, v);
+    residual[(long long)t * rows + row] = r;
+    float ss = __fmul_rn(r, r);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
+    if (lane == 0) norm_ss[t * (rows / 32) + blockIdx.x] = ss;
+    const float y[1] = {__fmul_rn(r, __ldg(norm_weight + row))};
+    aq::quantize_store<1>(y, true, yq, ys, n, rows, t, row);
   }
 }
