@@ -310,7 +310,7 @@ def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
     width, the same shape, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
     t, cols, rows = gate.ggml_type, gate.cols, gate.rows
     return (1 <= n <= 2 and (up.ggml_type, up.cols, up.rows) == (t, cols, rows) and rows % 32 == 0
-            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 4 * _MMA_PART_BYTES * n <= _shared_optin()
+            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 16 * _MMA_PART_BYTES * n <= _shared_optin()
             )  # fmt: skip
 
 
@@ -330,9 +330,9 @@ def matvec_glu(
 ) -> None:
     """out [n, rows] = silu(x @ dequant(gate)^T + b_gate) * (x @ dequant(up)^T + b_up) for a decode step of one or
     two tokens (glu_fits), in one launch that also writes out in the activation format to out_quantized (the down
-    projection's input). quantized: x in the activation format. A row's sum runs as matvec_mma's over one warp (the
-    plan's linears split it over 4 or 8: other bits, within fp32 rounding), then SwiGLU and the quantization as the
-    swiglu kernel's (matvec.cu's matvec_mma_glu)."""
+    projection's input). quantized: x in the activation format. A row's sum is split over 4 warps, each taking every
+    fourth superblock pair (the plan's linears split rows into contiguous ranges: other bits, within fp32 rounding),
+    then SwiGLU and the quantization as the swiglu kernel's (matvec.cu's matvec_mma_glu)."""
     n, t, cols, rows = x.shape[0], gate.ggml_type, gate.cols, gate.rows
     error = _check_many([out, out], [gate, up], x, list(biases)) or (
         None if glu_fits(gate, up, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (glu_fits)"
@@ -362,7 +362,7 @@ def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
     stages = max(s for w, s in MMA_SHAPES if w == warps)
     optin = _shared_optin()
     return (mma_shared(t, warps, stages, n, cols, deferred=True) + _MMA_PART_BYTES * warps * n <= optin
-            and _glu_shared(t, n, cols, True) + 4 * _MMA_PART_BYTES * n <= optin)  # fmt: skip
+            and _glu_shared(t, n, cols, True) + 16 * _MMA_PART_BYTES * n <= optin)  # fmt: skip
 
 
 def norm_fits(weight: QuantWeight, n: int) -> bool:
@@ -446,8 +446,9 @@ def _launch_mma(t: int, tiles: tuple[int, ...], n: int, cols: int, rope: bool, t
 
 
 def _allow_shared(fn, shared: int) -> None:
-    """Let a matvec_mma kernel take `shared` bytes of dynamic shared memory (past the default 48 KiB)."""
-    if shared > _mma_shared.get(fn, 48 << 10):
+    """Let a matvec_mma kernel take `shared` bytes of dynamic shared memory. Set for any size: without it a launch's
+    static and dynamic shared memory together may not pass 48 KiB."""
+    if shared > _mma_shared.get(fn, 0):
         driver.set_max_dynamic_shared(fn, shared)
         _mma_shared[fn] = shared
 

@@ -1203,8 +1203,9 @@ struct MmaCopy {
     }
   }
 
-  __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane) const {
-    const long long at = F::at(p);
+  // shift: bytes past the tile's rows (another tile of the same rows' layout: matvec_mma_glu's split).
+  __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane, long long shift = 0) const {
+    const long long at = F::at(p) + shift;
     const bool full = F::full(p, row_bytes);
     const uint8_t *h0 = base[0] + at, *h1 = base[1] + at;
     const unsigned s = tc::smem_addr(stage) + 16 * lane;
@@ -1384,13 +1385,16 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // (yq, ys; act_quant.cuh), so that no SwiGLU kernel runs between the two mat-vecs: that kernel and its place in the
 // chain cost ~2.6 us a layer of llama-3.1-8b's batch-1 step on the H200 (scripts/ab_skip_ops.py).
 //
-// Blocks. A block's 4 warps each own one tile: m-rows 0-7 are gate rows base + i, 8-15 the up rows base + i, base =
-// 32 blockIdx.x + 8 warp, and a warp walks every superblock pair of its rows (no split of a row over warps). So a
-// block's 32 outputs are one group of the activation format, which it quantizes itself; and gate + up of an 8B
-// model (448 blocks at 2 stages, 4 blocks an SM) run in one wave, where matvec_mma's tiles of 16 rows over 4 warps
-// took 3.4: the 8B's step on the H200 2,447 -> 2,287 us against linears + swiglu (3 stages, two waves: 2,500).
-// Reduction order: a row's sum as matvec_mma's with one warp a tile (each class in pair order, then class 0 + class
-// 1, bias last), independent of n; then SwiGLU as the swiglu kernel computes it, and the same quantization.
+// Blocks. A block computes 4 tiles: tile q's m-rows 0-7 are gate rows base + 8 q + i, 8-15 the up rows base + 8 q +
+// i, base = 32 blockIdx.x. So a block's 32 outputs are one group of the activation format, which it quantizes itself;
+// and gate + up of an 8B model (448 blocks at 2 stages, 4 blocks an SM) run in one wave, where matvec_mma's tiles of
+// 16 rows over 4 warps took 3.4: the 8B's step on the H200 2,447 -> 2,287 us against linears + swiglu (3 stages, two
+// waves: 2,500). Warp w streams pairs w, w + 4, ... of tile 0, then of tile 1, ... through its ring, so that the
+// block's warps read neighbouring pieces of the same rows at a time: with each warp walking its own tile's whole rows
+// (pieces 2.3 KB apart in each row at a time) the step took 53.1 us longer (8 alternations, every pair).
+// Reduction order: per (row, token), each warp sums its pairs' contributions per class in order, class 0 + class 1;
+// the warps' values are added in warp order, bias last; independent of n. Then SwiGLU as the swiglu kernel computes
+// it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
 // for a deferred norm's sums); rows % 32 == 0.
 template <int T, int N, int STAGES>
@@ -1402,16 +1406,28 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
-  __shared__ float part[W][2][N][16];
+  __shared__ float part[4][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
-  const int rows = seg.rows[0], base = 32 * blockIdx.x + 8 * warp;
+  const int rows = seg.rows[0], base = 32 * blockIdx.x;
   const int nsb = cols / 256, pairs = (nsb + 1) / 2;
+  // Warp w takes pairs w, w + 4, ... of each tile, tile after tile (items: count a tile).
+  const int count = (pairs - warp + W - 1) / W, items = 4 * count;
+  const long long tile_bytes = 8 * row_bytes;
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[1], base, base, rows, row_bytes, lane);
+  int next_k = 0;  // the next item to issue: pair warp + W next_k of the tile next_shift bytes on
+  long long next_shift = 0;
+  auto issue = [&](int item) {
+    copy.issue(ring + item % STAGES * STAGE, warp + W * next_k, row_bytes, lane, next_shift);
+    if (++next_k == count) {
+      next_k = 0;
+      next_shift += tile_bytes;
+    }
+  };
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < pairs) copy.issue(ring + i * STAGE, i, row_bytes, lane);
+    if (i < items) issue(i);
     tc::cp_async_commit();
   }
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
@@ -1421,17 +1437,40 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   const mv::MmaAct<TILES> x =
       mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
   float acc[TILES][TPT];
-  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, 0, pairs, row_bytes, x, nsb, g, j, lane);
+  auto keep = [&](int q) {  // this warp's sums of tile q
 #pragma unroll
-  for (int ci = 0; ci < TPT; ++ci)
-    part[warp][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
+    for (int ci = 0; ci < TPT; ++ci)
+      part[q][warp][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
+  };
+#pragma unroll
+  for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+  if (count == 0)  // fewer pairs than warps: this one adds zeros
+    for (int q = 0; q < 4; ++q) keep(q);
+  for (int item = 0, q = 0, k = 0; item < items; ++item) {
+    tc::cp_async_wait<STAGES - 2>();
+    __syncwarp();  // item has landed for every lane, and every lane is done with the stage refilled next
+    if (item + STAGES - 1 < items) issue(item + STAGES - 1);
+    tc::cp_async_commit();
+    F::template pair<TILES, TPT>(acc, x, ring + item % STAGES * STAGE, warp + W * k, nsb, g, j);
+    if (++k == count) {
+      keep(q++);
+      k = 0;
+#pragma unroll
+      for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+    }
+  }
   __syncthreads();
 
-  // Warp t: token t's 32 outputs, lane l the row 32 blockIdx.x + l (its warp's m-rows l % 8 and l % 8 + 8).
+  // Warp t: token t's 32 outputs, lane l the row 32 blockIdx.x + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
   if (warp < n) {
-    const int t = warp, w = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
-    float gate = __fadd_rn(part[w][0][t][i], part[w][1][t][i]);
-    float up = __fadd_rn(part[w][0][t][i + 8], part[w][1][t][i + 8]);
+    const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
+    auto sum = [&](int mr) {  // the warps' class 0 + class 1, in warp order
+      float v = __fadd_rn(part[q][0][0][t][mr], part[q][0][1][t][mr]);
+#pragma unroll
+      for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[q][w][0][t][mr], part[q][w][1][t][mr]));
+      return v;
+    };
+    float gate = sum(i), up = sum(i + 8);
     if (deferred) {
       gate = __fmul_rn(gate, inv_rms[t]);
       up = __fmul_rn(up, inv_rms[t]);
