@@ -228,6 +228,9 @@ def _check_deferred_norm(quantized, n: int, cols: int, mma: bool) -> str | None:
     if not mma or n > 2 or cols > NORM_MAX_COLS or cols % 128:
         return (f"an activation with a deferred RMSNorm is read by the tensor-core mat-vecs of one or two tokens and "
                 f"rows of at most {NORM_MAX_COLS} only, not {n} tokens of {cols} on this weight type")  # fmt: skip
+    xs, norm_ss = quantized[1], quantized[2]
+    if norm_ss.dtype != np.float32 or norm_ss.shape != (n, cols // 32) or norm_ss.ptr != xs.ptr + xs.nbytes:
+        return f"norm_ss must be float32 [{n}, {cols // 32}] right after the scales, got {norm_ss.shape}"
     return None
 
 

@@ -119,8 +119,8 @@ class CudaOps:
         return quantized
 
     def _require_values(self, x: DeviceTensor) -> None:
-        """Raise unless x holds its float values: linear_add_rms_norm's output with a deferred norm has none, only
-        its quantized form for the readers it was given."""
+        """Raise if x is linear_add_rms_norm's output with a deferred norm, which has no float values, only its
+        quantized form for the readers it was given (checked while a buffer still holds that form)."""
         key = self._key(x)
         if any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms, strict=True)):
             raise RuntimeError("a linear_add_rms_norm output whose norm its readers apply was read as float32 values; "
