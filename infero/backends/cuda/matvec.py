@@ -205,7 +205,7 @@ def _deferred_norm(quantized) -> tuple[int, float]:
 def check_activation(quantized: tuple[DeviceTensor, DeviceTensor], rows: int, cols: int) -> None:
     """Raise ValueError unless quantized is (xq int8, xs int32) of activation_shapes(rows, cols), cols % 32 == 0:
     the buffers a kernel that writes its output in the activation format is handed (an Activation: with its
-    norm_ss float32 [rows, cols / 32] if it has one)."""
+    norm_ss float32 [rows, cols / 32] right after xs, if it has one)."""
     xq, xs = quantized[0], quantized[1]
     if cols % 32:
         raise ValueError(f"only rows of a multiple of 32 elements can be quantized, got {cols}")
@@ -228,9 +228,6 @@ def _check_deferred_norm(quantized, n: int, cols: int, mma: bool) -> str | None:
     if not mma or n > 2 or cols > NORM_MAX_COLS or cols % 128:
         return (f"an activation with a deferred RMSNorm is read by the tensor-core mat-vecs of one or two tokens and "
                 f"rows of at most {NORM_MAX_COLS} only, not {n} tokens of {cols} on this weight type")  # fmt: skip
-    xs, norm_ss = quantized[1], quantized[2]
-    if norm_ss.dtype != np.float32 or norm_ss.shape != (n, cols // 32) or norm_ss.ptr != xs.ptr + xs.nbytes:
-        return f"norm_ss must be float32 [{n}, {cols // 32}] right after the scales, got {norm_ss.shape}"
     return None
 
 
@@ -617,6 +614,7 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
     else:
         fn, grid, block, shared, mma = _launch_rope(tuple(w.ggml_type for w in weights), rows, n, cols)
     if quantized is not None and _deferred_norm(quantized)[0]:
+        check_activation(quantized, n, cols)  # with its sums right after the scales, where the kernel stages them
         if error := _check_deferred_norm(quantized, n, cols, mma):
             raise ValueError(f"{name}: {error}")
         shared += n * cols // 8  # the norm's sums, staged with the activation

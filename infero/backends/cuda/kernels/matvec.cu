@@ -1280,6 +1280,19 @@ __device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const MmaCo
   }
 }
 
+// A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring, then the PDL wait: the weights are immutable,
+// so their first copies overlap the previous kernel's tail.
+template <int STAGES, int STAGE, class F>
+__device__ __forceinline__ void mma_prologue(const MmaCopy<F>& copy, uint8_t* ring, int p0, int count,
+                                             long long row_bytes, int lane) {
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
+    tc::cp_async_commit();
+  }
+  pdl_enter();
+}
+
 }  // namespace mv
 
 // The tile of 16 rows at (segment s, tile) in format F; STAGE: the bytes of a ring stage (the launch's largest).
@@ -1301,12 +1314,7 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(weight, weight, base0, base1, rows, row_bytes, lane);
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
-    tc::cp_async_commit();
-  }
-  pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
+  mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
   __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
@@ -1518,12 +1526,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   const int p0 = wi * pairs / W, count = (wi + 1) * pairs / W - p0;
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[0], base, base + 8, rows, row_bytes, lane);
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
-    tc::cp_async_commit();
-  }
-  pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
+  mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
 
   // Warp t < n: token t's 32 rows, lane l the row 32 blockIdx.x + l; its residual loaded now, used at the end.
   const int row = 32 * blockIdx.x + lane;
