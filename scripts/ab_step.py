@@ -3,10 +3,11 @@ for each, alternated so that the drift between measurements (tens of microsecond
 
     python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--values 16,8] [--repeats 8]
     python scripts/ab_step.py --model FILE.gguf --flag MODULE:PREDICATE --predicate
+    python scripts/ab_step.py --model FILE.gguf --flag M:A=2,1 --flag M:B   (each in turn, one model load)
 
-Without --values the attribute is a bool, compared True against False. With --predicate it is a function the
-launchers ask whether a fused path runs (matvec:glu_fits, matvec:norm_fits), compared as it is (True) against one
-that always answers False.
+A flag's own =VALUES take the place of --values for it. Without values the attribute is a bool, compared True
+against False. With --predicate it is a function the launchers ask whether a fused path runs (matvec:glu_fits,
+matvec:norm_fits), compared as it is (True) against one that always answers False.
 The flag is a module attribute the launchers read at capture time (one added for the comparison: decode attention's
 early K/V loads were measured through attention.DECODE_EARLY_KV, then the switch was removed); the graph is
 re-captured for every measurement.
@@ -26,7 +27,7 @@ from infero.bench.decode import graph_step_timer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE")
+    parser.add_argument("--flag", required=True, action="append", help="module:ATTRIBUTE (repeat: each in turn)")
     parser.add_argument("--values", help="comma-separated ints to compare (default: True,False)")
     parser.add_argument("--predicate", action="store_true", help="the attribute is a function: as is vs False")
     parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the whole run")
@@ -38,12 +39,19 @@ def main() -> None:
         target, value = setting.split("=")
         held_module, held_attribute = target.split(":")
         setattr(importlib.import_module(held_module), held_attribute, int(value))
-    module_name, attribute = args.flag.split(":")
-    module = importlib.import_module(module_name)
-    default = getattr(module, attribute)
     step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
-    values = [int(v) for v in args.values.split(",")] if args.values else [True, False]
+    for flag in args.flag:
+        compare(flag, args, step_us)
+
+
+def compare(flag: str, args: argparse.Namespace, step_us) -> None:
+    flag, _, own = flag.partition("=")
+    module_name, attribute = flag.split(":")
+    module = importlib.import_module(module_name)
+    default = getattr(module, attribute)
+    listed = own or args.values
+    values = [int(v) for v in listed.split(",")] if listed else [True, False]
     settings = {True: default, False: lambda *args, **kwargs: False} if args.predicate else {v: v for v in values}
     times: dict = {value: [] for value in values}
     for _ in range(args.repeats):
