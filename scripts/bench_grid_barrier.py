@@ -1,7 +1,7 @@
 """What a grid-wide barrier costs on this GPU, alone and between phases of a weight stream (GPU machine): the
 numbers a persistent decode kernel (docs/performance.md, "Next for batch 1") stands on.
 
-    python scripts/bench_grid_barrier.py [--ctas-per-sm 1,2,4] [--gib 4]
+    python scripts/bench_grid_barrier.py [--ctas-per-sm 1,2,4] [--gib 4] [--ring 2,4,8,16]
 
 1. A loop of barriers only: microseconds per barrier for a grid of every SM x k CTAs (all resident: a cooperative
    launch, which refuses a grid that could not be).
@@ -10,6 +10,11 @@ numbers a persistent decode kernel (docs/performance.md, "Next for batch 1") sta
    a barrier, a barrier with the next phase's first loads issued before it (weights are immutable, so a
    persistent kernel can do that), or those loads issued between the barrier's arrival and its wait: TB/s of
    each ("no barrier" is the plain stream). Grids the kernel cannot hold resident are skipped.
+3. The stream a persistent layer kernel would run (--ring): each warp's slice of each phase copied by `cp.async`
+   into a ring of S stages in shared memory (1 KiB a warp a stage) that runs on across phases, so the next phase's
+   first S - 1 stages are in flight while the CTA waits at the barrier; phases of one size as above, and the 8B
+   layer's matrices in turn (q/k/v 14.2 MB, o 9.4, gate + up 66.1, down 33.0: "layer"); TB/s without and with the
+   barriers.
 The kernels live in this file: they are measurements, not part of the engine.
 """
 
@@ -22,7 +27,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from infero.backends.cuda import compiler, driver, runtime
-from infero.backends.cuda.tensor import empty
+from infero.backends.cuda.tensor import empty, from_host
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
@@ -123,17 +128,157 @@ extern "C" __global__ void __launch_bounds__(THREADS) phased_stream(const uint4*
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; true with probability 2^-32
 }
+
+#define RING_PIECES 2  // 16-byte pieces a lane a stage: a stage is 1 KiB a warp
+
+__device__ __forceinline__ void ring_copy(unsigned dst, const uint4* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Phases [bounds[ph], bounds[ph + 1]) words, each CTA a contiguous part of each and each warp a contiguous part of
+// its CTA's, streamed through the warp's ring of STAGES stages: the copies run on across phases (item after item,
+// whatever phase it is in), the consumption stops at each phase's end for a grid barrier (barrier != 0).
+template <int STAGES>
+__global__ void __launch_bounds__(THREADS) ring_stream(const uint4* data, const long long* bounds, int phases,
+                                                       int barrier, unsigned* counter, unsigned* sink) {
+  extern __shared__ uint4 ring[];
+  constexpr int WARPS = THREADS / 32, CHUNK = 32 * RING_PIECES;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned mine = (unsigned)__cvta_generic_to_shared(ring + warp * STAGES * CHUNK);
+  auto slice = [&](int ph, long long& lo, long long& hi) {
+    const long long b = bounds[ph], words = bounds[ph + 1] - b;
+    const long long part = (words + gridDim.x - 1) / gridDim.x, wpart = (part + WARPS - 1) / WARPS;
+    const long long cta = (long long)blockIdx.x * part;
+    lo = b + min(cta + warp * wpart, words);
+    hi = b + min(min(cta + (warp + 1) * wpart, cta + part), words);
+    if (hi < lo) hi = lo;
+  };
+  int iph = 0, issued = 0;  // the issuing cursor: phase, next word, end of the phase's slice
+  long long inext, iend;
+  slice(0, inext, iend);
+  auto issue_next = [&]() {
+    while (iph < phases && inext >= iend) {
+      if (++iph < phases) slice(iph, inext, iend);
+    }
+    if (iph >= phases) return;
+    const unsigned stage = mine + (unsigned)(issued++ % STAGES) * CHUNK * 16;
+#pragma unroll
+    for (int u = 0; u < RING_PIECES; ++u) {
+      const long long j = inext + u * 32 + lane;
+      ring_copy(stage + (u * 32 + lane) * 16, data + (j < iend ? j : 0), j < iend);
+    }
+    inext += CHUNK;
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    issue_next();
+    asm volatile("cp.async.commit_group;");
+  }
+  unsigned acc = 0;
+  int item = 0;
+  for (int ph = 0; ph < phases; ++ph) {
+    long long lo, hi;
+    slice(ph, lo, hi);
+    const int chunks = (int)((hi - lo + CHUNK - 1) / CHUNK);
+    for (int c = 0; c < chunks; ++c, ++item) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      __syncwarp();
+      issue_next();
+      asm volatile("cp.async.commit_group;");
+      const uint4* stage = ring + warp * STAGES * CHUNK + (item % STAGES) * CHUNK;
+#pragma unroll
+      for (int u = 0; u < RING_PIECES; ++u) {
+        const uint4 v = stage[u * 32 + lane];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+      }
+    }
+    if (barrier && ph + 1 < phases) grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x);
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+
+// The same stream with each phase's words handed out at run time: a warp takes the next GRAB chunks of the phase
+// from its counter (next[ph], an atomic), so warps that stream faster take more, and the barrier waits for the
+// phase's last grab instead of for the slowest CTA's fixed part. A stage's phase is kept beside the ring (tags).
+#define GRAB 16
+template <int STAGES>
+__global__ void __launch_bounds__(THREADS) ring_stream_dynamic(const uint4* data, const long long* bounds, int phases,
+                                                               unsigned* next, unsigned* counter, unsigned* sink) {
+  extern __shared__ uint4 ring[];
+  constexpr int WARPS = THREADS / 32, CHUNK = 32 * RING_PIECES;
+  __shared__ int tags[WARPS][STAGES];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned mine = (unsigned)__cvta_generic_to_shared(ring + warp * STAGES * CHUNK);
+  int iph = 0, issued = 0;
+  long long inext = 0, iend = 0;  // the current grab's words
+  auto issue_next = [&]() {
+    while (iph < phases && inext >= iend) {
+      unsigned g = 0;
+      if (lane == 0) g = atomicAdd(next + iph, 1u);
+      g = __shfl_sync(0xFFFFFFFFu, g, 0);
+      const long long start = bounds[iph] + (long long)g * GRAB * CHUNK;
+      if (start < bounds[iph + 1]) {
+        inext = start;
+        iend = min(start + (long long)GRAB * CHUNK, bounds[iph + 1]);
+      } else {
+        ++iph;
+      }
+    }
+    if (iph >= phases) return;
+    const unsigned stage = mine + (unsigned)(issued % STAGES) * CHUNK * 16;
+    if (lane == 0) tags[warp][issued % STAGES] = iph;
+    ++issued;
+#pragma unroll
+    for (int u = 0; u < RING_PIECES; ++u) {
+      const long long j = inext + u * 32 + lane;
+      ring_copy(stage + (u * 32 + lane) * 16, data + (j < iend ? j : 0), j < iend);
+    }
+    inext += CHUNK;
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    issue_next();
+    asm volatile("cp.async.commit_group;");
+  }
+  __syncwarp();
+  unsigned acc = 0;
+  int item = 0;
+  for (int ph = 0; ph < phases; ++ph) {
+    while (item < issued && tags[warp][item % STAGES] == ph) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      __syncwarp();
+      issue_next();
+      asm volatile("cp.async.commit_group;");
+      const uint4* stage = ring + warp * STAGES * CHUNK + (item % STAGES) * CHUNK;
+#pragma unroll
+      for (int u = 0; u < RING_PIECES; ++u) {
+        const uint4 v = stage[u * 32 + lane];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+      }
+      ++item;
+      __syncwarp();  // the tag just written by lane 0 is visible to the next check
+    }
+    if (ph + 1 < phases) grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x);
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
 """
+
+RING_STAGES = (2, 4, 8, 16)
+LAYER_MB = (14.2, 9.4, 66.1, 33.0)  # the 8B layer's q/k/v, o, gate + up and down (Q4_K)
 
 
 def compile_kernels():
-    compiled = compiler.compile_source(SOURCE, "bench_grid_barrier.cu", runtime.context().info.arch)
+    names = [f"ring_stream{d}<{s}>" for s in RING_STAGES for d in ("", "_dynamic")]
+    compiled = compiler.compile_source(SOURCE, "bench_grid_barrier.cu", runtime.context().info.arch, names=names)
     module = driver.Module(compiled.cubin)
-    return module, module.function("barrier_loop"), module.function("phased_stream")
+    rings = {(s, d): module.function(compiled.lowered[f"ring_stream{d}<{s}>"]) for s in RING_STAGES
+             for d in ("", "_dynamic")}  # fmt: skip
+    return module, module.function("barrier_loop"), module.function("phased_stream"), rings
 
 
-def cooperative(fn, grid: int, args: tuple, types: tuple, stream) -> None:
-    driver.check(cu.cuLaunchCooperativeKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, stream.handle, (args, types)))
+def cooperative(fn, grid: int, args: tuple, types: tuple, stream, shared: int = 0) -> None:
+    driver.check(cu.cuLaunchCooperativeKernel(fn, grid, 1, 1, THREADS, 1, 1, shared, stream.handle, (args, types)))
 
 
 def timed_us(launch, stream, repeats: int = 5) -> float:
@@ -151,9 +296,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctas-per-sm", default="1,2,4")
     parser.add_argument("--gib", type=float, default=4.0, help="bytes streamed per measurement")
+    parser.add_argument("--ring", help="only part 3, at these ring depths (of 2, 4, 8, 16)")
     args = parser.parse_args()
     stream, sms = runtime.stream(), runtime.context().info.num_sms
-    _module, barrier_loop, phased_stream = compile_kernels()
+    _module, barrier_loop, phased_stream, rings = compile_kernels()
     counter, sink = empty((1,), np.uint32), empty((1,), np.uint32)
     total = int(args.gib * (1 << 30)) // (1 << 20) * (1 << 20)
     data = empty((total // 16, 4), np.uint32)
@@ -162,6 +308,9 @@ def main() -> None:
     def reset():
         driver.memset_d8(counter.ptr, 0, 4, stream)
 
+    if args.ring:
+        ring_table(rings, [int(v) for v in args.ring.split(",")], args, stream, sms, total, data, counter, sink, reset)
+        return
     print(f"{'CTAs':>6} {'barrier us':>11}")
     for k in (int(v) for v in args.ctas_per_sm.split(",")):
         grid = sms * k
@@ -199,6 +348,47 @@ def main() -> None:
             print(f"{grid:>6} {phase_mb:>9.1f} {phases:>7} {speeds[0]:>11.2f} {speeds[1]:>9.2f} {speeds[2]:>11.2f} "
                   f"{speeds[3]:>17.2f}")  # fmt: skip
     print(f"\ndevice-to-device copy: {runtime_copy_tb_s(stream):.2f} TB/s read + written")
+
+
+def ring_table(rings, depths, args, stream, sms, total, data, counter, sink, reset) -> None:
+    """Part 3: TB/s of the ring stream without and with a grid barrier between phases, and with the barrier and
+    each phase's words handed out at run time."""
+    print(f"{'CTAs':>6} {'phases MB':>10} {'phases':>7} {'ring':>5} {'no barrier':>11} {'barrier':>9} "
+          f"{'+ handed out':>13}  TB/s")  # fmt: skip
+    optin = runtime.context().info.max_shared_per_block_optin
+    for k in (int(v) for v in args.ctas_per_sm.split(",")):
+        grid = sms * k
+        for sizes in [(9.4,), (33.0,), (66.0,), LAYER_MB]:
+            words = [int(mb * 1e6) // 16 for mb in sizes]
+            phases = total // 16 // sum(words) * len(sizes)
+            bounds = np.cumsum([0] + [words[i % len(sizes)] for i in range(phases)]).astype(np.int64)
+            bounds_dev = from_host(bounds)
+            next_dev = empty((phases,), np.uint32)
+            label = "layer" if len(sizes) > 1 else f"{sizes[0]:.1f}"
+            for depth in depths:
+                fn, dynamic = rings[(depth, "")], rings[(depth, "_dynamic")]
+                shared = depth * THREADS // 32 * 32 * 2 * 16  # 1 KiB a warp a stage
+                if shared > optin:
+                    continue
+                driver.set_max_dynamic_shared(fn, shared)
+                driver.set_max_dynamic_shared(dynamic, shared)
+                if min(driver.resident_blocks_per_sm(f, THREADS, shared) for f in (fn, dynamic)) < k:
+                    print(f"{grid:>6} {label:>10} {phases:>7} {depth:>5} (not resident at {k} CTAs an SM)")
+                    continue
+                speeds = []
+                variants = [(fn, (data.ptr, bounds_dev.ptr, phases, barrier, counter.ptr, sink.ptr), _I)
+                            for barrier in (0, 1)]  # fmt: skip
+                variants.append((dynamic, (data.ptr, bounds_dev.ptr, phases, next_dev.ptr, counter.ptr, sink.ptr), _P))
+                for f, launch_args, fourth in variants:
+
+                    def run(f=f, launch_args=launch_args, fourth=fourth, shared=shared, grid=grid, next_dev=next_dev):
+                        reset()
+                        driver.memset_d8(next_dev.ptr, 0, next_dev.nbytes, stream)
+                        cooperative(f, grid, launch_args, (_P, _P, _I, fourth, _P, _P), stream, shared)
+
+                    speeds.append(int(bounds[-1]) * 16 / timed_us(run, stream) / 1e6)
+                print(f"{grid:>6} {label:>10} {phases:>7} {depth:>5} {speeds[0]:>11.2f} {speeds[1]:>9.2f} "
+                      f"{speeds[2]:>13.2f}")  # fmt: skip
 
 
 def runtime_copy_tb_s(stream, nbytes: int = 1 << 30) -> float:
