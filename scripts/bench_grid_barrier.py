@@ -46,20 +46,21 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 // Every CTA of the (co-resident) grid arrives, then waits until all have: round r of a kernel waits for the
 // counter to reach (r + 1) gridDim.x. Split in two so that loads of immutable data can be issued between them:
 // the arrival's release waits for the arriving thread's earlier loads, a wait does not.
-__device__ __forceinline__ void grid_arrive(unsigned* counter) {
+// by: the thread that arrives and waits for the CTA.
+__device__ __forceinline__ void grid_arrive(unsigned* counter, int by = 0) {
   __syncthreads();
-  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  if (threadIdx.x == by) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 }
-__device__ __forceinline__ void grid_wait(unsigned* counter, unsigned target) {
-  if (threadIdx.x == 0) {
+__device__ __forceinline__ void grid_wait(unsigned* counter, unsigned target, int by = 0) {
+  if (threadIdx.x == by) {
     while (ld_acquire(counter) < target) {
     }
   }
   __syncthreads();
 }
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
-  grid_arrive(counter);
-  grid_wait(counter, target);
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target, int by = 0) {
+  grid_arrive(counter, by);
+  grid_wait(counter, target, by);
 }
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
@@ -137,21 +138,24 @@ __device__ __forceinline__ void ring_copy(unsigned dst, const uint4* src, bool v
 
 // Phases [bounds[ph], bounds[ph + 1]) words, each CTA a contiguous part of each and each warp a contiguous part of
 // its CTA's, streamed through the warp's ring of STAGES stages: the copies run on across phases (item after item,
-// whatever phase it is in), the consumption stops at each phase's end for a grid barrier (barrier != 0).
+// whatever phase it is in), the consumption stops at each phase's end for a grid barrier (barrier != 0; 2: the
+// last warp copies nothing and its first thread arrives and waits, so the arrival's release has no copies of its
+// own in flight).
 template <int STAGES>
 __global__ void __launch_bounds__(THREADS) ring_stream(const uint4* data, const long long* bounds, int phases,
                                                        int barrier, unsigned* counter, unsigned* sink) {
   extern __shared__ uint4 ring[];
   constexpr int WARPS = THREADS / 32, CHUNK = 32 * RING_PIECES;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, copiers = barrier == 2 ? WARPS - 1 : WARPS;
+  const int by = barrier == 2 ? THREADS - 32 : 0;
   const unsigned mine = (unsigned)__cvta_generic_to_shared(ring + warp * STAGES * CHUNK);
   auto slice = [&](int ph, long long& lo, long long& hi) {
     const long long b = bounds[ph], words = bounds[ph + 1] - b;
-    const long long part = (words + gridDim.x - 1) / gridDim.x, wpart = (part + WARPS - 1) / WARPS;
+    const long long part = (words + gridDim.x - 1) / gridDim.x, wpart = (part + copiers - 1) / copiers;
     const long long cta = (long long)blockIdx.x * part;
     lo = b + min(cta + warp * wpart, words);
     hi = b + min(min(cta + (warp + 1) * wpart, cta + part), words);
-    if (hi < lo) hi = lo;
+    if (hi < lo || warp >= copiers) hi = lo;
   };
   int iph = 0, issued = 0;  // the issuing cursor: phase, next word, end of the phase's slice
   long long inext, iend;
@@ -192,7 +196,7 @@ __global__ void __launch_bounds__(THREADS) ring_stream(const uint4* data, const 
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
       }
     }
-    if (barrier && ph + 1 < phases) grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x);
+    if (barrier && ph + 1 < phases) grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x, by);
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;
 }
@@ -354,7 +358,7 @@ def ring_table(rings, depths, args, stream, sms, total, data, counter, sink, res
     """Part 3: TB/s of the ring stream without and with a grid barrier between phases, and with the barrier and
     each phase's words handed out at run time."""
     print(f"{'CTAs':>6} {'phases MB':>10} {'phases':>7} {'ring':>5} {'no barrier':>11} {'barrier':>9} "
-          f"{'+ handed out':>13}  TB/s")  # fmt: skip
+          f"{'arrival apart':>14} {'+ handed out':>13}  TB/s")  # fmt: skip
     optin = runtime.context().info.max_shared_per_block_optin
     for k in (int(v) for v in args.ctas_per_sm.split(",")):
         grid = sms * k
@@ -377,7 +381,7 @@ def ring_table(rings, depths, args, stream, sms, total, data, counter, sink, res
                     continue
                 speeds = []
                 variants = [(fn, (data.ptr, bounds_dev.ptr, phases, barrier, counter.ptr, sink.ptr), _I)
-                            for barrier in (0, 1)]  # fmt: skip
+                            for barrier in (0, 1, 2)]  # fmt: skip
                 variants.append((dynamic, (data.ptr, bounds_dev.ptr, phases, next_dev.ptr, counter.ptr, sink.ptr), _P))
                 for f, launch_args, fourth in variants:
 
@@ -388,7 +392,7 @@ def ring_table(rings, depths, args, stream, sms, total, data, counter, sink, res
 
                     speeds.append(int(bounds[-1]) * 16 / timed_us(run, stream) / 1e6)
                 print(f"{grid:>6} {label:>10} {phases:>7} {depth:>5} {speeds[0]:>11.2f} {speeds[1]:>9.2f} "
-                      f"{speeds[2]:>13.2f}")  # fmt: skip
+                      f"{speeds[2]:>14.2f} {speeds[3]:>13.2f}")  # fmt: skip
 
 
 def runtime_copy_tb_s(stream, nbytes: int = 1 << 30) -> float:
