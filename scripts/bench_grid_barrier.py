@@ -132,8 +132,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) phased_stream(const uint4*
 
 #define RING_PIECES 2  // 16-byte pieces a lane a stage: a stage is 1 KiB a warp
 
-__device__ __forceinline__ void ring_copy(unsigned dst, const uint4* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+// A warp's copy of one stage: words [at, at + 32 RING_PIECES) into the stage at smem address `stage`, the words
+// at or past `end` zero-filled.
+__device__ __forceinline__ void ring_copy(unsigned stage, const uint4* data, long long at, long long end, int lane) {
+#pragma unroll
+  for (int u = 0; u < RING_PIECES; ++u) {
+    const long long j = at + u * 32 + lane;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(stage + (u * 32 + lane) * 16),
+                 "l"(data + (j < end ? j : 0)), "r"(j < end ? 16 : 0));
+  }
+}
+
+// Once the stage has landed: refill the ring (issue), then fold the stage's words into acc.
+template <int STAGES, class Issue>
+__device__ __forceinline__ unsigned ring_consume(const uint4* stage, Issue&& issue, unsigned acc, int lane) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+  __syncwarp();
+  issue();
+  asm volatile("cp.async.commit_group;");
+#pragma unroll
+  for (int u = 0; u < RING_PIECES; ++u) {
+    const uint4 v = stage[u * 32 + lane];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  return acc;
 }
 
 // Phases [bounds[ph], bounds[ph + 1]) words, each CTA a contiguous part of each and each warp a contiguous part of
@@ -165,12 +187,7 @@ __global__ void __launch_bounds__(THREADS) ring_stream(const uint4* data, const 
       if (++iph < phases) slice(iph, inext, iend);
     }
     if (iph >= phases) return;
-    const unsigned stage = mine + (unsigned)(issued++ % STAGES) * CHUNK * 16;
-#pragma unroll
-    for (int u = 0; u < RING_PIECES; ++u) {
-      const long long j = inext + u * 32 + lane;
-      ring_copy(stage + (u * 32 + lane) * 16, data + (j < iend ? j : 0), j < iend);
-    }
+    ring_copy(mine + (unsigned)(issued++ % STAGES) * CHUNK * 16, data, inext, iend, lane);
     inext += CHUNK;
   };
 #pragma unroll
@@ -184,18 +201,8 @@ __global__ void __launch_bounds__(THREADS) ring_stream(const uint4* data, const 
     long long lo, hi;
     slice(ph, lo, hi);
     const int chunks = (int)((hi - lo + CHUNK - 1) / CHUNK);
-    for (int c = 0; c < chunks; ++c, ++item) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      __syncwarp();
-      issue_next();
-      asm volatile("cp.async.commit_group;");
-      const uint4* stage = ring + warp * STAGES * CHUNK + (item % STAGES) * CHUNK;
-#pragma unroll
-      for (int u = 0; u < RING_PIECES; ++u) {
-        const uint4 v = stage[u * 32 + lane];
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-      }
-    }
+    for (int c = 0; c < chunks; ++c, ++item)
+      acc = ring_consume<STAGES>(ring + (warp * STAGES + item % STAGES) * CHUNK, issue_next, acc, lane);
     if (barrier && ph + 1 < phases) grid_barrier(counter, (unsigned)(ph + 1) * gridDim.x, by);
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;
@@ -229,14 +236,8 @@ __global__ void __launch_bounds__(THREADS) ring_stream_dynamic(const uint4* data
       }
     }
     if (iph >= phases) return;
-    const unsigned stage = mine + (unsigned)(issued % STAGES) * CHUNK * 16;
     if (lane == 0) tags[warp][issued % STAGES] = iph;
-    ++issued;
-#pragma unroll
-    for (int u = 0; u < RING_PIECES; ++u) {
-      const long long j = inext + u * 32 + lane;
-      ring_copy(stage + (u * 32 + lane) * 16, data + (j < iend ? j : 0), j < iend);
-    }
+    ring_copy(mine + (unsigned)(issued++ % STAGES) * CHUNK * 16, data, inext, iend, lane);
     inext += CHUNK;
   };
 #pragma unroll
@@ -249,16 +250,7 @@ __global__ void __launch_bounds__(THREADS) ring_stream_dynamic(const uint4* data
   int item = 0;
   for (int ph = 0; ph < phases; ++ph) {
     while (item < issued && tags[warp][item % STAGES] == ph) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      __syncwarp();
-      issue_next();
-      asm volatile("cp.async.commit_group;");
-      const uint4* stage = ring + warp * STAGES * CHUNK + (item % STAGES) * CHUNK;
-#pragma unroll
-      for (int u = 0; u < RING_PIECES; ++u) {
-        const uint4 v = stage[u * 32 + lane];
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-      }
+      acc = ring_consume<STAGES>(ring + (warp * STAGES + item % STAGES) * CHUNK, issue_next, acc, lane);
       ++item;
       __syncwarp();  // the tag just written by lane 0 is visible to the next check
     }
