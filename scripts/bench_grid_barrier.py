@@ -14,7 +14,8 @@ numbers a persistent decode kernel (docs/performance.md, "Next for batch 1") sta
    into a ring of S stages in shared memory (1 KiB a warp a stage) that runs on across phases, so the next phase's
    first S - 1 stages are in flight while the CTA waits at the barrier; phases of one size as above, and the 8B
    layer's matrices in turn (q/k/v 14.2 MB, o 9.4, gate + up 66.1, down 33.0: "layer"); TB/s without and with the
-   barriers.
+   barriers, with the barrier's arrival by a warp that copies nothing, and with each phase's words handed out at
+   run time (an atomic counter a phase) instead of fixed parts.
 The kernels live in this file: they are measurements, not part of the engine.
 """
 
