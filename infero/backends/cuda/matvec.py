@@ -279,6 +279,13 @@ def _mma_warps(t: int, cols: int) -> int:
     return 8 if t == Q4_K and cols >= 8192 else 4
 
 
+def _mma_deepest(t: int, cols: int) -> tuple[int, int]:
+    """matvec_mma's warps at this type and width and the most ring stages it may take with them: the shape whose
+    shared memory every fit check must allow (one decision for every launch of the width)."""
+    warps = _mma_warps(t, cols)
+    return warps, max(s for w, s in MMA_SHAPES if w == warps)
+
+
 def takes_mma(t: int, cols: int) -> bool:
     """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
     sums fit the GPU's shared memory at every token count (one decision for every batch width, so that a row's
@@ -288,8 +295,7 @@ def takes_mma(t: int, cols: int) -> bool:
         return False
     fits = _mma_fits.get((t, cols))  # asked per layer on eager steps (rope_pays): computed once per width
     if fits is None:
-        warps = _mma_warps(t, cols)
-        stages = max(s for w, s in MMA_SHAPES if w == warps)
+        warps, stages = _mma_deepest(t, cols)
         static = _MMA_PART_BYTES * warps
         need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
         fits = _mma_fits[(t, cols)] = need <= _shared_optin()
@@ -343,11 +349,12 @@ def matvec_glu(
     check_activation(out_quantized, n, rows)
     if error := _check_deferred_norm(quantized, n, cols, True):
         raise ValueError(f"matvec_glu: {error}")
+    deferred = _deferred_norm(quantized)
     fn = _kernel(f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>")
-    shared = _glu_shared(t, n, cols, bool(_deferred_norm(quantized)[0]))
+    shared = _glu_shared(t, n, cols, bool(deferred[0]))
     _allow_shared(fn, shared)
     args = (segments([out, out], [gate, up], list(biases)), quantized[0].ptr, quantized[1].ptr, n, cols,
-            gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr, *_deferred_norm(quantized))  # fmt: skip
+            gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr, *deferred)  # fmt: skip
     driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True)
 
 
@@ -358,8 +365,7 @@ def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
     t, cols = weight.ggml_type, weight.cols
     if not (1 <= n <= 2 and cols <= NORM_MAX_COLS and cols % 128 == 0 and takes_mma(t, cols)):
         return False
-    warps = _mma_warps(t, cols)
-    stages = max(s for w, s in MMA_SHAPES if w == warps)
+    warps, stages = _mma_deepest(t, cols)
     optin = _shared_optin()
     return (mma_shared(t, warps, stages, n, cols, deferred=True) + _MMA_PART_BYTES * warps * n <= optin
             and _glu_shared(t, n, cols, True) + 16 * _MMA_PART_BYTES * n <= optin)  # fmt: skip
@@ -372,8 +378,15 @@ def norm_fits(weight: QuantWeight, n: int) -> bool:
     t, rows, cols = weight.ggml_type, weight.rows, weight.cols
     if not (1 <= n <= 2 and rows % 32 == 0 and rows <= NORM_MAX_COLS and takes_mma(t, cols)):
         return False
+    warps, _, shared = _norm_launch(t, rows, cols, n)
+    return shared + 2 * warps * _MMA_PART_BYTES * n <= _shared_optin()
+
+
+def _norm_launch(t: int, rows: int, cols: int, n: int) -> tuple[int, int, int]:
+    """(warps a tile, ring stages, dynamic shared bytes) of matvec_mma_norm: matvec_mma's plan for the rows, two
+    tiles a block."""
     warps, stages = mma_plan(t, rows // 16, cols, _sms())
-    return mma_shared(t, 2 * warps, stages, n, cols) + 2 * warps * _MMA_PART_BYTES * n <= _shared_optin()
+    return warps, stages, mma_shared(t, 2 * warps, stages, n, cols)
 
 
 def matvec_norm(
@@ -403,9 +416,8 @@ def matvec_norm(
     check_activation(out_quantized, n, rows)
     if _deferred_norm(quantized)[0] or not _deferred_norm(out_quantized)[0]:
         raise ValueError("matvec_norm: its input cannot have a deferred norm, and its output needs norm_ss")
-    warps, stages = mma_plan(t, rows // 16, cols, _sms())
+    warps, stages, shared = _norm_launch(t, rows, cols, n)
     fn = _kernel(f"matvec_mma_norm<{t}, {n}, {warps}, {stages}>")
-    shared = mma_shared(t, 2 * warps, stages, n, cols)
     _allow_shared(fn, shared)
     args = (segments([residual], [weight], [None]), quantized[0].ptr, quantized[1].ptr, n, cols,
             weight.data.shape[1], residual.ptr, norm_weight.ptr, *(a.ptr for a in out_quantized[:3]))  # fmt: skip

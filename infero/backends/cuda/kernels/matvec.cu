@@ -1280,6 +1280,24 @@ __device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const MmaCo
   }
 }
 
+// Warp w's pairs of a row split over W warps: [w pairs / W, (w + 1) pairs / W), contiguous ranges.
+template <int W>
+__device__ __forceinline__ void warp_pairs(int w, int nsb, int& p0, int& count) {
+  const int pairs = (nsb + 1) / 2;
+  p0 = w * pairs / W;
+  count = (w + 1) * pairs / W - p0;
+}
+
+// m-row mr of token t from the W warps' partial sums: each warp's class 0 + class 1, added in warp order (the
+// reduction order every matvec_mma kernel shares).
+template <int W, int N>
+__device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], int t, int mr) {
+  float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
+#pragma unroll
+  for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
+  return v;
+}
+
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring, then the PDL wait: the weights are immutable,
 // so their first copies overlap the previous kernel's tail.
 template <int STAGES, int STAGE, class F>
@@ -1310,8 +1328,9 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
                                : 16 * tile;
   const int base1 = neox_pairs ? base0 + rope.head_dim / 2 : base0 + 8;
   const uint8_t* weight = mv::pick(seg.weight, s);
-  const int nsb = cols / 256, pairs = (nsb + 1) / 2;
-  const int p0 = warp * pairs / W, count = (warp + 1) * pairs / W - p0;
+  const int nsb = cols / 256;
+  int p0, count;
+  mv::warp_pairs<W>(warp, nsb, p0, count);
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(weight, weight, base0, base1, rows, row_bytes, lane);
   mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
@@ -1329,11 +1348,9 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
       part[warp][mv::combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[nt][ci];
   __syncthreads();
 
-  // m-row mr of token t: the warps' class 0 + class 1, in warp order (times a deferred norm's factor).
+  // m-row mr of token t (times a deferred norm's factor).
   auto total = [&](int mr, int t) {
-    float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
-#pragma unroll
-    for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
+    const float v = mv::warps_total(part, t, mr);
     return deferred ? __fmul_rn(v, inv_rms[t]) : v;
   };
   auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
@@ -1472,13 +1489,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   // Warp t: token t's 32 outputs, lane l the row 32 blockIdx.x + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
   if (warp < n) {
     const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
-    auto sum = [&](int mr) {  // the warps' class 0 + class 1, in warp order
-      float v = __fadd_rn(part[q][0][0][t][mr], part[q][0][1][t][mr]);
-#pragma unroll
-      for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[q][w][0][t][mr], part[q][w][1][t][mr]));
-      return v;
-    };
-    float gate = sum(i), up = sum(i + 8);
+    float gate = mv::warps_total(part[q], t, i), up = mv::warps_total(part[q], t, i + 8);
     if (deferred) {
       gate = __fmul_rn(gate, inv_rms[t]);
       up = __fmul_rn(up, inv_rms[t]);
@@ -1497,7 +1508,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // the next layer's attention norm), with add_rms_norm's work in its epilogue: residual += x W^T, written back, and
 // residual * norm_weight written in the activation format (yq, ys; act_quant.cuh) with each 32-element group's sum
 // of squares of the residual in norm_ss [n, rows / 32] (right after ys's scales, where the readers stage them). The
-// norm's 1 / rms needs the whole row, so its readers apply it (mma_activation, to the group scales). No add_rms_norm
+// norm's 1 / rms needs the whole row, so its readers apply it (mma_activation's inv_rms, in their epilogues). No add_rms_norm
 // kernel, nor its place in the chain of dependent launches, runs between the mat-vecs: ~3.2 us a layer each of
 // llama-3.1-8b's two norms on the H200 (scripts/ab_skip_ops.py).
 //
@@ -1522,8 +1533,9 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   const int half = warp / W, wi = warp % W;
   const int rows = seg.rows[0], base = 32 * blockIdx.x + 16 * half;
-  const int nsb = cols / 256, pairs = (nsb + 1) / 2;
-  const int p0 = wi * pairs / W, count = (wi + 1) * pairs / W - p0;
+  const int nsb = cols / 256;
+  int p0, count;
+  mv::warp_pairs<W>(wi, nsb, p0, count);
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
   const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[0], base, base + 8, rows, row_bytes, lane);
   mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
@@ -1542,10 +1554,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
 
   if (warp < n) {
     const int t = warp, h = lane >> 4, mr = lane & 15;
-    float v = __fadd_rn(part[h][0][0][t][mr], part[h][0][1][t][mr]);  // matvec_mma's sum: warps in order
-#pragma unroll
-    for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[h][w][0][t][mr], part[h][w][1][t][mr]));
-    r = __fadd_rn(r, v);
+    r = __fadd_rn(r, mv::warps_total(part[h], t, mr));  // matvec_mma's sum
     residual[(long long)t * rows + row] = r;
     float ss = __fmul_rn(r, r);
 #pragma unroll
