@@ -226,24 +226,48 @@ _configs = threading.local()
 _capturing = threading.local()
 
 
-def launch(fn, grid, block, args: tuple, types: tuple, stream: Stream, shared: int = 0, pdl: bool = False) -> None:
+def launch(
+    fn,
+    grid,
+    block,
+    args: tuple,
+    types: tuple,
+    stream: Stream,
+    shared: int = 0,
+    pdl: bool = False,
+    cooperative: bool = False,
+) -> None:
     """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p; a struct passed by
     value is a ctypes.Structure typed None (cuda.bindings passes its address; the launch copies its bytes).
 
     pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so inside
-    a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it."""
+    a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it. cooperative: the
+    kernel's blocks wait on each other (a grid-wide barrier), so the launch must hold them all resident at once (it
+    fails where the GPU cannot)."""
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    if not (pdl and PDL[0] and getattr(_capturing, "on", False)):
+    pdl = pdl and PDL[0] and getattr(_capturing, "on", False)
+    if not (pdl or cooperative):
         check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
         return
-    config = getattr(_configs, "config", None)
-    if config is None:  # one per thread, its fields overwritten per launch (building one costs microseconds)
-        attribute = cu.CUlaunchAttribute()
-        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config = _configs.config = cu.CUlaunchConfig()
-        config.attrs, config.numAttrs = [attribute], 1
+    configs = getattr(_configs, "configs", None)
+    if configs is None:
+        configs = _configs.configs = {}
+    config = configs.get((pdl, cooperative))
+    if config is None:  # one per thread and kind, its fields overwritten per launch (building one costs microseconds)
+        attributes = []
+        if pdl:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        if cooperative:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attribute.value.cooperative = 1
+            attributes.append(attribute)
+        config = configs[(pdl, cooperative)] = cu.CUlaunchConfig()
+        config.attrs, config.numAttrs = attributes, len(attributes)
     config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
     config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
     config.sharedMemBytes, config.hStream = shared, stream.handle

@@ -1228,18 +1228,23 @@ struct MmaCopy {
 // each output by it after its block barrier (the quantization is scale invariant: the planes of r w and of r w / rms
 // differ only in rounding). Scaling the staged group scales instead cost two more barriers and a pass over them:
 // ~0.8-1.3 us a launch on the H200 (scripts/bench_norm_fold.py).
-template <class F, int N, int TILES, int TPT, int THREADS>
-__device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t* __restrict__ xq,
-                                                        const ActScale* __restrict__ xs, int n, int cols, int g, int j,
-                                                        int deferred, float norm_eps, float* inv_rms) {
-  constexpr bool STAGE_X = N <= 2;
-  if constexpr (STAGE_X) {
+// Staging: `threads` threads (tid: this one's index), every one of which must call; COHERENT: loads through the L2
+// (a persistent kernel's phase, scripts/bench_layer.py: what another block of the same launch wrote, which the
+// read-only path may not see yet).
+template <int N, bool COHERENT = false>
+__device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __restrict__ xq,
+                                                 const ActScale* __restrict__ xs, int n, int cols, int deferred,
+                                                 float norm_eps, float* inv_rms, int tid, int threads) {
+  if constexpr (N <= 2) {
     const int q16 = n * cols / 8, s16 = n * cols / 32 + (deferred ? n * cols / 128 : 0);
-    for (int i = threadIdx.x; i < q16 + s16; i += THREADS)
-      reinterpret_cast<uint4*>(sx)[i] = i < q16 ? __ldg(reinterpret_cast<const uint4*>(xq) + i)
-                                                : __ldg(reinterpret_cast<const uint4*>(xs) + i - q16);
+    auto load = [](const void* p, int i) {
+      const uint4* from = reinterpret_cast<const uint4*>(p) + i;
+      return COHERENT ? __ldcg(from) : __ldg(from);
+    };
+    for (int i = tid; i < q16 + s16; i += threads)
+      reinterpret_cast<uint4*>(sx)[i] = i < q16 ? load(xq, i) : load(xs, i - q16);
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = cols / 32;
+    const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
     if (deferred && warp < n) {
       const float* sums = reinterpret_cast<const float*>(sx + 2 * n * cols + n * cols / 2) + warp * groups;
       float total = 0.f;
@@ -1249,6 +1254,12 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
       if (lane == 0) inv_rms[warp] = 1.0f / sqrtf(total / (float)cols + norm_eps);
     }
   }
+}
+
+template <class F, int N, int TILES, int TPT>
+__device__ __forceinline__ MmaAct<TILES> act_view(const int8_t* sx, const int8_t* __restrict__ xq,
+                                                  const ActScale* __restrict__ xs, int n, int cols, int g, int j) {
+  constexpr bool STAGE_X = N <= 2;
   MmaAct<TILES> x;
   x.xa = STAGE_X ? sx : xq;
   x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
@@ -1258,6 +1269,14 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
     x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
   }
   return x;
+}
+
+template <class F, int N, int TILES, int TPT, int THREADS>
+__device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t* __restrict__ xq,
+                                                        const ActScale* __restrict__ xs, int n, int cols, int g, int j,
+                                                        int deferred, float norm_eps, float* inv_rms) {
+  stage_activation<N>(sx, xq, xs, n, cols, deferred, norm_eps, inv_rms, threadIdx.x, THREADS);
+  return act_view<F, N, TILES, TPT>(sx, xq, xs, n, cols, g, j);
 }
 
 // A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
@@ -1298,17 +1317,115 @@ __device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], i
   return v;
 }
 
-// A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring, then the PDL wait: the weights are immutable,
-// so their first copies overlap the previous kernel's tail.
+// A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
+// may start before the PDL wait (or a persistent kernel's grid barrier), overlapping what runs before.
 template <int STAGES, int STAGE, class F>
-__device__ __forceinline__ void mma_prologue(const MmaCopy<F>& copy, uint8_t* ring, int p0, int count,
-                                             long long row_bytes, int lane) {
+__device__ __forceinline__ void mma_first_copies(const MmaCopy<F>& copy, uint8_t* ring, int p0, int count,
+                                                 long long row_bytes, int lane) {
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < count) copy.issue(ring + i * STAGE, p0 + i, row_bytes, lane);
     tc::cp_async_commit();
   }
-  pdl_enter();
+}
+
+// The matvec_mma kernels' blocks are written as Work structs (TileWork, GluWork, NormWork: the block's copies before
+// its PDL wait, then the rest), so that a persistent kernel can run them as the phases of one launch, bitwise the
+// same: scripts/bench_layer.py built one for a decode layer, which measured slower than these launches chained with
+// PDL (docs/performance.md, "A persistent layer kernel, built and measured").
+//
+// The threads that run one block's work: a plain launch's whole block (bar 0: __syncthreads), or one slot of a
+// persistent kernel's block, `threads` threads with a named barrier of their own.
+struct Group {
+  int tid, bar, threads;
+  __device__ __forceinline__ void sync() const {
+    if (bar == 0)
+      __syncthreads();
+    else
+      asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
+  }
+};
+
+__device__ __forceinline__ Group whole_block() { return Group{(int)threadIdx.x, 0, (int)blockDim.x}; }
+
+// The work of matvec_mma's block `tile` of segment s (format F; STAGE: the bytes of a ring stage, the launch's
+// largest), in two steps: first_copies (before the PDL wait) and rest (after the activation is staged).
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
+struct TileWork {
+  static constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
+  int base0, base1, p0, count;
+  MmaCopy<F> copy;
+
+  __device__ __forceinline__ TileWork(const Segments& seg, const Rope& rope, int cols, long long row_bytes, int s,
+                                      int tile, int warp, int lane)
+      : base0(bases(rope, s, tile).x),
+        base1(bases(rope, s, tile).y),
+        copy(pick(seg.weight, s), pick(seg.weight, s), base0, base1, pick(seg.rows, s), row_bytes, lane) {
+    warp_pairs<W>(warp, cols / 256, p0, count);
+  }
+
+  // m-rows 0-7 from base0, 8-15 from base1: 16 consecutive rows, or neox rotation pairs (head h's j and j +
+  // head_dim / 2, head_dim / 16 tiles a head).
+  __device__ static int2 bases(const Rope& rope, int s, int tile) {
+    const bool neox_pairs = ROPE && rope.neox && pick(rope.role, s) != ROPE_V;
+    const int b0 = neox_pairs ? tile / (rope.head_dim / 16) * rope.head_dim + 8 * (tile % (rope.head_dim / 16))
+                              : 16 * tile;
+    return make_int2(b0, neox_pairs ? b0 + rope.head_dim / 2 : b0 + 8);
+  }
+
+  __device__ __forceinline__ void first_copies(uint8_t* rings, long long row_bytes, int warp, int lane) const {
+    mma_first_copies<STAGES, STAGE>(copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, lane);
+  }
+
+  __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
+                                       long long row_bytes, const Rope& rope, int deferred, const float* inv_rms,
+                                       int s, uint8_t* rings, float (&part)[W][2][N][16], const Group& gr) const {
+    const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
+    const int rows = pick(seg.rows, s);
+    float acc[TILES][TPT];
+    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
+                                 j, lane);
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+      for (int ci = 0; ci < TPT; ++ci)
+        part[warp][combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[nt][ci];
+    gr.sync();
+
+    // m-row mr of token t (times a deferred norm's factor).
+    auto total = [&](int mr, int t) {
+      const float v = warps_total(part, t, mr);
+      return deferred ? __fmul_rn(v, inv_rms[t]) : v;
+    };
+    auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
+    float* out = pick(seg.out, s);
+    const float* bias = pick(seg.bias, s);
+    if constexpr (!ROPE) {
+      for (int i = gr.tid; i < 16 * N; i += 32 * W) {
+        const int mr = i & 15, t = i >> 4, row = row_of(mr);
+        if (t >= n || row >= rows) continue;
+        const float v = total(mr, t);
+        out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
+      }
+    } else {
+      // Each rotation pair of rows (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) and token, as rope_store does it.
+      const int role = pick(rope.role, s);
+      const bool neox_pairs = rope.neox && role != ROPE_V;
+      for (int i = gr.tid; i < 8 * N; i += 32 * W) {
+        const int pi = i & 7, t = i >> 3;
+        const int m0 = neox_pairs ? pi : 2 * pi, m1 = neox_pairs ? pi + 8 : 2 * pi + 1;
+        const int r0 = row_of(m0), r1 = row_of(m1);
+        if (t < n && r1 < rows) rope_pair_store(total(m0, t), total(m1, t), t, out, bias, rows, r0, r1, role, rope);
+      }
+    }
+  }
+};
+
+// (segment, tile) of matvec_mma's block b: the segments' tiles one after another.
+__device__ __forceinline__ int2 segment_tile(const Segments& seg, int b) {
+  const int t0 = (seg.rows[0] + 15) / 16, t1 = t0 + (seg.rows[1] + 15) / 16;
+  const int s = (b >= t0) + (b >= t1);
+  return make_int2(s, b - (s == 0 ? 0 : s == 1 ? t0 : t1));
 }
 
 }  // namespace mv
@@ -1317,62 +1434,21 @@ __device__ __forceinline__ void mma_prologue(const MmaCopy<F>& copy, uint8_t* ri
 template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
-                                         const mv::Rope& rope, int deferred, float norm_eps,
-                                         int s, int tile, float (&part)[W][2][N][16]) {
-  constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
+                                         const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
+                                         float (&part)[W][2][N][16]) {
+  using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
-  const int rows = mv::pick(seg.rows, s);
-  const bool neox_pairs = ROPE && rope.neox && mv::pick(rope.role, s) != mv::ROPE_V;
-  const int base0 = neox_pairs ? tile / (rope.head_dim / 16) * rope.head_dim + 8 * (tile % (rope.head_dim / 16))
-                               : 16 * tile;
-  const int base1 = neox_pairs ? base0 + rope.head_dim / 2 : base0 + 8;
-  const uint8_t* weight = mv::pick(seg.weight, s);
-  const int nsb = cols / 256;
-  int p0, count;
-  mv::warp_pairs<W>(warp, nsb, p0, count);
-  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
-  const mv::MmaCopy<F> copy(weight, weight, base0, base1, rows, row_bytes, lane);
-  mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
+  uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  const Work work(seg, rope, cols, row_bytes, s, tile, warp, lane);
+  work.first_copies(rings, row_bytes, warp, lane);
+  pdl_enter();
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
   __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
-  const mv::MmaAct<TILES> x =
-      mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
-  float acc[TILES][TPT];
-  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
-#pragma unroll
-  for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci)
-      part[warp][mv::combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[nt][ci];
-  __syncthreads();
-
-  // m-row mr of token t (times a deferred norm's factor).
-  auto total = [&](int mr, int t) {
-    const float v = mv::warps_total(part, t, mr);
-    return deferred ? __fmul_rn(v, inv_rms[t]) : v;
-  };
-  auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
-  float* out = mv::pick(seg.out, s);
-  const float* bias = mv::pick(seg.bias, s);
-  if constexpr (!ROPE) {
-    for (int i = threadIdx.x; i < 16 * N; i += 32 * W) {
-      const int mr = i & 15, t = i >> 4, row = row_of(mr);
-      if (t >= n || row >= rows) continue;
-      const float v = total(mr, t);
-      out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
-    }
-  } else {
-    // Each rotation pair of rows (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) and token, as rope_store does it.
-    const int role = mv::pick(rope.role, s);
-    for (int i = threadIdx.x; i < 8 * N; i += 32 * W) {
-      const int pi = i & 7, t = i >> 3;
-      const int m0 = neox_pairs ? pi : 2 * pi, m1 = neox_pairs ? pi + 8 : 2 * pi + 1;
-      const int r0 = row_of(m0), r1 = row_of(m1);
-      if (t < n && r1 < rows) mv::rope_pair_store(total(m0, t), total(m1, t), t, out, bias, rows, r0, r1, role, rope);
-    }
-  }
+  const mv::MmaAct<Work::TILES> x = mv::mma_activation<F, N, Work::TILES, Work::TPT, 32 * W>(
+      sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
+  work.rest(seg, x, n, cols, row_bytes, rope, deferred, inv_rms, s, rings, part, mv::whole_block());
 }
 
 // T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
@@ -1392,17 +1468,15 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   using F2 = mv::MmaFormat<T2>;
   constexpr int STAGE = 16 * (F::ROW > F2::ROW ? F::ROW : F2::ROW);
   __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
-  const int t0 = (seg.rows[0] + 15) / 16, t1 = t0 + (seg.rows[1] + 15) / 16;
-  const int s = (blockIdx.x >= t0) + (blockIdx.x >= t1);
-  const int tile = blockIdx.x - (s == 0 ? 0 : s == 1 ? t0 : t1);
+  const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
-    if (s == 2) {  // its rows are those of its own type (contiguous GGUF rows)
+    if (st.x == 2) {  // its rows are those of its own type (contiguous GGUF rows)
       mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, (long long)(cols / 256) * F2::SB_BYTES, rope,
-                                              deferred, norm_eps, s, tile, part);
+                                              deferred, norm_eps, st.x, st.y, part);
       return;
     }
   }
-  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, s, tile, part);
+  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, st.x, st.y, part);
 }
 
 // matvec_mma_glu<T>: a decode step's gate and up projections (segments 0 and 1, the same type, width and rows) and
@@ -1422,6 +1496,104 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
 // for a deferred norm's sums); rows % 32 == 0.
+namespace mv {
+
+template <class F, int N, int STAGES>
+struct GluWork {
+  static constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
+  int count, items;   // a tile's pairs for this warp (w, w + 4, ...), and all four tiles' (items)
+  MmaCopy<F> copy;
+
+  __device__ __forceinline__ GluWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
+                                     int lane)
+      : copy(seg.weight[0], seg.weight[1], 32 * block, 32 * block, seg.rows[0], row_bytes, lane) {
+    const int pairs = (cols / 256 + 1) / 2;
+    count = (pairs - warp + W - 1) / W;
+    items = 4 * count;
+  }
+
+  // Item i: pair warp + W (i % count) of tile i / count (the tile's rows 8 row_bytes on), issued in order.
+  struct Issuer {
+    int k = 0;
+    long long shift = 0;
+    __device__ __forceinline__ void issue(const GluWork& w, uint8_t* ring, int item, long long row_bytes, int warp,
+                                          int lane) {
+      w.copy.issue(ring + item % STAGES * STAGE, warp + W * k, row_bytes, lane, shift);
+      if (++k == w.count) {
+        k = 0;
+        shift += 8 * row_bytes;
+      }
+    }
+  };
+
+  __device__ __forceinline__ void first_copies(uint8_t* rings, long long row_bytes, int warp, int lane) const {
+    Issuer next;
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < items) next.issue(*this, rings + warp * STAGES * STAGE, i, row_bytes, warp, lane);
+      tc::cp_async_commit();
+    }
+  }
+
+  __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
+                                       long long row_bytes, int8_t* __restrict__ yq, ActScale* __restrict__ ys,
+                                       int deferred, const float* inv_rms, int block, uint8_t* rings,
+                                       float (&part)[4][W][2][N][16], const Group& gr) const {
+    const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
+    const int rows = seg.rows[0], nsb = cols / 256;
+    uint8_t* ring = rings + warp * STAGES * STAGE;
+    Issuer next;  // where first_copies left off
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i)
+      if (i < items && ++next.k == count) {
+        next.k = 0;
+        next.shift += 8 * row_bytes;
+      }
+    float acc[TILES][TPT];
+    auto keep = [&](int q) {  // this warp's sums of tile q
+#pragma unroll
+      for (int ci = 0; ci < TPT; ++ci)
+        part[q][warp][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
+    };
+#pragma unroll
+    for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+    if (count == 0)  // fewer pairs than warps: this one adds zeros
+      for (int q = 0; q < 4; ++q) keep(q);
+    for (int item = 0, q = 0, k = 0; item < items; ++item) {
+      tc::cp_async_wait<STAGES - 2>();
+      __syncwarp();  // item has landed for every lane, and every lane is done with the stage refilled next
+      if (item + STAGES - 1 < items) next.issue(*this, ring, item + STAGES - 1, row_bytes, warp, lane);
+      tc::cp_async_commit();
+      F::template pair<TILES, TPT>(acc, x, ring + item % STAGES * STAGE, warp + W * k, nsb, g, j);
+      if (++k == count) {
+        keep(q++);
+        k = 0;
+#pragma unroll
+        for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+      }
+    }
+    gr.sync();
+
+    // Warp t: token t's 32 outputs, lane l the row 32 block + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
+    if (warp < n) {
+      const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * block + lane;
+      float gate = warps_total(part[q], t, i), up = warps_total(part[q], t, i + 8);
+      if (deferred) {
+        gate = __fmul_rn(gate, inv_rms[t]);
+        up = __fmul_rn(up, inv_rms[t]);
+      }
+      if (seg.bias[0] != nullptr) gate = __fadd_rn(gate, __ldg(seg.bias[0] + row));
+      if (seg.bias[1] != nullptr) up = __fadd_rn(up, __ldg(seg.bias[1] + row));
+      const float h = gate / (1.0f + expf(-gate)) * up;
+      seg.out[0][(long long)t * rows + row] = h;
+      const float v[1] = {h};
+      aq::quantize_store<1>(v, true, yq, ys, n, rows, t, row);
+    }
+  }
+};
+
+}  // namespace mv
+
 template <int T, int N, int STAGES>
 __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
@@ -1430,77 +1602,20 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
-  __shared__ float part[4][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  using Work = mv::GluWork<F, N, STAGES>;
+  __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
-  const int rows = seg.rows[0], base = 32 * blockIdx.x;
-  const int nsb = cols / 256, pairs = (nsb + 1) / 2;
-  // Warp w takes pairs w, w + 4, ... of each tile, tile after tile (items: count a tile).
-  const int count = (pairs - warp + W - 1) / W, items = 4 * count;
-  const long long tile_bytes = 8 * row_bytes;
-  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
-  const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[1], base, base, rows, row_bytes, lane);
-  int next_k = 0;  // the next item to issue: pair warp + W next_k of the tile next_shift bytes on
-  long long next_shift = 0;
-  auto issue = [&](int item) {
-    copy.issue(ring + item % STAGES * STAGE, warp + W * next_k, row_bytes, lane, next_shift);
-    if (++next_k == count) {
-      next_k = 0;
-      next_shift += tile_bytes;
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < items) issue(i);
-    tc::cp_async_commit();
-  }
+  uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  const Work work(seg, cols, row_bytes, blockIdx.x, warp, lane);
+  work.first_copies(rings, row_bytes, warp, lane);
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
 
-  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
+  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + Work::W * STAGES * Work::STAGE;
   __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
-  const mv::MmaAct<TILES> x =
-      mv::mma_activation<F, N, TILES, TPT, 32 * W>(sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
-  float acc[TILES][TPT];
-  auto keep = [&](int q) {  // this warp's sums of tile q
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci)
-      part[q][warp][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
-  };
-#pragma unroll
-  for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
-  if (count == 0)  // fewer pairs than warps: this one adds zeros
-    for (int q = 0; q < 4; ++q) keep(q);
-  for (int item = 0, q = 0, k = 0; item < items; ++item) {
-    tc::cp_async_wait<STAGES - 2>();
-    __syncwarp();  // item has landed for every lane, and every lane is done with the stage refilled next
-    if (item + STAGES - 1 < items) issue(item + STAGES - 1);
-    tc::cp_async_commit();
-    F::template pair<TILES, TPT>(acc, x, ring + item % STAGES * STAGE, warp + W * k, nsb, g, j);
-    if (++k == count) {
-      keep(q++);
-      k = 0;
-#pragma unroll
-      for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
-    }
-  }
-  __syncthreads();
-
-  // Warp t: token t's 32 outputs, lane l the row 32 blockIdx.x + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
-  if (warp < n) {
-    const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * blockIdx.x + lane;
-    float gate = mv::warps_total(part[q], t, i), up = mv::warps_total(part[q], t, i + 8);
-    if (deferred) {
-      gate = __fmul_rn(gate, inv_rms[t]);
-      up = __fmul_rn(up, inv_rms[t]);
-    }
-    if (seg.bias[0] != nullptr) gate = __fadd_rn(gate, __ldg(seg.bias[0] + row));
-    if (seg.bias[1] != nullptr) up = __fadd_rn(up, __ldg(seg.bias[1] + row));
-    const float h = gate / (1.0f + expf(-gate)) * up;
-    seg.out[0][(long long)t * rows + row] = h;
-    const float v[1] = {h};
-    aq::quantize_store<1>(v, true, yq, ys, n, rows, t, row);
-  }
+  const mv::MmaAct<Work::TILES> x = mv::mma_activation<F, N, Work::TILES, Work::TPT, 32 * Work::W>(
+      sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
+  work.rest(seg, x, n, cols, row_bytes, yq, ys, deferred, inv_rms, blockIdx.x, rings, part, mv::whole_block());
 }
 
 // matvec_mma_norm<T>: a decode step's linear layer whose output joins the residual stream and then goes through
@@ -1516,6 +1631,62 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row's sum, and so
 // the residual, is bitwise that launch's plus the residual. grid rows / 32, block 64 W, dynamic shared memory
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
+namespace mv {
+
+template <class F, int N, int W, int STAGES>
+struct NormWork {
+  static constexpr int STAGE = 16 * F::ROW, TILES = 1, TPT = N;
+  int p0, count;
+  MmaCopy<F> copy;
+
+  // warp: of the block's 2 W (tile warp / W, its warp warp % W).
+  __device__ __forceinline__ NormWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
+                                      int lane)
+      : copy(seg.weight[0], seg.weight[0], 32 * block + 16 * (warp / W), 32 * block + 16 * (warp / W) + 8,
+             seg.rows[0], row_bytes, lane) {
+    warp_pairs<W>(warp % W, cols / 256, p0, count);
+  }
+
+  __device__ __forceinline__ void first_copies(uint8_t* rings, long long row_bytes, int warp, int lane) const {
+    mma_first_copies<STAGES, STAGE>(copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, lane);
+  }
+
+  // Warp t < n's residual of token t (lane l: row 32 block + l), loaded before the activation is staged.
+  __device__ __forceinline__ static float residual_in(const float* residual, int n, int rows, int block, int tid) {
+    return tid >> 5 < n ? __ldcg(residual + (long long)(tid >> 5) * rows + 32 * block + (tid & 31)) : 0.f;
+  }
+
+  __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
+                                       long long row_bytes, float r, float* __restrict__ residual,
+                                       const float* __restrict__ norm_weight, int8_t* __restrict__ yq,
+                                       ActScale* __restrict__ ys, float* __restrict__ norm_ss, int block,
+                                       uint8_t* rings, float (&part)[2][W][2][N][16], const Group& gr) const {
+    const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
+    const int half = warp / W, wi = warp % W, rows = seg.rows[0];
+    float acc[TILES][TPT];
+    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
+                                 lane);
+#pragma unroll
+    for (int ci = 0; ci < TPT; ++ci)
+      part[half][wi][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
+    gr.sync();
+
+    if (warp < n) {
+      const int t = warp, h = lane >> 4, mr = lane & 15, row = 32 * block + lane;
+      r = __fadd_rn(r, warps_total(part[h], t, mr));  // matvec_mma's sum
+      residual[(long long)t * rows + row] = r;
+      float ss = __fmul_rn(r, r);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
+      if (lane == 0) norm_ss[t * (rows / 32) + block] = ss;
+      const float y[1] = {__fmul_rn(r, __ldg(norm_weight + row))};
+      aq::quantize_store<1>(y, true, yq, ys, n, rows, t, row);
+    }
+  }
+};
+
+}  // namespace mv
+
 template <int T, int N, int W, int STAGES>
 __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant__ mv::Segments seg,
                                                          const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
@@ -1527,40 +1698,19 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  constexpr int STAGE = 16 * F::ROW, TILES = 1, TPT = N;
+  using Work = mv::NormWork<F, N, W, STAGES>;
   __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
-  const int half = warp / W, wi = warp % W;
-  const int rows = seg.rows[0], base = 32 * blockIdx.x + 16 * half;
-  const int nsb = cols / 256;
-  int p0, count;
-  mv::warp_pairs<W>(wi, nsb, p0, count);
-  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn) + warp * STAGES * STAGE;
-  const mv::MmaCopy<F> copy(seg.weight[0], seg.weight[0], base, base + 8, rows, row_bytes, lane);
-  mv::mma_prologue<STAGES, STAGE>(copy, ring, p0, count, row_bytes, lane);
+  uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  const Work work(seg, cols, row_bytes, blockIdx.x, warp, lane);
+  work.first_copies(rings, row_bytes, warp, lane);
+  pdl_enter();
 
-  // Warp t < n: token t's 32 rows, lane l the row 32 blockIdx.x + l; its residual loaded now, used at the end.
-  const int row = 32 * blockIdx.x + lane;
-  float r = warp < n ? residual[(long long)warp * rows + row] : 0.f;
-  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + 2 * W * STAGES * STAGE;
-  const mv::MmaAct<TILES> x = mv::mma_activation<F, N, TILES, TPT, 64 * W>(sx, xq, xs, n, cols, g, j, 0, 0.f, nullptr);
-  float acc[TILES][TPT];
-  mv::mma_stream<F, STAGES, STAGE>(acc, copy, ring, p0, count, row_bytes, x, nsb, g, j, lane);
-#pragma unroll
-  for (int ci = 0; ci < TPT; ++ci)
-    part[half][wi][mv::combo_class<TPT>(ci, j)][j % TPT][g + 8 * mv::combo_half<TPT>(ci, j)] = acc[0][ci];
-  __syncthreads();
-
-  if (warp < n) {
-    const int t = warp, h = lane >> 4, mr = lane & 15;
-    r = __fadd_rn(r, mv::warps_total(part[h], t, mr));  // matvec_mma's sum
-    residual[(long long)t * rows + row] = r;
-    float ss = __fmul_rn(r, r);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
-    if (lane == 0) norm_ss[t * (rows / 32) + blockIdx.x] = ss;
-    const float y[1] = {__fmul_rn(r, __ldg(norm_weight + row))};
-    aq::quantize_store<1>(y, true, yq, ys, n, rows, t, row);
-  }
+  const float r = Work::residual_in(residual, n, seg.rows[0], blockIdx.x, threadIdx.x);  // used at the end
+  int8_t* sx = reinterpret_cast<int8_t*>(dyn) + 2 * W * STAGES * Work::STAGE;
+  const mv::MmaAct<Work::TILES> x =
+      mv::mma_activation<F, N, Work::TILES, Work::TPT, 64 * W>(sx, xq, xs, n, cols, g, j, 0, 0.f, nullptr);
+  work.rest(seg, x, n, cols, row_bytes, r, residual, norm_weight, yq, ys, norm_ss, blockIdx.x, rings, part,
+            mv::whole_block());
 }
