@@ -1179,17 +1179,40 @@ using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
 // bytes of each of 4 rows an instruction instead ran 2-6% slower on Q6_K). A slot's row and offset are fixed per
 // lane, so each copy is the pair's offset plus a precomputed one: ~3 instructions a copy where recomputing the
 // piece's row and address took ~17 (a third of Q6_K's loop).
-template <class F>
+// TILED (Q4_K): the weights stored as [rows / 8][pairs][8][F::ROW bytes] (each group of 8 rows pair after pair, the
+// last pair and group zero-padded; row_bytes still the GGUF row's), so that each half of a stage is one contiguous
+// copy of 8 F::ROW bytes: on the H200 (two machine starts) the 8B's gate + up -1.6 and -2.1 us of ~25, its down
+// -1.2 and -1.0 of ~12.7, o -0.6 and -0.45 of ~6.6, bitwise the same sums (scripts/bench_tiled.py). The engine keeps the GGUF rows until its other readers of Q4_K
+// (the GEMM, the skinny GEMM, the embedding) take the layout too (docs/performance.md, "Next for batch 1").
+template <class F, bool TILED = false>
 struct MmaCopy {
   static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
   static_assert(F::ROW == 16 * F::PIECES, "stage rows end to end");
+  static_assert(!TILED || F::ROW == 2 * F::SB_BYTES, "TILED: Q4_K (a pair's rows whole pieces)");
   const uint8_t* base[2];  // the tile's first row of each half (m-rows 0 and 8)
   unsigned off[SLOTS];     // slot i's piece: bytes past its half's base (under 8 rows: 32 bits hold it)
   unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
 
+  // TILED: the bytes of a group of 8 rows.
+  __device__ static long long group_bytes(long long row_bytes) {
+    return 8LL * F::ROW * ((row_bytes / F::SB_BYTES + 1) / 2);
+  }
+
   // Half h's rows from weight_h (the same matrix, or gate and up for matvec_mma_glu).
   __device__ MmaCopy(const uint8_t* weight0, const uint8_t* weight1, int base0, int base1, int rows, long long row_bytes,
                      int lane) {
+    if constexpr (TILED) {  // half h's rows (base_h a multiple of 8): one group, a pair 8 F::ROW bytes
+      const long long group = group_bytes(row_bytes);
+      base[0] = weight0 + (long long)(base0 / 8) * group;
+      base[1] = weight1 + (long long)(base1 / 8) * group;
+      low = ~0u;
+#pragma unroll
+      for (int i = 0; i < SLOTS; ++i) {
+        const int piece = lane + 32 * i;
+        off[i] = 16u * (piece >= HALF ? piece - HALF : piece);
+      }
+      return;
+    }
     const int first0 = min(base0, rows - 1), first1 = min(base1, rows - 1);
     base[0] = weight0 + (long long)first0 * row_bytes;
     base[1] = weight1 + (long long)first1 * row_bytes;
@@ -1205,8 +1228,8 @@ struct MmaCopy {
 
   // shift: bytes past the tile's rows (another tile of the same rows' layout: matvec_mma_glu's split).
   __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane, long long shift = 0) const {
-    const long long at = F::at(p) + shift;
-    const bool full = F::full(p, row_bytes);
+    const long long at = (TILED ? 8LL * F::ROW * p : F::at(p)) + shift;
+    const bool full = TILED || F::full(p, row_bytes);
     const uint8_t *h0 = base[0] + at, *h1 = base[1] + at;
     const unsigned s = tc::smem_addr(stage) + 16 * lane;
 #pragma unroll
@@ -1281,8 +1304,8 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
 
 // A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
 // issued by the caller, before its PDL wait).
-template <class F, int STAGES, int STAGE, int TILES, int TPT>
-__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const MmaCopy<F>& copy, uint8_t* ring, int p0,
+template <class F, int STAGES, int STAGE, int TILES, int TPT, class Copy>
+__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const Copy& copy, uint8_t* ring, int p0,
                                            int count, long long row_bytes, const MmaAct<TILES>& x, int nsb, int g,
                                            int j, int lane) {
 #pragma unroll
@@ -1319,8 +1342,8 @@ __device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], i
 
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
 // may start before the PDL wait (or a persistent kernel's grid barrier), overlapping what runs before.
-template <int STAGES, int STAGE, class F>
-__device__ __forceinline__ void mma_first_copies(const MmaCopy<F>& copy, uint8_t* ring, int p0, int count,
+template <int STAGES, int STAGE, class Copy>
+__device__ __forceinline__ void mma_first_copies(const Copy& copy, uint8_t* ring, int p0, int count,
                                                  long long row_bytes, int lane) {
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -1498,11 +1521,15 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // for a deferred norm's sums); rows % 32 == 0.
 namespace mv {
 
-template <class F, int N, int STAGES>
+template <class F, int N, int STAGES, bool TILED = false>
 struct GluWork {
   static constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
   int count, items;   // a tile's pairs for this warp (w, w + 4, ...), and all four tiles' (items)
-  MmaCopy<F> copy;
+  MmaCopy<F, TILED> copy;
+  // From a tile's rows to the next tile's (8 rows on).
+  __device__ static long long tile_bytes(long long row_bytes) {
+    return TILED ? MmaCopy<F, TILED>::group_bytes(row_bytes) : 8 * row_bytes;
+  }
 
   __device__ __forceinline__ GluWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
                                      int lane)
@@ -1521,7 +1548,7 @@ struct GluWork {
       w.copy.issue(ring + item % STAGES * STAGE, warp + W * k, row_bytes, lane, shift);
       if (++k == w.count) {
         k = 0;
-        shift += 8 * row_bytes;
+        shift += tile_bytes(row_bytes);
       }
     }
   };
@@ -1547,7 +1574,7 @@ struct GluWork {
     for (int i = 0; i < STAGES - 1; ++i)
       if (i < items && ++next.k == count) {
         next.k = 0;
-        next.shift += 8 * row_bytes;
+        next.shift += tile_bytes(row_bytes);
       }
     float acc[TILES][TPT];
     auto keep = [&](int q) {  // this warp's sums of tile q
@@ -1594,7 +1621,7 @@ struct GluWork {
 
 }  // namespace mv
 
-template <int T, int N, int STAGES>
+template <int T, int N, int STAGES, bool TILED = false>
 __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                      int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
@@ -1602,7 +1629,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  using Work = mv::GluWork<F, N, STAGES>;
+  using Work = mv::GluWork<F, N, STAGES, TILED>;
   __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -1633,11 +1660,11 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 namespace mv {
 
-template <class F, int N, int W, int STAGES>
+template <class F, int N, int W, int STAGES, bool TILED = false>
 struct NormWork {
   static constexpr int STAGE = 16 * F::ROW, TILES = 1, TPT = N;
   int p0, count;
-  MmaCopy<F> copy;
+  MmaCopy<F, TILED> copy;
 
   // warp: of the block's 2 W (tile warp / W, its warp warp % W).
   __device__ __forceinline__ NormWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
@@ -1687,7 +1714,7 @@ struct NormWork {
 
 }  // namespace mv
 
-template <int T, int N, int W, int STAGES>
+template <int T, int N, int W, int STAGES, bool TILED = false>
 __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant__ mv::Segments seg,
                                                          const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                          int n, int cols, long long row_bytes,
@@ -1698,7 +1725,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  using Work = mv::NormWork<F, N, W, STAGES>;
+  using Work = mv::NormWork<F, N, W, STAGES, TILED>;
   __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;

@@ -1,0 +1,123 @@
+"""The decode mat-vecs over Q4_K weights in a tiled layout against the GGUF rows (GPU machine), one token:
+
+    python scripts/bench_tiled.py
+
+Tiled: each group of 8 rows stored pair of superblocks after pair ([rows / 8][pairs][8][288 bytes], the last pair
+and group zero-padded): the same bytes, reordered, so that each half of a ring stage (8 rows of one pair) is one
+contiguous 2,304-byte copy where the GGUF layout has 8 pieces of 288 bytes a row apart (matvec.cu's MmaCopy with
+TILED). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections (`matvec_mma_norm`, the plan's warps and
+stages); each checked bitwise against the GGUF layout's launch, then both timed as `bench_norm_fold.py` times (a graph
+with PDL over copies past the L2, median of 7), twice in turn; microseconds a launch. The engine does not store this
+layout: the GEMM, the skinny GEMM and the embedding read the GGUF rows (docs/performance.md, "Next for batch 1").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from bench_matvec import time_in_graph
+from bench_norm_fold import activation
+
+from infero.backends.cuda import driver, matvec, runtime
+from infero.backends.cuda.tensor import QuantWeight, from_host
+from infero.checkpoint.synthetic import random_blocks
+from infero.checkpoint.tensor_types import GGMLType
+
+Q4_K = int(GGMLType.Q4_K)
+COPIES = 3  # of each matrix, launched in turn: past the L2
+GLU = {tiled: f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}, {str(tiled).lower()}>" for tiled in (False, True)}
+NORMS = [(4096, 14336), (4096, 4096)]  # the 8B's down and o projections (rows, cols)
+
+
+def norm_shape(rows: int, cols: int) -> tuple[int, int, int]:
+    return matvec._norm_launch(Q4_K, rows, cols, 1)  # warps a tile, stages, dynamic shared memory
+
+
+def norm_name(rows: int, cols: int, tiled: bool) -> str:
+    warps, stages, _ = norm_shape(rows, cols)
+    return f"matvec_mma_norm<{Q4_K}, 1, {warps}, {stages}, {str(tiled).lower()}>"
+
+
+def tiled_layout(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows [rows, 144 nsb] as [rows / 8][pairs][8][288] (rows rounded up to 8, nsb to even, zero-padded)."""
+    rows, nbytes = raw.shape
+    pairs, groups = (nbytes // 144 + 1) // 2, -(-rows // 8)
+    padded = np.zeros((8 * groups, 288 * pairs), np.uint8)
+    padded[:rows, :nbytes] = raw
+    return np.ascontiguousarray(padded.reshape(groups, 8, pairs, 288).transpose(0, 2, 1, 3)).reshape(8 * groups, -1)
+
+
+def both_layouts(rows: int, cols: int, rng) -> dict[bool, QuantWeight]:
+    raw = random_blocks(Q4_K, rows, cols, rng, 0.02)
+    return {False: QuantWeight(from_host(raw), Q4_K, rows, cols),
+            True: QuantWeight(from_host(tiled_layout(raw)), Q4_K, rows, cols)}  # fmt: skip
+
+
+def compare(label: str, launch, outputs, reset, launches: int) -> None:
+    """Bitwise check of one launch in each layout, then the times, twice in turn."""
+    results = []
+    for tiled in (False, True):
+        reset()
+        launch(tiled, 1)
+        runtime.stream().synchronize()
+        results.append([out.to_host() for out in outputs])
+    for a, b in zip(*results, strict=True):
+        if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+            raise SystemExit(f"{label}: the tiled layout's output differs")
+    times = [time_in_graph(runtime.stream(), lambda t=tiled: launch(t, launches), launches)
+             for _ in range(2) for tiled in (False, True)]  # fmt: skip
+    rows, tiled = (times[0] + times[2]) / 2, (times[1] + times[3]) / 2
+    runs = " / ".join(f"{t:.2f}" for t in times)
+    print(f"{label:<34} {rows:>8.2f} {tiled:>9.2f} {tiled - rows:>+7.2f}   ({runs})")
+
+
+def main() -> None:
+    runtime.declare(matvec.SOURCE, list(GLU.values()) + [norm_name(r, c, t) for r, c in NORMS for t in (False, True)])
+    stream, rng = runtime.stream(), np.random.default_rng(0)
+    print(f"{'kernel':<34} {'rows us':>8} {'tiled us':>9} {'diff':>7}   (rows / tiled / rows / tiled)")
+
+    rows, cols = 14336, 4096
+    gates = [both_layouts(rows, cols, rng) for _ in range(COPIES)]
+    ups = [both_layouts(rows, cols, rng) for _ in range(COPIES)]
+    x = activation(1, cols, True)
+    matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
+    driver.copy_host_to_device(x.norm_ss.ptr, np.full((1, cols // 32), 32.0, np.float32))
+    out, y = from_host(np.zeros((1, rows), np.float32)), activation(1, rows, False)
+    shared = matvec._glu_shared(Q4_K, 1, cols, True)
+
+    def glu(tiled: bool, copies: int) -> None:
+        fn = matvec._kernel(GLU[tiled])
+        matvec._allow_shared(fn, shared)
+        for gate, up in zip(gates[:copies], ups[:copies], strict=True):
+            args = (matvec.segments([out, out], [gate[tiled], up[tiled]], [None, None]), x.q.ptr, x.s.ptr, 1, cols,
+                    gate[False].data.shape[1], y.q.ptr, y.s.ptr, 1, x.eps)  # fmt: skip
+            driver.launch(fn, (rows // 32,), (128,), args, matvec._GLU_ARGS, stream, shared, pdl=True)
+
+    compare(f"gate + up {rows}+{rows} x {cols}", glu, [out, y.q, y.s], stream.synchronize, COPIES)
+
+    for rows, cols in NORMS:
+        weights = [both_layouts(rows, cols, rng) for _ in range(2 * COPIES)]
+        x = activation(1, cols, False)
+        matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
+        residual0 = rng.normal(0, 3, size=(1, rows)).astype(np.float32)
+        residual, norm = from_host(residual0), from_host(rng.uniform(0.5, 2, size=rows).astype(np.float32))
+        y = activation(1, rows, True)
+        warps, _, shared = norm_shape(rows, cols)
+
+        def norm_launch(tiled: bool, copies: int, rows=rows, cols=cols, weights=weights, x=x, y=y, residual=residual,
+                        norm=norm, warps=warps, shared=shared) -> None:  # fmt: skip
+            fn = matvec._kernel(norm_name(rows, cols, tiled))
+            matvec._allow_shared(fn, shared)
+            for w in weights[:copies]:
+                args = (matvec.segments([residual], [w[tiled]], [None]), x.q.ptr, x.s.ptr, 1, cols,
+                        w[False].data.shape[1], residual.ptr, norm.ptr, y.q.ptr, y.s.ptr, y.norm_ss.ptr)  # fmt: skip
+                driver.launch(fn, (rows // 32,), (64 * warps,), args, matvec._NORM_ARGS, stream, shared, pdl=True)
+
+        def reset(residual=residual, residual0=residual0) -> None:
+            stream.synchronize()
+            driver.copy_host_to_device(residual.ptr, residual0)
+
+        compare(f"norm {rows} x {cols}", norm_launch, [residual, y.q, y.s, y.norm_ss], reset, 2 * COPIES)
+
+
+if __name__ == "__main__":
+    main()
