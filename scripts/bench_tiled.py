@@ -6,7 +6,8 @@ Tiled: each group of 8 rows stored pair of superblocks after pair ([rows / 8][pa
 and group zero-padded): the same bytes, reordered, so that each half of a ring stage (8 rows of one pair) is one
 contiguous 2,304-byte copy where the GGUF layout has 8 pieces of 288 bytes a row apart (matvec.cu's MmaCopy with
 TILED). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections (`matvec_mma_norm`, the plan's warps and
-stages); each checked bitwise against the GGUF layout's launch, then both timed as `bench_norm_fold.py` times (a graph
+stages), and q/k/v with rotary and the K/V write (`matvec_mma`, Q4_K q and k with Q6_K v: a Q6_K layer's, v in GGUF
+rows); each checked bitwise against the GGUF layout's launch, then both timed as `bench_norm_fold.py` times (a graph
 with PDL over copies past the L2, median of 7), twice in turn; microseconds a launch. The engine does not store this
 layout: the GEMM, the skinny GEMM and the embedding read the GGUF rows (docs/performance.md, "Next for batch 1").
 """
@@ -24,7 +25,12 @@ from infero.checkpoint.tensor_types import GGMLType
 
 Q4_K = int(GGMLType.Q4_K)
 COPIES = 3  # of each matrix, launched in turn: past the L2
+Q6_K = int(GGMLType.Q6_K)
 GLU = {tiled: f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}, {str(tiled).lower()}>" for tiled in (False, True)}
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+QKV_WARPS, QKV_STAGES = 4, 2  # mma_plan's for the 8B's 384 q/k/v tiles
+QKV = {tiled: f"matvec_mma<{Q4_K}, 1, {QKV_WARPS}, {QKV_STAGES}, true, {Q6_K}, {str(tiled).lower()}>"
+       for tiled in (False, True)}  # fmt: skip
 NORMS = [(4096, 14336), (4096, 4096)]  # the 8B's down and o projections (rows, cols)
 
 
@@ -71,7 +77,8 @@ def compare(label: str, launch, outputs, reset, launches: int) -> None:
 
 
 def main() -> None:
-    runtime.declare(matvec.SOURCE, list(GLU.values()) + [norm_name(r, c, t) for r, c in NORMS for t in (False, True)])
+    norms = [norm_name(r, c, t) for r, c in NORMS for t in (False, True)]
+    runtime.declare(matvec.SOURCE, list(GLU.values()) + list(QKV.values()) + norms)
     stream, rng = runtime.stream(), np.random.default_rng(0)
     print(f"{'kernel':<34} {'rows us':>8} {'tiled us':>9} {'diff':>7}   (rows / tiled / rows / tiled)")
 
@@ -117,6 +124,38 @@ def main() -> None:
             driver.copy_host_to_device(residual.ptr, residual0)
 
         compare(f"norm {rows} x {cols}", norm_launch, [residual, y.q, y.s, y.norm_ss], reset, 2 * COPIES)
+
+    qkv(stream, rng)
+
+
+def qkv(stream, rng) -> None:
+    """q/k/v with rotary and the K/V write, Q4_K q and k (tiled or not) with Q6_K v (GGUF rows): a Q6_K layer's."""
+    cols, rows = 4096, (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    weights = [(both_layouts(rows[0], cols, rng), both_layouts(rows[1], cols, rng),
+                QuantWeight(from_host(random_blocks(Q6_K, rows[2], cols, rng, 0.02)), Q6_K, rows[2], cols))
+               for _ in range(2 * COPIES)]  # fmt: skip
+    x = activation(1, cols, True)
+    matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
+    driver.copy_host_to_device(x.norm_ss.ptr, np.full((1, cols // 32), 32.0, np.float32))
+    outs = [from_host(np.zeros((1, r), np.float32)) for r in rows]
+    caches = [from_host(np.zeros((4, 16, KV_HEADS, HEAD_DIM), np.float16)) for _ in range(2)]
+    positions, slots = from_host(np.array([700], np.int32)), from_host(np.array([37], np.int64))
+    inv_freq = from_host((5e5 ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32))
+    rope = matvec.Rope(positions.ptr, slots.ptr, inv_freq.ptr, caches[0].ptr, caches[1].ptr)
+    rope.role[0], rope.role[1], rope.role[2] = 0, 1, 2
+    rope.head_dim, rope.mscale = HEAD_DIM, 1.0
+    tiles = sum(rows) // 16
+    shared = matvec.mma_shared(Q4_K, QKV_WARPS, QKV_STAGES, 1, cols, Q6_K, deferred=True)
+
+    def launch(tiled: bool, copies: int) -> None:
+        fn = matvec._kernel(QKV[tiled])
+        matvec._allow_shared(fn, shared)
+        for q, k, v in weights[:copies]:
+            args = (matvec.segments(outs, [q[tiled], k[tiled], v], [None] * 3), x.q.ptr, x.s.ptr, 1, cols,
+                    q[False].data.shape[1], rope, 1, x.eps)  # fmt: skip
+            driver.launch(fn, (tiles,), (32 * QKV_WARPS,), args, matvec._MMA_ARGS, stream, shared, pdl=True)
+
+    compare("q/k/v 4096+1024+1024 x 4096 (mixed)", launch, outs + caches, stream.synchronize, 2 * COPIES)
 
 
 if __name__ == "__main__":

@@ -1374,11 +1374,11 @@ __device__ __forceinline__ Group whole_block() { return Group{(int)threadIdx.x, 
 
 // The work of matvec_mma's block `tile` of segment s (format F; STAGE: the bytes of a ring stage, the launch's
 // largest), in two steps: first_copies (before the PDL wait) and rest (after the activation is staged).
-template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE, bool TILED = false>
 struct TileWork {
   static constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
   int base0, base1, p0, count;
-  MmaCopy<F> copy;
+  MmaCopy<F, TILED> copy;
 
   __device__ __forceinline__ TileWork(const Segments& seg, const Rope& rope, int cols, long long row_bytes, int s,
                                       int tile, int warp, int lane)
@@ -1455,12 +1455,12 @@ __device__ __forceinline__ int2 segment_tile(const Segments& seg, int b) {
 }  // namespace mv
 
 // The tile of 16 rows at (segment s, tile) in format F; STAGE: the bytes of a ring stage (the launch's largest).
-template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE, bool TILED = false>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
                                          float (&part)[W][2][N][16]) {
-  using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
+  using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE, TILED>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
@@ -1478,8 +1478,9 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
 // T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
 // Q4_K_M's Q6_K layers of v). grid: the segments' tiles of 16 rows one after another (a neox-rotated segment:
 // head_dim / 16 tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * (the larger F::ROW) bytes,
-// plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums).
-template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T>
+// plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums). TILED: type T's
+// segments in MmaCopy's tiled layout (T2's in GGUF rows).
+template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T, bool TILED = false>
 __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                     int n, int cols, long long row_bytes,
@@ -1500,7 +1501,8 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
       return;
     }
   }
-  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, st.x, st.y, part);
+  mma_tile<F, N, W, STAGES, ROPE, STAGE, TILED>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, st.x, st.y,
+                                                part);
 }
 
 // matvec_mma_glu<T>: a decode step's gate and up projections (segments 0 and 1, the same type, width and rows) and
