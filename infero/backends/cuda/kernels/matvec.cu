@@ -1181,8 +1181,8 @@ using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
 // piece's row and address took ~17 (a third of Q6_K's loop).
 // TILED (Q4_K): the weights stored as [rows / 8][pairs][8][F::ROW bytes] (each group of 8 rows pair after pair, the
 // last pair and group zero-padded; row_bytes still the GGUF row's), so that each half of a stage is one contiguous
-// copy of 8 F::ROW bytes: on the H200 (two machine starts) the 8B's gate + up -1.6 and -2.1 us of ~25, its down
-// -1.2 and -1.0 of ~12.7, o -0.6 and -0.45 of ~6.6, bitwise the same sums (scripts/bench_tiled.py). The engine keeps
+// copy of 8 F::ROW bytes: on the H200 (three machine starts) the 8B's gate + up -1.6 to -2.1 us of ~25, its down
+// -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of ~6.6, bitwise the same sums (scripts/bench_tiled.py). The engine keeps
 // the GGUF rows until its other readers of Q4_K (the GEMM, the skinny GEMM, the embedding) take the layout too
 // (docs/performance.md, "Next for batch 1").
 template <class F, bool TILED = false>
