@@ -9,7 +9,8 @@ superblocks (288 bytes) of 16 rows, the rows 2,304 bytes apart in the GGUF layou
 contiguous, as a layout with each tile's pairs stored together would hold them ("tiled"). Launches back to back in a
 graph with PDL over copies of the weights past the L2 (bench_matvec.time_in_graph), median of 7; microseconds per
 launch and TB/s, at 2 and 3 stages a warp. For scale: the whole kernel takes ~25.4 µs in the same setting, its copies
-alone ~23.9 (docs/performance.md, "Gate + up taken apart").
+alone ~23.9 (docs/performance.md, "Gate + up taken apart"). Then the same for the 8B's down projections (4096 x
+14336, Q4_K and Q6_K) as matvec_mma_norm copies them: TB/s of the GGUF rows' bytes.
 The kernel lives in this file: a measurement, not part of the engine.
 """
 
@@ -89,7 +90,62 @@ __global__ void __launch_bounds__(128) glu_copies(const uint8_t* gate, const uin
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the copies; true with probability 2^-32
 }
+
+// matvec_mma_norm's copies (a down projection): block b is tiles 2 b and 2 b + 1 (16 rows each) of W warps, warp wi
+// of a tile streaming pairs [wi pairs / W, (wi + 1) pairs / W). A stage: PIECES 16-byte pieces of each of the 16
+// rows, from byte AT(p) of the row (Q4_K: 288 p, 18 pieces; Q6_K: 420 p rounded down to 16, 27 pieces); TILED: the
+// tile's pair p as 16 PIECES contiguous pieces at (tile pairs + p) 16 PIECES 16.
+template <int STAGES, bool TILED, int PIECES, int PAIR, int W>
+__global__ void __launch_bounds__(64 * W) norm_copies(const uint8_t* weight, long long row_bytes, int pairs,
+                                                      unsigned* sink) {
+  extern __shared__ uint4 ring[];
+  constexpr int STAGE = 16 * PIECES, SLOTS = (STAGE + 31) / 32;  // pieces a stage, a lane's
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = warp / W, wi = warp % W;
+  const int tile = 2 * blockIdx.x + half, p0 = wi * pairs / W, count = (wi + 1) * pairs / W - p0;
+  uint4* mine = ring + warp * STAGES * STAGE;
+  long long off[SLOTS];
+#pragma unroll
+  for (int i = 0; i < SLOTS; ++i) {
+    const int piece = min(lane + 32 * i, STAGE - 1);
+    off[i] = TILED ? 16LL * piece : (long long)(piece / PIECES) * row_bytes + 16 * (piece % PIECES);
+  }
+  auto issue = [&](int item) {
+    const int p = p0 + item;
+    const uint8_t* at = TILED ? weight + ((long long)tile * pairs + p) * STAGE * 16
+                              : weight + (long long)16 * tile * row_bytes + (((long long)PAIR * p) & ~15LL);
+    const unsigned stage = tc::smem_addr(mine + (item % STAGES) * STAGE) + 16 * lane;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i)
+      if (lane + 32 * i < STAGE) tc::cp_async_16(stage + 512 * i, at + off[i], true);
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) issue(i);
+    tc::cp_async_commit();
+  }
+  pdl_enter();
+  unsigned acc = 0;
+  for (int item = 0; item < count; ++item) {
+    tc::cp_async_wait<STAGES - 2>();
+    __syncwarp();
+    if (item + STAGES - 1 < count) issue(item + STAGES - 1);
+    tc::cp_async_commit();
+    const uint4* st = mine + (item % STAGES) * STAGE;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) {
+      if (lane + 32 * i < STAGE) {
+        const uint4 v = st[lane + 32 * i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+      }
+    }
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
 """
+# The 8B's down projections (4096 x 14336) as matvec_mma_norm plans them: (label, ggml block bytes, pieces a row of a
+# stage, pair stride in a row, warps a tile, ring stages).
+DOWNS = [("Q4_K down", 144, 18, 288, 8, 2), ("Q6_K down", 210, 27, 420, 4, 2)]
+DOWN_ROWS, DOWN_COLS = 4096, 14336
 
 
 def main() -> None:
@@ -117,6 +173,36 @@ def main() -> None:
         launch_all()
         us = time_in_graph(stream, launch_all, COPIES)
         print(f"{stages:>6} {'tiled' if tiled else 'rows':<6} {us:>8.2f} {2 * nbytes / us / 1e6:>6.2f}")
+    downs(stream)
+
+
+def downs(stream) -> None:
+    """The down projection's copies (matvec_mma_norm's blocks and warps), each format from rows and tiled."""
+    names = {(label, tiled): f"norm_copies<{stages}, {str(tiled).lower()}, {pieces}, {pair}, {warps}>"
+             for label, _, pieces, pair, warps, stages in DOWNS for tiled in (False, True)}  # fmt: skip
+    compiled = compiler.compile_source(SOURCE, "bench_copy_pattern.cu", runtime.context().info.arch,
+                                       names=list(names.values()))  # fmt: skip
+    module = driver.Module(compiled.cubin)
+    sink = empty((1,), np.uint32)
+    print(f"{'down':<10} {'layout':<6} {'us':>8} {'TB/s':>6}")
+    for label, block, pieces, _, warps, stages in DOWNS:
+        row_bytes = DOWN_COLS // 256 * block
+        pairs = DOWN_COLS // 512
+        nbytes = DOWN_ROWS * row_bytes  # GGUF rows; tiled: pairs of 16 pieces x rows, slightly more (Q6_K's padding)
+        buffers = [empty((DOWN_ROWS * pairs * pieces * 16 + 64,), np.uint8) for _ in range(2 * COPIES)]
+        shared = 2 * warps * stages * 16 * pieces * 16
+        for tiled in (False, True):
+            fn = module.function(compiled.lowered[names[(label, tiled)]])
+            driver.set_max_dynamic_shared(fn, shared)
+
+            def launch_all(fn=fn, shared=shared, row_bytes=row_bytes, pairs=pairs, buffers=buffers, warps=warps):
+                for w in buffers:
+                    driver.launch(fn, (DOWN_ROWS // 32,), (64 * warps,), (w.ptr, row_bytes, pairs, sink.ptr),
+                                  (_P, _L, _I, _P), stream, shared, pdl=True)  # fmt: skip
+
+            launch_all()
+            us = time_in_graph(stream, launch_all, len(buffers))
+            print(f"{label:<10} {'tiled' if tiled else 'rows':<6} {us:>8.2f} {nbytes / us / 1e6:>6.2f}")
 
 
 if __name__ == "__main__":
