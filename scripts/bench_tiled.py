@@ -23,9 +23,8 @@ from infero.backends.cuda.tensor import QuantWeight, from_host
 from infero.checkpoint.synthetic import random_blocks
 from infero.checkpoint.tensor_types import GGMLType
 
-Q4_K = int(GGMLType.Q4_K)
+Q4_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q6_K)
 COPIES = 3  # of each matrix, launched in turn: past the L2
-Q6_K = int(GGMLType.Q6_K)
 GLU = {tiled: f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}, {str(tiled).lower()}>" for tiled in (False, True)}
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 QKV_WARPS, QKV_STAGES = 4, 2  # mma_plan's for the 8B's 384 q/k/v tiles
