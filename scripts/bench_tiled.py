@@ -2,14 +2,14 @@
 
     python scripts/bench_tiled.py
 
-Tiled: each group of 8 rows stored pair of superblocks after pair ([rows / 8][pairs][8][288 bytes], the last pair
-and group zero-padded): the same bytes, reordered, so that each half of a ring stage (8 rows of one pair) is one
-contiguous 2,304-byte copy where the GGUF layout has 8 pieces of 288 bytes a row apart (matvec.cu's MmaCopy with
-TILED). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections (`matvec_mma_norm`, the plan's warps and
-stages), and q/k/v with rotary and the K/V write (`matvec_mma`, Q4_K q and k with Q6_K v: a Q6_K layer's, v in GGUF
-rows); each checked bitwise against the GGUF layout's launch, then both timed as `bench_norm_fold.py` times (a graph
-with PDL over copies past the L2, median of 7), twice in turn; microseconds a launch. The engine does not store this
-layout: the GEMM, the skinny GEMM and the embedding read the GGUF rows (docs/performance.md, "Next for batch 1").
+Tiled: each group of 8 rows stored pair of superblocks after pair ([rows / 8][pairs][8][288 bytes]): the same
+bytes, reordered, so that each half of a ring stage (8 rows of one pair) is one contiguous 2,304-byte copy where the
+GGUF layout has 8 pieces of 288 bytes a row apart (matvec.cu's MmaCopy; weight_layout.py stores it, and the same
+kernels read both layouts: Segments::tiled). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections
+(`matvec_mma_norm`, the plan's warps and stages), and q/k/v with rotary and the K/V write (`matvec_mma`, Q4_K q and k
+with Q6_K v: a Q6_K layer's, v in GGUF rows); each checked bitwise against the GGUF layout's launch, then both timed
+as `bench_norm_fold.py` times (a graph with PDL over copies past the L2, median of 7), twice in turn; microseconds a
+launch.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from bench_norm_fold import activation
 
 from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import QuantWeight, from_host
+from infero.backends.cuda.weight_layout import tiled_q4k
 from infero.checkpoint.synthetic import random_blocks
 from infero.checkpoint.tensor_types import GGMLType
 
 Q4_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q6_K)
 COPIES = 3  # of each matrix, launched in turn: past the L2
-GLU = {tiled: f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}, {str(tiled).lower()}>" for tiled in (False, True)}
+GLU = f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}>"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 QKV_WARPS, QKV_STAGES = 4, 2  # mma_plan's for the 8B's 384 q/k/v tiles
-QKV = {tiled: f"matvec_mma<{Q4_K}, 1, {QKV_WARPS}, {QKV_STAGES}, true, {Q6_K}, {str(tiled).lower()}>"
-       for tiled in (False, True)}  # fmt: skip
+QKV = f"matvec_mma<{Q4_K}, 1, {QKV_WARPS}, {QKV_STAGES}, true, {Q6_K}>"
 NORMS = [(4096, 14336), (4096, 4096)]  # the 8B's down and o projections (rows, cols)
 
 
@@ -37,24 +37,15 @@ def norm_shape(rows: int, cols: int) -> tuple[int, int, int]:
     return matvec._norm_launch(Q4_K, rows, cols, 1)  # warps a tile, stages, dynamic shared memory
 
 
-def norm_name(rows: int, cols: int, tiled: bool) -> str:
+def norm_name(rows: int, cols: int) -> str:
     warps, stages, _ = norm_shape(rows, cols)
-    return f"matvec_mma_norm<{Q4_K}, 1, {warps}, {stages}, {str(tiled).lower()}>"
-
-
-def tiled_layout(raw: np.ndarray) -> np.ndarray:
-    """Q4_K rows [rows, 144 nsb] as [rows / 8][pairs][8][288] (rows rounded up to 8, nsb to even, zero-padded)."""
-    rows, nbytes = raw.shape
-    pairs, groups = (nbytes // 144 + 1) // 2, -(-rows // 8)
-    padded = np.zeros((8 * groups, 288 * pairs), np.uint8)
-    padded[:rows, :nbytes] = raw
-    return np.ascontiguousarray(padded.reshape(groups, 8, pairs, 288).transpose(0, 2, 1, 3)).reshape(8 * groups, -1)
+    return f"matvec_mma_norm<{Q4_K}, 1, {warps}, {stages}>"
 
 
 def both_layouts(rows: int, cols: int, rng) -> dict[bool, QuantWeight]:
     raw = random_blocks(Q4_K, rows, cols, rng, 0.02)
     return {False: QuantWeight(from_host(raw), Q4_K, rows, cols),
-            True: QuantWeight(from_host(tiled_layout(raw)), Q4_K, rows, cols)}  # fmt: skip
+            True: QuantWeight(from_host(tiled_q4k(raw)), Q4_K, rows, cols, tiled=True)}  # fmt: skip
 
 
 def compare(label: str, launch, outputs, reset, launches: int) -> None:
@@ -76,8 +67,7 @@ def compare(label: str, launch, outputs, reset, launches: int) -> None:
 
 
 def main() -> None:
-    norms = [norm_name(r, c, t) for r, c in NORMS for t in (False, True)]
-    runtime.declare(matvec.SOURCE, list(GLU.values()) + list(QKV.values()) + norms)
+    runtime.declare(matvec.SOURCE, [GLU, QKV] + [norm_name(r, c) for r, c in NORMS])
     stream, rng = runtime.stream(), np.random.default_rng(0)
     print(f"{'kernel':<34} {'rows us':>8} {'tiled us':>9} {'diff':>7}   (rows / tiled / rows / tiled)")
 
@@ -91,7 +81,7 @@ def main() -> None:
     shared = matvec._glu_shared(Q4_K, 1, cols, True)
 
     def glu(tiled: bool, copies: int) -> None:
-        fn = matvec._kernel(GLU[tiled])
+        fn = matvec._kernel(GLU)
         matvec._allow_shared(fn, shared)
         for gate, up in zip(gates[:copies], ups[:copies], strict=True):
             args = (matvec.segments([out, out], [gate[tiled], up[tiled]], [None, None]), x.q.ptr, x.s.ptr, 1, cols,
@@ -111,7 +101,7 @@ def main() -> None:
 
         def norm_launch(tiled: bool, copies: int, rows=rows, cols=cols, weights=weights, x=x, y=y, residual=residual,
                         norm=norm, warps=warps, shared=shared) -> None:  # fmt: skip
-            fn = matvec._kernel(norm_name(rows, cols, tiled))
+            fn = matvec._kernel(norm_name(rows, cols))
             matvec._allow_shared(fn, shared)
             for w in weights[:copies]:
                 args = (matvec.segments([residual], [w[tiled]], [None]), x.q.ptr, x.s.ptr, 1, cols,
@@ -147,7 +137,7 @@ def qkv(stream, rng) -> None:
     shared = matvec.mma_shared(Q4_K, QKV_WARPS, QKV_STAGES, 1, cols, Q6_K, deferred=True)
 
     def launch(tiled: bool, copies: int) -> None:
-        fn = matvec._kernel(QKV[tiled])
+        fn = matvec._kernel(QKV)
         matvec._allow_shared(fn, shared)
         for q, k, v in weights[:copies]:
             args = (matvec.segments(outs, [q[tiled], k[tiled], v], [None] * 3), x.q.ptr, x.s.ptr, 1, cols,

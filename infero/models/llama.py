@@ -57,12 +57,12 @@ class LlamaModel:
         """Hand every tensor to the backend (which keeps or decodes it) and build the model."""
         config, tensors = checkpoint.config, checkpoint.tensors
 
-        def weight(name: str, optional: bool = False):
+        def weight(name: str, optional: bool = False, gathered: bool = False):
             if name not in tensors:
                 if optional:
                     return None
                 raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
-            w = ops.weight(tensors[name])
+            w = ops.weight(tensors[name], gathered=gathered)
             if progress is not None:
                 progress(tensors[name].nbytes)
             return w
@@ -88,7 +88,7 @@ class LlamaModel:
                     k_norm=weight(p + "attn_k_norm.weight", optional=True),
                 )
             )
-        embedding = weight("token_embd.weight")
+        embedding = weight("token_embd.weight", gathered=True)  # its rows are looked up by token id
         output = embedding if config.tie_word_embeddings else weight("output.weight")
         freq_factors = tensors.get("rope_freqs.weight")
         rotary = build_rotary(config, None if freq_factors is None else dequantize_tensor(freq_factors))

@@ -98,6 +98,27 @@ def test_decode_steps_fold_the_norms_into_the_projections_before_them(gpu, model
     assert rel_err(decode, ref) < 2e-2 and ok and rel_err(decode, whole) < 5e-3
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_q4k_linear_layers_are_stored_tiled_and_track_numpy(gpu, models, tied):
+    """Every Q4_K linear layer of whole 16-row tiles and superblock pairs is stored tiled (weight_layout.py) and read
+    so by prefill (the GEMM) and decode (the fused mat-vecs; the skinny GEMM: test_weight_layout.py); the embedding
+    table keeps its rows, and so does a head tied to it."""
+    shape = TinyShape(hidden=512, ffn=1024, head_dim=128, tied=tied)
+    path = write_tiny_model(models / f"tiled-{tied}.gguf", Q.Q4_K, shape, seed=23)
+    llm = LLM(path, device="cuda")
+    model = llm.model
+    layer = model.layers[0]
+    assert all(w.tiled for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
+    assert not model.embedding.tiled and (model.output is model.embedding) == tied
+    ref = logits_of(LLM(path, device="cpu"), PROMPT)
+    whole = logits_of(llm, PROMPT)
+    decode = logits_of(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
+    ok, agreement = top1_agreement(decode, ref)
+    print(f"tiled Q4_K (tied head: {tied}): prefill {rel_err(whole, ref):.2e}, decode {rel_err(decode, ref):.2e} "
+          f"against numpy; top-1 agreement {agreement:.3f}")  # fmt: skip
+    assert rel_err(whole, ref) < 2e-2 and rel_err(decode, ref) < 2e-2 and ok and rel_err(decode, whole) < 5e-3
+
+
 def test_graph_replay_is_bit_identical_to_eager(gpu, models):
     path = write_tiny_model(models / "graphs.gguf", Q.Q6_K, seed=11)
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]

@@ -31,7 +31,7 @@ class CpuKVCache:
 class CpuOps:
     """The backend operations a model's forward pass is written against."""
 
-    def weight(self, tensor: TensorInfo) -> np.ndarray:
+    def weight(self, tensor: TensorInfo, gathered: bool = False) -> np.ndarray:
         return dequantize_tensor(tensor)
 
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ runtime.declare(SOURCE, [f"gemm<{t}, {bm}, {bn}>" for t in TYPES for bm, bn in T
 
 _CONVERT_THREADS = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_GEMM_ARG_TYPES = (_P, _P, _P, _P, _I, _I, _I, _I, _I)
+_GEMM_ARG_TYPES = (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _functions: dict[tuple[int, int, int], tuple[object | None, int]] = {}
 _num_sms: list[int] = []
@@ -135,7 +135,8 @@ def gemm(
     driver.launch(convert, (-(-groups // _CONVERT_THREADS),), (_CONVERT_THREADS,), (xh.ptr, x.ptr, n, cols, kp),
                   _CONVERT_ARG_TYPES, stream, pdl=True)  # fmt: skip
     row_bytes = weight.data.shape[1]
-    args = (out.ptr, weight.data.ptr, xh.ptr, bias.ptr if bias is not None else 0, n, rows, cols, kp, row_bytes)
+    args = (out.ptr, weight.data.ptr, xh.ptr, bias.ptr if bias is not None else 0, n, rows, cols, kp, row_bytes,
+            int(weight.tiled))  # fmt: skip
     grid = (-(-rows // chosen[0]) * -(-n // chosen[1]),)
     driver.launch(fn, grid, (threads(chosen),), args, _GEMM_ARG_TYPES, stream, shared=smem, pdl=True)
     workspace.offset = mark
@@ -150,6 +151,8 @@ def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: Device
         raise ValueError(f"gemm: {cols} columns is not a multiple of {max(layout.elements, 8)}")
     if weight.data.shape != (rows, cols // layout.elements * layout.bytes) or weight.data.dtype != np.uint8:
         raise ValueError(f"gemm: weight data {weight.data.shape} {weight.data.dtype} does not hold [{rows}, {cols}]")
+    if weight.tiled and (problem := weight.layout_error(TYPES, tiled_ok=True)):
+        raise ValueError(f"gemm: {problem}")
     if x.shape != (n, cols) or x.dtype != np.float32 or x.ptr % 16:
         raise ValueError(f"gemm: x must be float32 [{n}, {cols}], 16-byte aligned; got {x.shape} {x.dtype}")
     if out.shape != (n, rows) or out.dtype != np.float32:

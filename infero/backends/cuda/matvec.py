@@ -93,7 +93,7 @@ class Segments(ctypes.Structure):
     """matvec.cu's mv::Segments, passed to matvec_q by value (unused segments: rows 0)."""
 
     _fields_ = [("weight", _P * MAX_SEGMENTS), ("bias", _P * MAX_SEGMENTS), ("out", _P * MAX_SEGMENTS),
-                ("rows", _I * MAX_SEGMENTS)]  # fmt: skip
+                ("rows", _I * MAX_SEGMENTS), ("tiled", _I * MAX_SEGMENTS)]  # fmt: skip
 
 
 class Rope(ctypes.Structure):
@@ -248,7 +248,7 @@ def segments(outs: list[DeviceTensor], weights: list[QuantWeight], biases: list[
     """The Segments argument of matvec_q for these matrices (at most MAX_SEGMENTS)."""
     seg = Segments()
     for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
-        seg.weight[i], seg.out[i], seg.rows[i] = weight.data.ptr, out.ptr, weight.rows
+        seg.weight[i], seg.out[i], seg.rows[i], seg.tiled[i] = weight.data.ptr, out.ptr, weight.rows, weight.tiled
         seg.bias[i] = bias.ptr if bias is not None else None
     return seg
 
@@ -313,9 +313,10 @@ def mixes(types: tuple[int, ...], cols: int) -> bool:
 
 def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
     """Whether matvec_glu runs these gate and up projections for n tokens: one type on the tensor cores at their
-    width, the same shape, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
+    width, the same shape and layout, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
     t, cols, rows = gate.ggml_type, gate.cols, gate.rows
-    return (1 <= n <= 2 and (up.ggml_type, up.cols, up.rows) == (t, cols, rows) and rows % 32 == 0
+    same = (up.ggml_type, up.cols, up.rows, up.tiled) == (t, cols, rows, gate.tiled)
+    return (1 <= n <= 2 and same and rows % 32 == 0
             and takes_mma(t, cols) and _glu_shared(t, n, cols) + 16 * _MMA_PART_BYTES * n <= _shared_optin()
             )  # fmt: skip
 
@@ -679,7 +680,8 @@ def _check_many(
 def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: DeviceTensor | None) -> str | None:
     """What is wrong with these arguments, or None (messages are built only on failure)."""
     t, rows, cols = weight.ggml_type, weight.rows, weight.cols
-    if (error := weight.layout_error(FLOAT_TYPES + QUANT_TYPES)) is not None:
+    tiled_ok = weight.tiled and takes_mma(t, cols)  # matvec_mma's kernels read the tiled layout, matvec_q's not
+    if (error := weight.layout_error(FLOAT_TYPES + QUANT_TYPES, tiled_ok)) is not None:
         return error
     if len(x.shape) != 2 or x.shape[1] != cols:
         return f"x {x.shape} must be [n, {cols}]"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm
+from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm, weight_layout
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
@@ -134,8 +134,9 @@ class CudaOps:
     def stream(self):
         return self.backend.stream
 
-    def weight(self, tensor: TensorInfo):
-        """Matrices stay in their stored encoding; vectors (norms, biases) become float32."""
+    def weight(self, tensor: TensorInfo, gathered: bool = False):
+        """Matrices stay in their stored encoding (Q4_K linear layers tiled: weight_layout.py; gathered, a table whose
+        rows are looked up by token id, in GGUF rows); vectors (norms, biases) become float32."""
         if tensor.ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
@@ -143,8 +144,7 @@ class CudaOps:
         arena = self.backend.weights_arena
         if len(tensor.shape) == 2:
             rows, cols = tensor.shape
-            data = from_host(tensor.data.reshape(rows, -1), arena)
-            return QuantWeight(data, tensor.ggml_type, rows, cols)
+            return weight_layout.upload(tensor.data, tensor.ggml_type, rows, cols, arena, gathered)
         from infero.checkpoint.dequantize import dequantize_tensor
 
         values = dequantize_tensor(tensor) if tensor.ggml_type != GGMLType.F32 else tensor.data.view(np.float32)

@@ -33,7 +33,7 @@ runtime.declare(SOURCE, ["skinny_reduce"] + [f"skinny_x_to_f16<{t}>" for t in TY
                 + [f"skinny_gemm<{t}, {ni}>" for t in TYPES for ni in TILE_COUNTS])  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
+_GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
@@ -124,7 +124,8 @@ def skinny_gemm(
     bias_ptr = bias.ptr if bias is not None else 0
     mark = workspace.offset  # the partial sums are scratch, handed back after the launches (stream order)
     part = workspace.empty((s, n, rows), np.float32) if s > 1 else out
-    args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s)
+    args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s,
+            int(weight.tiled))  # fmt: skip
     driver.launch(_gemm_function(weight.ggml_type, n), (row_tiles * s,), (_THREADS,), args, _GEMM_ARG_TYPES,
                   stream, shared=shared_bytes(weight.ggml_type, n), pdl=True)  # fmt: skip
     if s > 1:
@@ -138,7 +139,7 @@ def _check(out: DeviceTensor, weight: QuantWeight, xa: DeviceTensor, bias: Devic
     n, rows, cols = out.shape[0], weight.rows, weight.cols
     if not supports(weight, n):
         raise ValueError(f"skinny_gemm: no kernel for type {weight.ggml_type} with {cols} columns at {n} tokens")
-    problem = weight.layout_error(TYPES)
+    problem = weight.layout_error(TYPES, tiled_ok=True)
     if problem:
         raise ValueError(f"skinny_gemm: {problem}")
     if out.shape != (n, rows) or out.dtype != np.float32:

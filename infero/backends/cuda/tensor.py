@@ -100,19 +100,23 @@ class Workspace:
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A weight matrix on the GPU exactly as GGUF stores it: rows of blocks of ggml_type, [rows, cols] logical."""
+    """A weight matrix on the GPU in its GGUF encoding, [rows, cols] logical: rows of blocks of ggml_type as GGUF
+    stores them, or, tiled, a Q4_K matrix's same bytes in the order the decode mat-vecs stream fastest
+    (weight_layout.py)."""
 
     data: DeviceTensor  # uint8 [rows, row_bytes]
     ggml_type: int
     rows: int
     cols: int
+    tiled: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
-    def layout_error(self, supported) -> str | None:
-        """What is wrong with the stored blocks for a kernel taking the `supported` types, or None."""
+    def layout_error(self, supported, tiled_ok: bool = False) -> str | None:
+        """What is wrong with the stored blocks for a kernel taking the `supported` types (and, tiled_ok, the tiled
+        layout), or None."""
         from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType
 
         t, rows, cols = self.ggml_type, self.rows, self.cols
@@ -125,4 +129,8 @@ class QuantWeight:
             return f"data {self.data.dtype} {self.data.shape} does not hold [{rows}, {cols}] of type {t}"
         if self.data.ptr % 16:
             return "weight data must be 16-byte aligned"
+        if self.tiled and not tiled_ok:
+            return "this kernel reads GGUF rows, not the tiled layout"
+        if self.tiled and (t != GGMLType.Q4_K or rows % 16 or cols % 512):
+            return f"the tiled layout holds Q4_K of 16-row tiles and superblock pairs, not type {t} [{rows}, {cols}]"
         return None

@@ -2,7 +2,8 @@
 //
 // Layouts. x: float32 [n, cols] row-major; gemm_x_to_f16 first writes it as fp16 [n, kp] into the workspace
 // (kp = cols rounded up to 64, the tail zero-filled). W: GGUF blocks of type T, [rows, row_bytes] row-major,
-// exactly as the file stores them. bias: float32 [rows] or null. out: float32 [n, rows] row-major.
+// exactly as the file stores them, or (Q4_K, tiled) in quant.cuh's tiled layout. bias: float32 [rows] or null.
+// out: float32 [n, rows] row-major.
 //
 // Tiling. A block computes BM weight rows x BN tokens: 128 x 128 and 128 x 256 (8 / 16 warps of 64 x 32) for
 // large batches, 32 x 64 and 16 x 64 (4 warps of 32 x 16 / 16 x 16) for small ones; the launcher picks by
@@ -123,7 +124,7 @@ extern "C" __global__ void gemm_x_to_f16(unsigned short* __restrict__ xh, const 
 template <int T, int BM, int BN>
 __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     gemm(float* __restrict__ out, const uint8_t* __restrict__ weight, const unsigned short* __restrict__ xh,
-         const float* __restrict__ bias, int n, int rows, int cols, int kp, int row_bytes) {
+         const float* __restrict__ bias, int n, int rows, int cols, int kp, int row_bytes, int tiled) {
   using namespace gemm_detail;
   using namespace tc;
   using Raw = RawStage<T>;
@@ -165,8 +166,9 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     for (int i = tid; i < BM * Raw::CHUNKS; i += THREADS) {  // not unrolled: up to 28 chunks a thread
       const int rr = i / Raw::CHUNKS, c = i - rr * Raw::CHUNKS;
       const int grow = min(row0 + rr, rows - 1);
-      const char* row = reinterpret_cast<const char*>(weight) + (long long)grow * row_bytes;
-      const unsigned long long a = reinterpret_cast<unsigned long long>(row + (long long)r * Raw::BYTES);
+      const long long at = T == GGML_Q4_K && tiled ? tiled_q4k_offset(grow, r, row_bytes)  // r: the superblock
+                                                   : (long long)grow * row_bytes + (long long)r * Raw::BYTES;
+      const unsigned long long a = reinterpret_cast<unsigned long long>(weight) + at;
       const unsigned long long src = (a & ~(unsigned long long)(Raw::CHUNK - 1)) + c * Raw::CHUNK;
       if (src < a + len) cp_async<Raw::CHUNK>(dst + rr * Raw::STRIDE + c * Raw::CHUNK, reinterpret_cast<const void*>(src));
     }

@@ -630,6 +630,7 @@ struct Segments {
   const float* bias[MAX_SEGMENTS];
   float* out[MAX_SEGMENTS];
   int rows[MAX_SEGMENTS];
+  int tiled[MAX_SEGMENTS];  // Q4_K in MmaCopy's tiled layout (read by matvec_mma's kernels only; 0 elsewhere)
 };
 
 template <class V>
@@ -1179,34 +1180,30 @@ using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
 // bytes of each of 4 rows an instruction instead ran 2-6% slower on Q6_K). A slot's row and offset are fixed per
 // lane, so each copy is the pair's offset plus a precomputed one: ~3 instructions a copy where recomputing the
 // piece's row and address took ~17 (a third of Q6_K's loop).
-// TILED (Q4_K): the weights stored as [rows / 8][pairs][8][F::ROW bytes] (each group of 8 rows pair after pair, the
-// last pair and group zero-padded; row_bytes still the GGUF row's), so that each half of a stage is one contiguous
-// copy of 8 F::ROW bytes: on the H200 (three machine starts) the 8B's gate + up -1.6 to -2.1 us of ~25, its down
-// -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of ~6.6, bitwise the same sums (scripts/bench_tiled.py). The engine keeps
-// the GGUF rows until its other readers of Q4_K (the GEMM, the skinny GEMM, the embedding) take the layout too
-// (docs/performance.md, "Next for batch 1").
-template <class F, bool TILED = false>
+// Tiled (Q4_K, chosen per segment at run time: Segments::tiled): the weights stored as [rows / 8][pairs][8][F::ROW
+// bytes], each group of 8 rows pair after pair (the same bytes as the GGUF rows, reordered when the weights are
+// loaded; rows a multiple of 16 and an even count of superblocks, so a group is 8 row_bytes and nothing is padded:
+// cuda/weight_layout.py), so that each half of a stage is one contiguous copy of 8 F::ROW bytes: on the H200 (three
+// machine starts) the 8B's gate + up -1.6 to -2.1 us of ~25, its down -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of
+// ~6.6, bitwise the same sums (scripts/bench_tiled.py).
+template <class F>
 struct MmaCopy {
   static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
+  static constexpr bool TILES = F::ROW == 2 * F::SB_BYTES;  // Q4_K: a pair's rows are whole pieces
   static_assert(F::ROW == 16 * F::PIECES, "stage rows end to end");
-  static_assert(!TILED || F::ROW == 2 * F::SB_BYTES, "TILED: Q4_K (a pair's rows whole pieces)");
   const uint8_t* base[2];  // the tile's first row of each half (m-rows 0 and 8)
   unsigned off[SLOTS];     // slot i's piece: bytes past its half's base (under 8 rows: 32 bits hold it)
   unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
-
-  // TILED: the bytes of a group of 8 rows.
-  __device__ static long long group_bytes(long long row_bytes) {
-    return 8LL * F::ROW * ((row_bytes / F::SB_BYTES + 1) / 2);
-  }
+  unsigned pair_bytes;     // TILES: from one pair of a half's rows to the next (F::ROW, or tiled 8 F::ROW)
 
   // Half h's rows from weight_h (the same matrix, or gate and up for matvec_mma_glu).
   __device__ MmaCopy(const uint8_t* weight0, const uint8_t* weight1, int base0, int base1, int rows, long long row_bytes,
-                     int lane) {
-    if constexpr (TILED) {  // half h's rows (base_h a multiple of 8): one group, a pair 8 F::ROW bytes
-      const long long group = group_bytes(row_bytes);
-      base[0] = weight0 + (long long)(base0 / 8) * group;
-      base[1] = weight1 + (long long)(base1 / 8) * group;
+                     int lane, bool tiled) {
+    if (TILES && tiled) {  // half h's rows (base_h a multiple of 8): one group, its first byte base_h row_bytes on
+      base[0] = weight0 + (long long)base0 * row_bytes;
+      base[1] = weight1 + (long long)base1 * row_bytes;
       low = ~0u;
+      pair_bytes = 8 * F::ROW;
 #pragma unroll
       for (int i = 0; i < SLOTS; ++i) {
         const int piece = lane + 32 * i;
@@ -1214,6 +1211,7 @@ struct MmaCopy {
       }
       return;
     }
+    pair_bytes = F::ROW;
     const int first0 = min(base0, rows - 1), first1 = min(base1, rows - 1);
     base[0] = weight0 + (long long)first0 * row_bytes;
     base[1] = weight1 + (long long)first1 * row_bytes;
@@ -1227,10 +1225,11 @@ struct MmaCopy {
     }
   }
 
-  // shift: bytes past the tile's rows (another tile of the same rows' layout: matvec_mma_glu's split).
+  // shift: bytes past the tile's rows (another tile of the same rows' layout: matvec_mma_glu's split). A tiled
+  // matrix's pairs are all full (an even count of superblocks).
   __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane, long long shift = 0) const {
-    const long long at = (TILED ? 8LL * F::ROW * p : F::at(p)) + shift;
-    const bool full = TILED || F::full(p, row_bytes);
+    const long long at = (TILES ? (long long)pair_bytes * p : F::at(p)) + shift;
+    const bool full = F::full(p, row_bytes);
     const uint8_t *h0 = base[0] + at, *h1 = base[1] + at;
     const unsigned s = tc::smem_addr(stage) + 16 * lane;
 #pragma unroll
@@ -1374,17 +1373,18 @@ __device__ __forceinline__ Group whole_block() { return Group{(int)threadIdx.x, 
 
 // The work of matvec_mma's block `tile` of segment s (format F; STAGE: the bytes of a ring stage, the launch's
 // largest), in two steps: first_copies (before the PDL wait) and rest (after the activation is staged).
-template <class F, int N, int W, int STAGES, bool ROPE, int STAGE, bool TILED = false>
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 struct TileWork {
   static constexpr int TILES = (N + 3) / 4, TPT = N < 4 ? N : 4;  // mma column tiles; tokens in each (= combinations)
   int base0, base1, p0, count;
-  MmaCopy<F, TILED> copy;
+  MmaCopy<F> copy;
 
   __device__ __forceinline__ TileWork(const Segments& seg, const Rope& rope, int cols, long long row_bytes, int s,
                                       int tile, int warp, int lane)
       : base0(bases(rope, s, tile).x),
         base1(bases(rope, s, tile).y),
-        copy(pick(seg.weight, s), pick(seg.weight, s), base0, base1, pick(seg.rows, s), row_bytes, lane) {
+        copy(pick(seg.weight, s), pick(seg.weight, s), base0, base1, pick(seg.rows, s), row_bytes, lane,
+             pick(seg.tiled, s)) {
     warp_pairs<W>(warp, cols / 256, p0, count);
   }
 
@@ -1455,12 +1455,12 @@ __device__ __forceinline__ int2 segment_tile(const Segments& seg, int b) {
 }  // namespace mv
 
 // The tile of 16 rows at (segment s, tile) in format F; STAGE: the bytes of a ring stage (the launch's largest).
-template <class F, int N, int W, int STAGES, bool ROPE, int STAGE, bool TILED = false>
+template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
                                          float (&part)[W][2][N][16]) {
-  using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE, TILED>;
+  using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
@@ -1478,9 +1478,8 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
 // T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
 // Q4_K_M's Q6_K layers of v). grid: the segments' tiles of 16 rows one after another (a neox-rotated segment:
 // head_dim / 16 tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * (the larger F::ROW) bytes,
-// plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums). TILED: type T's
-// segments in MmaCopy's tiled layout (T2's in GGUF rows).
-template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T, bool TILED = false>
+// plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums).
+template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T>
 __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                     int n, int cols, long long row_bytes,
@@ -1501,8 +1500,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
       return;
     }
   }
-  mma_tile<F, N, W, STAGES, ROPE, STAGE, TILED>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, st.x, st.y,
-                                                part);
+  mma_tile<F, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes, rope, deferred, norm_eps, st.x, st.y, part);
 }
 
 // matvec_mma_glu<T>: a decode step's gate and up projections (segments 0 and 1, the same type, width and rows) and
@@ -1524,19 +1522,17 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // for a deferred norm's sums); rows % 32 == 0.
 namespace mv {
 
-template <class F, int N, int STAGES, bool TILED = false>
+template <class F, int N, int STAGES>
 struct GluWork {
   static constexpr int W = 4, STAGE = 16 * F::ROW, TILES = 1, TPT = N;
   int count, items;   // a tile's pairs for this warp (w, w + 4, ...), and all four tiles' (items)
-  MmaCopy<F, TILED> copy;
-  // From a tile's rows to the next tile's (8 rows on).
-  __device__ static long long tile_bytes(long long row_bytes) {
-    return TILED ? MmaCopy<F, TILED>::group_bytes(row_bytes) : 8 * row_bytes;
-  }
+  MmaCopy<F> copy;
+  // From a tile's rows to the next tile's (8 rows on; in the tiled layout the next group's, 8 row_bytes on as well).
+  __device__ static long long tile_bytes(long long row_bytes) { return 8 * row_bytes; }
 
   __device__ __forceinline__ GluWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
                                      int lane)
-      : copy(seg.weight[0], seg.weight[1], 32 * block, 32 * block, seg.rows[0], row_bytes, lane) {
+      : copy(seg.weight[0], seg.weight[1], 32 * block, 32 * block, seg.rows[0], row_bytes, lane, seg.tiled[0]) {
     const int pairs = (cols / 256 + 1) / 2;
     count = (pairs - warp + W - 1) / W;
     items = 4 * count;
@@ -1624,7 +1620,7 @@ struct GluWork {
 
 }  // namespace mv
 
-template <int T, int N, int STAGES, bool TILED = false>
+template <int T, int N, int STAGES>
 __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                      int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
@@ -1632,7 +1628,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  using Work = mv::GluWork<F, N, STAGES, TILED>;
+  using Work = mv::GluWork<F, N, STAGES>;
   __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -1663,17 +1659,17 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 namespace mv {
 
-template <class F, int N, int W, int STAGES, bool TILED = false>
+template <class F, int N, int W, int STAGES>
 struct NormWork {
   static constexpr int STAGE = 16 * F::ROW, TILES = 1, TPT = N;
   int p0, count;
-  MmaCopy<F, TILED> copy;
+  MmaCopy<F> copy;
 
   // warp: of the block's 2 W (tile warp / W, its warp warp % W).
   __device__ __forceinline__ NormWork(const Segments& seg, int cols, long long row_bytes, int block, int warp,
                                       int lane)
       : copy(seg.weight[0], seg.weight[0], 32 * block + 16 * (warp / W), 32 * block + 16 * (warp / W) + 8,
-             seg.rows[0], row_bytes, lane) {
+             seg.rows[0], row_bytes, lane, seg.tiled[0]) {
     warp_pairs<W>(warp % W, cols / 256, p0, count);
   }
 
@@ -1717,7 +1713,7 @@ struct NormWork {
 
 }  // namespace mv
 
-template <int T, int N, int W, int STAGES, bool TILED = false>
+template <int T, int N, int W, int STAGES>
 __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant__ mv::Segments seg,
                                                          const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                          int n, int cols, long long row_bytes,
@@ -1728,7 +1724,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
-  using Work = mv::NormWork<F, N, W, STAGES, TILED>;
+  using Work = mv::NormWork<F, N, W, STAGES>;
   __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;

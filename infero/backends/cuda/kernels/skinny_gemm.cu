@@ -37,6 +37,7 @@
 // (tests/cuda/test_skinny_gemm.py).
 //
 // Rows past `rows` reload the last row and are not stored; tokens past n are zero columns of x and not stored.
+// Q4_K weights may be stored in quant.cuh's tiled layout instead of GGUF rows (tiled: the launcher says which).
 //
 // Speed on the H200 (scripts/bench_skinny.py, llama-3.1-8b shapes): Q4_K 14336 x 4096 21.5 us at 1-8 tokens, 30
 // us at 32 (1.1-1.5 TB/s of weights), vs 47 / 90 us before (batched mat-vec / gemm.cu); flat in n up to ~16:
@@ -303,7 +304,7 @@ template <int T, int NI>
 __global__ void __launch_bounds__(sk::WARPS * 32)
     skinny_gemm(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
                 const uint4* __restrict__ xa, const float* __restrict__ bias, int n, int rows, int cols,
-                int row_bytes, int splits) {
+                int row_bytes, int splits, int tiled) {
   using namespace sk;
   using F = Fmt<T>;
   constexpr int RW = F::ROWS_PER_WARP, MI = RW / 16, RPL = 2 * MI, BLOCK_ROWS = WARPS * RW;
@@ -316,10 +317,14 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
   const int row0 = tile * BLOCK_ROWS + warp * RW;
 
-  // Lane rows: g, g + 8 (MMA tile 0), g + 16, g + 24 (tile 1) of the warp's rows.
+  // Lane rows: g, g + 8 (MMA tile 0), g + 16, g + 24 (tile 1) of the warp's rows; rowp: superblock 0 of each.
+  const bool tiled_q4k = T == GGML_Q4_K && tiled;
   const uint8_t* rowp[RPL];
 #pragma unroll
-  for (int r = 0; r < RPL; ++r) rowp[r] = weight + (long long)min(row0 + 8 * r + g, rows - 1) * row_bytes;
+  for (int r = 0; r < RPL; ++r) {
+    const int row = min(row0 + 8 * r + g, rows - 1);
+    rowp[r] = weight + (tiled_q4k ? tiled_q4k_offset(row, 0, row_bytes) : (long long)row * row_bytes);
+  }
 
   typename F::Raw raw[2][RPL];
   float acc[MI][NI][4];
@@ -331,8 +336,9 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
       for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
 
   auto fetch = [&](typename F::Raw (&rw)[RPL], int sb) {
+    const long long at = tiled_q4k ? tiled_q4k_offset(0, sb, row_bytes) : (long long)sb * F::BYTES;
 #pragma unroll
-    for (int r = 0; r < RPL; ++r) F::fetch(rw[r], rowp[r] + (long long)sb * F::BYTES, c);
+    for (int r = 0; r < RPL; ++r) F::fetch(rw[r], rowp[r] + at, c);
   };
   auto load_x = [&](int sb, int buf) {
     const uint4* src = xa + (long long)sb * X_SLOTS;
