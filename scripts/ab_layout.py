@@ -1,10 +1,11 @@
-"""A model's Q4_K linear layers tiled (weight_layout.py) against the same model in GGUF rows, inside the batch-1
+"""A model's Q4_K and Q6_K linear layers tiled (weight_layout.py) against the same model in GGUF rows (or only its
+matrices of the types named by --rows) inside the batch-1
 decode step (GPU machine): both loaded in one process, first checked bitwise (the logits of prefills, which the
 GEMM runs, of a step of 3 sequences (the skinny GEMM) and of decode steps (the fused mat-vecs)), then their steps'
 GPU times alternated (bench/decode.py's graph_step_timer), so that the drift between measurements falls on
 both alike.
 
-    python scripts/ab_layout.py --model FILE.gguf [--repeats 8]
+    python scripts/ab_layout.py --model FILE.gguf [--rows Q6_K] [--repeats 8]
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import numpy as np
 from infero import LLM
 from infero.backends.cuda import weight_layout
 from infero.bench.decode import BLOCK_SIZE, graph_step_timer
+from infero.checkpoint.tensor_types import GGMLType
 from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.engine import EngineConfig
 from infero.models import load_model
 
 
-def rows_copy(llm: LLM) -> LLM:
-    """llm with its model loaded again, every matrix in GGUF rows."""
+def rows_copy(llm: LLM, types: set[int] | None) -> LLM:
+    """llm with its model loaded again, its matrices of these types (None: all) in GGUF rows."""
     tiles = weight_layout.tiles
-    weight_layout.tiles = lambda *args: False
+    weight_layout.tiles = lambda t, rows, cols: types is not None and t not in types and tiles(t, rows, cols)
     try:
         other = copy.copy(llm)
         other.model = load_model(llm.checkpoint, llm.backend.ops)
@@ -54,14 +56,17 @@ def logits(llm: LLM, ids: list[int]) -> list[np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
+    parser.add_argument("--rows", help="comma-separated types the other model keeps in rows (default: all)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     tiled = LLM(args.model, device="cuda", engine_config=EngineConfig(kv_cache_bytes=1 << 30))
-    rows = rows_copy(tiled)
-    layer = tiled.model.layers[0]
-    count = sum(w.tiled for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
-    print(f"layer 0: {count} of 7 matrices tiled")
+    types = None if args.rows is None else {int(GGMLType[name]) for name in args.rows.split(",")}
+    rows = rows_copy(tiled, types)
+    for name, llm in (("tiled", tiled), ("rows", rows)):
+        layer = llm.model.layers[0]
+        count = sum(w.tiled for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
+        print(f"{name}: layer 0 has {count} of 7 matrices tiled; the head tiled: {llm.model.output.tiled}")
     ids = np.random.default_rng(0).integers(0, tiled.config.vocab_size, size=130).tolist()
     for i, (a, b) in enumerate(zip(logits(tiled, ids), logits(rows, ids), strict=True)):
         if not np.array_equal(a.view(np.uint32), b.view(np.uint32)):

@@ -1,15 +1,15 @@
-"""The decode mat-vecs over Q4_K weights in a tiled layout against the GGUF rows (GPU machine), one token:
+"""The decode mat-vecs over Q4_K and Q6_K weights in the tiled layout against the GGUF rows (GPU machine), one token:
 
     python scripts/bench_tiled.py
 
-Tiled: each group of 8 rows stored pair of superblocks after pair ([rows / 8][pairs][8][288 bytes]): the same
-bytes, reordered, so that each half of a ring stage (8 rows of one pair) is one contiguous 2,304-byte copy where the
-GGUF layout has 8 pieces of 288 bytes a row apart (matvec.cu's MmaCopy; weight_layout.py stores it, and the same
-kernels read both layouts: Segments::tiled). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections
-(`matvec_mma_norm`, the plan's warps and stages), and q/k/v with rotary and the K/V write (`matvec_mma`, Q4_K q and k
-with Q6_K v: a Q6_K layer's, v in GGUF rows); each checked bitwise against the GGUF layout's launch, then both timed
-as `bench_norm_fold.py` times (a graph with PDL over copies past the L2, median of 7), twice in turn; microseconds a
-launch.
+Tiled (weight_layout.py): each group of 8 rows stored superblock pair after pair ([rows / 8][pairs][8][2 slots], a
+slot a superblock: Q4_K's 144 bytes, Q6_K's 210 and 6 zero bytes), so that each half of a ring stage (8 rows of one
+pair) is one contiguous copy where the GGUF layout has 8 pieces a row apart (matvec.cu's MmaCopy; the same kernels
+read both layouts: Segments::tiled). llama-3.1-8b's gate + up (`matvec_mma_glu`), down and o projections
+(`matvec_mma_norm`, the plan's warps and stages; its downs in Q4_K and Q6_K), and q/k/v with rotary and the K/V write
+(`matvec_mma`, Q4_K q and k with Q6_K v: a Q6_K layer's); each checked bitwise against the GGUF layout's launch,
+then both timed as `bench_norm_fold.py` times (a graph with PDL over copies past the L2, median of 7), twice in turn;
+microseconds a launch.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import numpy as np
 from bench_matvec import time_in_graph
 from bench_norm_fold import activation
 
-from infero.backends.cuda import driver, matvec, runtime
+from infero.backends.cuda import driver, matvec, runtime, weight_layout
 from infero.backends.cuda.tensor import QuantWeight, from_host
-from infero.backends.cuda.weight_layout import tiled_q4k
 from infero.checkpoint.synthetic import random_blocks
 from infero.checkpoint.tensor_types import GGMLType
 
@@ -30,22 +29,22 @@ GLU = f"matvec_mma_glu<{Q4_K}, 1, {matvec.GLU_STAGES}>"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 QKV_WARPS, QKV_STAGES = 4, 2  # mma_plan's for the 8B's 384 q/k/v tiles
 QKV = f"matvec_mma<{Q4_K}, 1, {QKV_WARPS}, {QKV_STAGES}, true, {Q6_K}>"
-NORMS = [(4096, 14336), (4096, 4096)]  # the 8B's down and o projections (rows, cols)
+NORMS = [(Q4_K, 4096, 14336), (Q6_K, 4096, 14336), (Q4_K, 4096, 4096)]  # the 8B's downs and o (type, rows, cols)
 
 
-def norm_shape(rows: int, cols: int) -> tuple[int, int, int]:
-    return matvec._norm_launch(Q4_K, rows, cols, 1)  # warps a tile, stages, dynamic shared memory
+def norm_shape(t: int, rows: int, cols: int) -> tuple[int, int, int]:
+    return matvec._norm_launch(t, rows, cols, 1)  # warps a tile, stages, dynamic shared memory
 
 
-def norm_name(rows: int, cols: int) -> str:
-    warps, stages, _ = norm_shape(rows, cols)
-    return f"matvec_mma_norm<{Q4_K}, 1, {warps}, {stages}>"
+def norm_name(t: int, rows: int, cols: int) -> str:
+    warps, stages, _ = norm_shape(t, rows, cols)
+    return f"matvec_mma_norm<{t}, 1, {warps}, {stages}>"
 
 
-def both_layouts(rows: int, cols: int, rng) -> dict[bool, QuantWeight]:
-    raw = random_blocks(Q4_K, rows, cols, rng, 0.02)
-    return {False: QuantWeight(from_host(raw), Q4_K, rows, cols),
-            True: QuantWeight(from_host(tiled_q4k(raw)), Q4_K, rows, cols, tiled=True)}  # fmt: skip
+def both_layouts(t: int, rows: int, cols: int, rng) -> dict[bool, QuantWeight]:
+    raw = random_blocks(t, rows, cols, rng, 0.02)
+    return {False: QuantWeight(from_host(raw), t, rows, cols),
+            True: QuantWeight(from_host(weight_layout.tiled(raw, t)), t, rows, cols, tiled=True)}  # fmt: skip
 
 
 def compare(label: str, launch, outputs, reset, launches: int) -> None:
@@ -67,13 +66,13 @@ def compare(label: str, launch, outputs, reset, launches: int) -> None:
 
 
 def main() -> None:
-    runtime.declare(matvec.SOURCE, [GLU, QKV] + [norm_name(r, c) for r, c in NORMS])
+    runtime.declare(matvec.SOURCE, [GLU, QKV] + [norm_name(*shape) for shape in NORMS])
     stream, rng = runtime.stream(), np.random.default_rng(0)
     print(f"{'kernel':<34} {'rows us':>8} {'tiled us':>9} {'diff':>7}   (rows / tiled / rows / tiled)")
 
     rows, cols = 14336, 4096
-    gates = [both_layouts(rows, cols, rng) for _ in range(COPIES)]
-    ups = [both_layouts(rows, cols, rng) for _ in range(COPIES)]
+    gates = [both_layouts(Q4_K, rows, cols, rng) for _ in range(COPIES)]
+    ups = [both_layouts(Q4_K, rows, cols, rng) for _ in range(COPIES)]
     x = activation(1, cols, True)
     matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
     driver.copy_host_to_device(x.norm_ss.ptr, np.full((1, cols // 32), 32.0, np.float32))
@@ -90,39 +89,40 @@ def main() -> None:
 
     compare(f"gate + up {rows}+{rows} x {cols}", glu, [out, y.q, y.s], stream.synchronize, COPIES)
 
-    for rows, cols in NORMS:
-        weights = [both_layouts(rows, cols, rng) for _ in range(2 * COPIES)]
+    for t, rows, cols in NORMS:
+        weights = [both_layouts(t, rows, cols, rng) for _ in range(2 * COPIES)]
         x = activation(1, cols, False)
         matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
         residual0 = rng.normal(0, 3, size=(1, rows)).astype(np.float32)
         residual, norm = from_host(residual0), from_host(rng.uniform(0.5, 2, size=rows).astype(np.float32))
         y = activation(1, rows, True)
-        warps, _, shared = norm_shape(rows, cols)
+        warps, _, shared = norm_shape(t, rows, cols)
 
-        def norm_launch(tiled: bool, copies: int, rows=rows, cols=cols, weights=weights, x=x, y=y, residual=residual,
-                        norm=norm, warps=warps, shared=shared) -> None:  # fmt: skip
-            fn = matvec._kernel(norm_name(rows, cols))
+        def norm_launch(layout: bool, copies: int, t=t, rows=rows, cols=cols, weights=weights, x=x, y=y,
+                        residual=residual, norm=norm, warps=warps, shared=shared) -> None:  # fmt: skip
+            fn = matvec._kernel(norm_name(t, rows, cols))
             matvec._allow_shared(fn, shared)
             for w in weights[:copies]:
-                args = (matvec.segments([residual], [w[tiled]], [None]), x.q.ptr, x.s.ptr, 1, cols,
-                        w[False].data.shape[1], residual.ptr, norm.ptr, y.q.ptr, y.s.ptr, y.norm_ss.ptr)  # fmt: skip
+                args = (matvec.segments([residual], [w[layout]], [None]), x.q.ptr, x.s.ptr, 1, cols,
+                        w[layout].data.shape[1], residual.ptr, norm.ptr, y.q.ptr, y.s.ptr, y.norm_ss.ptr)  # fmt: skip
                 driver.launch(fn, (rows // 32,), (64 * warps,), args, matvec._NORM_ARGS, stream, shared, pdl=True)
 
         def reset(residual=residual, residual0=residual0) -> None:
             stream.synchronize()
             driver.copy_host_to_device(residual.ptr, residual0)
 
-        compare(f"norm {rows} x {cols}", norm_launch, [residual, y.q, y.s, y.norm_ss], reset, 2 * COPIES)
+        compare(
+            f"norm {GGMLType(t).name} {rows} x {cols}", norm_launch, [residual, y.q, y.s, y.norm_ss], reset, 2 * COPIES
+        )
 
     qkv(stream, rng)
 
 
 def qkv(stream, rng) -> None:
-    """q/k/v with rotary and the K/V write, Q4_K q and k (tiled or not) with Q6_K v (GGUF rows): a Q6_K layer's."""
+    """q/k/v with rotary and the K/V write, Q4_K q and k with Q6_K v (a Q6_K layer's), all tiled or none."""
     cols, rows = 4096, (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
-    weights = [(both_layouts(rows[0], cols, rng), both_layouts(rows[1], cols, rng),
-                QuantWeight(from_host(random_blocks(Q6_K, rows[2], cols, rng, 0.02)), Q6_K, rows[2], cols))
-               for _ in range(2 * COPIES)]  # fmt: skip
+    weights = [(both_layouts(Q4_K, rows[0], cols, rng), both_layouts(Q4_K, rows[1], cols, rng),
+                both_layouts(Q6_K, rows[2], cols, rng)) for _ in range(2 * COPIES)]  # fmt: skip
     x = activation(1, cols, True)
     matvec.quantize(x.q, x.s, from_host(rng.normal(0, 1, size=(1, cols)).astype(np.float32)), stream)
     driver.copy_host_to_device(x.norm_ss.ptr, np.full((1, cols // 32), 32.0, np.float32))
@@ -136,11 +136,11 @@ def qkv(stream, rng) -> None:
     tiles = sum(rows) // 16
     shared = matvec.mma_shared(Q4_K, QKV_WARPS, QKV_STAGES, 1, cols, Q6_K, deferred=True)
 
-    def launch(tiled: bool, copies: int) -> None:
+    def launch(layout: bool, copies: int) -> None:
         fn = matvec._kernel(QKV)
         matvec._allow_shared(fn, shared)
         for q, k, v in weights[:copies]:
-            args = (matvec.segments(outs, [q[tiled], k[tiled], v], [None] * 3), x.q.ptr, x.s.ptr, 1, cols,
+            args = (matvec.segments(outs, [q[layout], k[layout], v[layout]], [None] * 3), x.q.ptr, x.s.ptr, 1, cols,
                     q[False].data.shape[1], rope, 1, x.eps)  # fmt: skip
             driver.launch(fn, (tiles,), (32 * QKV_WARPS,), args, matvec._MMA_ARGS, stream, shared, pdl=True)
 

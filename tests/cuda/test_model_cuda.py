@@ -98,13 +98,21 @@ def test_decode_steps_fold_the_norms_into_the_projections_before_them(gpu, model
     assert rel_err(decode, ref) < 2e-2 and ok and rel_err(decode, whole) < 5e-3
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_q4k_linear_layers_are_stored_tiled_and_track_numpy(gpu, models, tied):
-    """Every Q4_K linear layer of whole 16-row tiles and superblock pairs is stored tiled (weight_layout.py) and read
-    so by prefill (the GEMM) and decode (the fused mat-vecs; the skinny GEMM: test_weight_layout.py); the embedding
-    table keeps its rows, and so does a head tied to it."""
-    shape = TinyShape(hidden=512, ffn=1024, head_dim=128, tied=tied)
-    path = write_tiny_model(models / f"tiled-{tied}.gguf", Q.Q4_K, shape, seed=23)
+TILED_MODELS = [
+    (Q.Q4_K, TinyShape(hidden=512, ffn=1024, head_dim=128)),
+    (Q.Q4_K, TinyShape(hidden=512, ffn=1024, head_dim=128, tied=True)),
+    (Q.Q6_K, TinyShape(hidden=2048, ffn=2048, heads=16, head_dim=128)),  # Q6_K's tensor-core rows: 2048 wide
+]
+
+
+@pytest.mark.parametrize("qtype, shape", TILED_MODELS, ids=["Q4_K", "Q4_K-tied", "Q6_K"])
+def test_linear_layers_are_stored_tiled_and_track_numpy(gpu, models, qtype, shape):
+    """Every Q4_K and Q6_K linear layer of whole 16-row tiles and superblock pairs (and, Q6_K, rows the tensor-core
+    mat-vec takes) is stored tiled (weight_layout.py) and read so by prefill (the GEMM) and decode (the fused
+    mat-vecs; the skinny GEMM: test_weight_layout.py); the embedding table keeps its rows, and so does a head tied
+    to it."""
+    tied = shape.tied
+    path = write_tiny_model(models / f"tiled-{qtype.name}-{tied}.gguf", qtype, shape, seed=23)
     llm = LLM(path, device="cuda")
     model = llm.model
     layer = model.layers[0]
@@ -114,8 +122,8 @@ def test_q4k_linear_layers_are_stored_tiled_and_track_numpy(gpu, models, tied):
     whole = logits_of(llm, PROMPT)
     decode = logits_of(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
     ok, agreement = top1_agreement(decode, ref)
-    print(f"tiled Q4_K (tied head: {tied}): prefill {rel_err(whole, ref):.2e}, decode {rel_err(decode, ref):.2e} "
-          f"against numpy; top-1 agreement {agreement:.3f}")  # fmt: skip
+    print(f"tiled {qtype.name} (tied head: {tied}): prefill {rel_err(whole, ref):.2e}, decode "
+          f"{rel_err(decode, ref):.2e} against numpy; top-1 agreement {agreement:.3f}")  # fmt: skip
     assert rel_err(whole, ref) < 2e-2 and rel_err(decode, ref) < 2e-2 and ok and rel_err(decode, whole) < 5e-3
 
 

@@ -42,7 +42,8 @@ def activations(n: int, cols: int = 256):
 
 
 def weights(*types, cols=256):
-    return [SimpleNamespace(index=i, ggml_type=int(t), rows=32 * (i + 1), cols=cols) for i, t in enumerate(types)]
+    return [SimpleNamespace(index=i, ggml_type=int(t), rows=32 * (i + 1), cols=cols, tiled=False)
+            for i, t in enumerate(types)]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -309,10 +309,11 @@ class CudaOps:
 
 
 def _launch_groups(weights, indices) -> list[list[int]]:
-    """The weights at these indices in mat-vec launches: one block format and width per launch (Q4_K_M stores some
-    layers' V as Q6_K: Q and K still share one), at most matvec.MAX_SEGMENTS matrices each."""
-    by_kind: dict[tuple[int, int], list[int]] = {}
+    """The weights at these indices in mat-vec launches: one block format, width and layout per launch (Q4_K_M
+    stores some layers' V as Q6_K: Q and K still share one; a tiled Q6_K row is longer than a GGUF one), at most
+    matvec.MAX_SEGMENTS matrices each."""
+    by_kind: dict[tuple[int, int, bool], list[int]] = {}
     for i in indices:
-        by_kind.setdefault((weights[i].ggml_type, weights[i].cols), []).append(i)
+        by_kind.setdefault((weights[i].ggml_type, weights[i].cols, weights[i].tiled), []).append(i)
     return [members[start : start + matvec.MAX_SEGMENTS] for members in by_kind.values()
             for start in range(0, len(members), matvec.MAX_SEGMENTS)]  # fmt: skip

@@ -98,13 +98,18 @@ class Workspace:
         return t
 
 
+# Bytes a superblock takes in the tiled layout (weight_layout.py, kernels/quant.cuh): Q4_K's 144; Q6_K's 210 and 6
+# zero bytes, so that its superblocks start on 8-byte boundaries and a pair fills a 16-byte-aligned stage row.
+TILED_SLOT_BYTES = {12: 144, 14: 216}
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A weight matrix on the GPU in its GGUF encoding, [rows, cols] logical: rows of blocks of ggml_type as GGUF
-    stores them, or, tiled, a Q4_K matrix's same bytes in the order the decode mat-vecs stream fastest
+    stores them, or, tiled, a Q4_K or Q6_K matrix's blocks in the order the decode mat-vecs stream fastest
     (weight_layout.py)."""
 
-    data: DeviceTensor  # uint8 [rows, row_bytes]
+    data: DeviceTensor  # uint8 [rows, row_bytes]; tiled: row_bytes = superblocks x TILED_SLOT_BYTES
     ggml_type: int
     rows: int
     cols: int
@@ -112,7 +117,11 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """The matrix's encoded bytes, GGUF's (a tiled Q6_K matrix stores 216 for each superblock's 210)."""
+        from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType
+
+        layout = BLOCK_LAYOUTS[GGMLType(self.ggml_type)]
+        return self.rows * (self.cols // layout.elements) * layout.bytes
 
     def layout_error(self, supported, tiled_ok: bool = False) -> str | None:
         """What is wrong with the stored blocks for a kernel taking the `supported` types (and, tiled_ok, the tiled
@@ -125,12 +134,14 @@ class QuantWeight:
         layout = BLOCK_LAYOUTS[GGMLType(t)]
         if cols % layout.elements:
             return f"type {t} needs a row length divisible by {layout.elements}, got {cols}"
-        if self.data.shape != (rows, cols // layout.elements * layout.bytes) or self.data.dtype != np.uint8:
+        if self.tiled and not tiled_ok:
+            return "this kernel reads GGUF rows, not the tiled layout"
+        if self.tiled and (t not in TILED_SLOT_BYTES or rows % 16 or cols % 512):
+            return f"the tiled layout holds Q4_K or Q6_K of 16-row tiles and superblock pairs, not type {t} " \
+                   f"[{rows}, {cols}]"  # fmt: skip
+        block_bytes = TILED_SLOT_BYTES[t] if self.tiled else layout.bytes
+        if self.data.shape != (rows, cols // layout.elements * block_bytes) or self.data.dtype != np.uint8:
             return f"data {self.data.dtype} {self.data.shape} does not hold [{rows}, {cols}] of type {t}"
         if self.data.ptr % 16:
             return "weight data must be 16-byte aligned"
-        if self.tiled and not tiled_ok:
-            return "this kernel reads GGUF rows, not the tiled layout"
-        if self.tiled and (t != GGMLType.Q4_K or rows % 16 or cols % 512):
-            return f"the tiled layout holds Q4_K of 16-row tiles and superblock pairs, not type {t} [{rows}, {cols}]"
         return None

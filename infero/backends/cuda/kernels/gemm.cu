@@ -2,7 +2,7 @@
 //
 // Layouts. x: float32 [n, cols] row-major; gemm_x_to_f16 first writes it as fp16 [n, kp] into the workspace
 // (kp = cols rounded up to 64, the tail zero-filled). W: GGUF blocks of type T, [rows, row_bytes] row-major,
-// exactly as the file stores them, or (Q4_K, tiled) in quant.cuh's tiled layout. bias: float32 [rows] or null.
+// exactly as the file stores them, or (Q4_K, Q6_K: tiled) in quant.cuh's tiled layout. bias: float32 [rows] or null.
 // out: float32 [n, rows] row-major.
 //
 // Tiling. A block computes BM weight rows x BN tokens: 128 x 128 and 128 x 256 (8 / 16 warps of 64 x 32) for
@@ -166,8 +166,9 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
     for (int i = tid; i < BM * Raw::CHUNKS; i += THREADS) {  // not unrolled: up to 28 chunks a thread
       const int rr = i / Raw::CHUNKS, c = i - rr * Raw::CHUNKS;
       const int grow = min(row0 + rr, rows - 1);
-      const long long at = T == GGML_Q4_K && tiled ? tiled_q4k_offset(grow, r, row_bytes)  // r: the superblock
-                                                   : (long long)grow * row_bytes + (long long)r * Raw::BYTES;
+      long long at = (long long)grow * row_bytes + (long long)r * Raw::BYTES;
+      if constexpr (T == GGML_Q4_K || T == GGML_Q6_K)
+        if (tiled) at = tiled_offset<T>(grow, r, row_bytes);  // r: the superblock
       const unsigned long long a = reinterpret_cast<unsigned long long>(weight) + at;
       const unsigned long long src = (a & ~(unsigned long long)(Raw::CHUNK - 1)) + c * Raw::CHUNK;
       if (src < a + len) cp_async<Raw::CHUNK>(dst + rr * Raw::STRIDE + c * Raw::CHUNK, reinterpret_cast<const void*>(src));
@@ -214,7 +215,8 @@ __global__ void __launch_bounds__(gemm_detail::Tile<BM, BN>::THREADS)
       const int i = tid + it * THREADS;
       const int rr = i >> 3, grp = i & 7;
       const int grow = min(row0 + rr, rows - 1);
-      const unsigned mis = (stage_lo + (unsigned)grow * (unsigned)row_bytes) & (Raw::CHUNK - 1);
+      // (tiled: every superblock starts on 8 bytes)
+      const unsigned mis = tiled ? 0u : (stage_lo + (unsigned)grow * (unsigned)row_bytes) & (Raw::CHUNK - 1);
       float v[8];
       dequant8<T>(stage + rr * Raw::STRIDE + mis, j * (BK / 8) + grp, v);
       if constexpr (decltype(tail)::value) {  // stale bytes past the row decode to anything, even NaN

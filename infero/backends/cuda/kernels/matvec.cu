@@ -630,7 +630,7 @@ struct Segments {
   const float* bias[MAX_SEGMENTS];
   float* out[MAX_SEGMENTS];
   int rows[MAX_SEGMENTS];
-  int tiled[MAX_SEGMENTS];  // Q4_K in MmaCopy's tiled layout (read by matvec_mma's kernels only; 0 elsewhere)
+  int tiled[MAX_SEGMENTS];  // in MmaCopy's tiled layout (read by matvec_mma's kernels only; 0 elsewhere)
 };
 
 template <class V>
@@ -983,7 +983,8 @@ struct MmaAct {
 // supplies qs bytes 8j..8j+7; class = sub-block parity.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
-  static constexpr int SB_BYTES = 144;
+  static constexpr int SB_BYTES = 144, SLOT = 144;  // SLOT: a superblock's bytes in the tiled layout (quant.cuh)
+  static constexpr bool LINEAR = true;              // at(p) = ROW p
   template <int TPT>
   __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
@@ -993,9 +994,10 @@ struct MmaQ4K {
   __device__ static long long at(int p) { return (long long)p * ROW; }
   __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
+  // tiled: the stage's rows the same either way.
   template <int TILES, int TPT>
   __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j) {
+                              int g, int j, bool) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int sb = 2 * p + q;
@@ -1058,7 +1060,8 @@ struct MmaQ4K {
 
 // Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows are
 // 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row, its
-// second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). The pitch, 432 bytes (108
+// second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). Tiled (MmaCopy), a stage
+// row is the pair's two 216-byte slots and both superblocks are word-aligned. The pitch, 432 bytes (108
 // words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..])
 // holds elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
 // the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15 is
@@ -1068,6 +1071,8 @@ struct MmaQ4K {
 // B zero.
 struct MmaQ6K {
   static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4, SB_BYTES = 210;
+  static constexpr int SLOT = 216;      // tiled (quant.cuh): a superblock and 6 zero bytes, so a pair is a stage row
+  static constexpr bool LINEAR = false;  // at(p) is not ROW p
 
   // The 16-byte piece holding pair p's first byte. A row of 8i superblocks has 4i pairs, so its last pair starts 12
   // bytes into a piece and that pair's 27 pieces end with the row: every piece lies inside its row.
@@ -1111,11 +1116,16 @@ struct MmaQ6K {
     q[3] = nibbles(lb >> 4, h1);
   }
 
+  // tiled: the pair's superblocks at 0 and SLOT of the stage row, both on 8-byte boundaries (no realignment).
   template <int TILES, int TPT>
   __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j) {
-    pair_half<false>(acc, x, stage + ((4 * p) & 15), 2 * p, g, j);
-    pair_half<true>(acc, x, stage + ((4 * p) & 15) + 210, 2 * p + 1, g, j);
+                              int g, int j, bool tiled) {
+    const uint8_t* first = stage + (tiled ? 0 : (4 * p) & 15);
+    pair_half<false>(acc, x, first, 2 * p, g, j);
+    if (tiled)
+      pair_half<false>(acc, x, first + SLOT, 2 * p + 1, g, j);
+    else
+      pair_half<true>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
   }
 
   template <bool ODD, int TILES, int TPT>
@@ -1180,26 +1190,28 @@ using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
 // bytes of each of 4 rows an instruction instead ran 2-6% slower on Q6_K). A slot's row and offset are fixed per
 // lane, so each copy is the pair's offset plus a precomputed one: ~3 instructions a copy where recomputing the
 // piece's row and address took ~17 (a third of Q6_K's loop).
-// Tiled (Q4_K, chosen per segment at run time: Segments::tiled): the weights stored as [rows / 8][pairs][8][F::ROW
-// bytes], each group of 8 rows pair after pair (the same bytes as the GGUF rows, reordered when the weights are
-// loaded; rows a multiple of 16 and an even count of superblocks, so a group is 8 row_bytes and nothing is padded:
-// cuda/weight_layout.py), so that each half of a stage is one contiguous copy of 8 F::ROW bytes: on the H200 (three
-// machine starts) the 8B's gate + up -1.6 to -2.1 us of ~25, its down -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of
-// ~6.6, bitwise the same sums (scripts/bench_tiled.py).
+// Tiled (chosen per segment at run time: Segments::tiled): the weights stored as [rows / 8][pairs][8][F::ROW bytes],
+// each group of 8 rows pair after pair, a pair's two superblocks F::SLOT bytes apart (quant.cuh's tiled layout: the
+// GGUF rows' bytes reordered when the weights are loaded, Q6_K's superblocks padded from 210 to 216 bytes; rows a
+// multiple of 16 and an even count of superblocks, so a group is 8 row_bytes: cuda/weight_layout.py), so that each
+// half of a stage is one contiguous copy of 8 F::ROW bytes: on the H200 (three machine starts) the 8B's Q4_K gate + up
+// -1.6 to -2.1 us of ~25, its down -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of ~6.6, bitwise the same sums
+// (scripts/bench_tiled.py).
 template <class F>
 struct MmaCopy {
   static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
-  static constexpr bool TILES = F::ROW == 2 * F::SB_BYTES;  // Q4_K: a pair's rows are whole pieces
-  static_assert(F::ROW == 16 * F::PIECES, "stage rows end to end");
+  static_assert(F::ROW == 16 * F::PIECES && F::ROW == 2 * F::SLOT, "stage rows end to end, a tiled pair a row");
   const uint8_t* base[2];  // the tile's first row of each half (m-rows 0 and 8)
   unsigned off[SLOTS];     // slot i's piece: bytes past its half's base (under 8 rows: 32 bits hold it)
   unsigned low;            // bit i: slot i's piece lies in the first F::LOW pieces of its row
-  unsigned pair_bytes;     // TILES: from one pair of a half's rows to the next (F::ROW, or tiled 8 F::ROW)
+  unsigned pair_bytes;     // from one pair of a half's rows to the next: F::ROW in GGUF rows, 8 F::ROW tiled
+
+  __device__ bool tiled() const { return pair_bytes != F::ROW; }
 
   // Half h's rows from weight_h (the same matrix, or gate and up for matvec_mma_glu).
   __device__ MmaCopy(const uint8_t* weight0, const uint8_t* weight1, int base0, int base1, int rows, long long row_bytes,
                      int lane, bool tiled) {
-    if (TILES && tiled) {  // half h's rows (base_h a multiple of 8): one group, its first byte base_h row_bytes on
+    if (tiled) {  // half h's rows (base_h a multiple of 8): one group, its first byte base_h row_bytes on
       base[0] = weight0 + (long long)base0 * row_bytes;
       base[1] = weight1 + (long long)base1 * row_bytes;
       low = ~0u;
@@ -1228,7 +1240,7 @@ struct MmaCopy {
   // shift: bytes past the tile's rows (another tile of the same rows' layout: matvec_mma_glu's split). A tiled
   // matrix's pairs are all full (an even count of superblocks).
   __device__ void issue(uint8_t* stage, int p, long long row_bytes, int lane, long long shift = 0) const {
-    const long long at = (TILES ? (long long)pair_bytes * p : F::at(p)) + shift;
+    const long long at = (F::LINEAR || tiled() ? (long long)pair_bytes * p : F::at(p)) + shift;
     const bool full = F::full(p, row_bytes);
     const uint8_t *h0 = base[0] + at, *h1 = base[1] + at;
     const unsigned s = tc::smem_addr(stage) + 16 * lane;
@@ -1318,7 +1330,7 @@ __device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const Copy&
     if (i + STAGES - 1 < count)
       copy.issue(ring + (i + STAGES - 1) % STAGES * STAGE, p0 + i + STAGES - 1, row_bytes, lane);
     tc::cp_async_commit();
-    F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j);
+    F::template pair<TILES, TPT>(acc, x, ring + i % STAGES * STAGE, p0 + i, nsb, g, j, copy.tiled());
   }
 }
 
@@ -1495,7 +1507,8 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
     if (st.x == 2) {  // its rows are those of its own type (contiguous GGUF rows)
-      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, (long long)(cols / 256) * F2::SB_BYTES, rope,
+      const long long row_bytes2 = (long long)(cols / 256) * (seg.tiled[2] ? F2::SLOT : F2::SB_BYTES);
+      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes2, rope,
                                               deferred, norm_eps, st.x, st.y, part);
       return;
     }
@@ -1590,7 +1603,7 @@ struct GluWork {
       __syncwarp();  // item has landed for every lane, and every lane is done with the stage refilled next
       if (item + STAGES - 1 < items) next.issue(*this, ring, item + STAGES - 1, row_bytes, warp, lane);
       tc::cp_async_commit();
-      F::template pair<TILES, TPT>(acc, x, ring + item % STAGES * STAGE, warp + W * k, nsb, g, j);
+      F::template pair<TILES, TPT>(acc, x, ring + item % STAGES * STAGE, warp + W * k, nsb, g, j, copy.tiled());
       if (++k == count) {
         keep(q++);
         k = 0;

@@ -92,12 +92,17 @@ INFERO_BLOCK_INFO(GGML_Q6_K, 256, 210)
 INFERO_BLOCK_INFO(GGML_IQ4_XS, 256, 136)
 #undef INFERO_BLOCK_INFO
 
-// The tiled Q4_K layout the decode mat-vecs stream fastest (matvec.cu's MmaCopy; cuda/weight_layout.py stores it):
-// each group of 8 rows as pair of superblocks after pair, [rows / 8][nsb / 2][8][2 x 144 bytes], for matrices of
-// whole groups and an even count nsb of superblocks a row (row_bytes = 144 nsb). Superblock sb of row `row` starts
-// at tiled_q4k_offset(row, sb, row_bytes), where the GGUF rows put it at row row_bytes + 144 sb.
-__device__ __forceinline__ long long tiled_q4k_offset(int row, int sb, long long row_bytes) {
-  return (long long)(row & ~7) * row_bytes + (long long)(sb >> 1) * (8 * 288) + (row & 7) * 288 + (sb & 1) * 144;
+// The tiled layout the decode mat-vecs stream fastest (matvec.cu's MmaCopy; cuda/weight_layout.py stores it), for
+// Q4_K and Q6_K: each group of 8 rows as pair of superblocks after pair, [rows / 8][nsb / 2][8][2 slots], a slot a
+// superblock (Q4_K: 144 bytes; Q6_K: 210 and 6 zero bytes, 216), for matrices of whole groups and an even count nsb
+// of superblocks a row (row_bytes = nsb slots). Superblock sb of row `row` starts at tiled_offset<T>(row, sb,
+// row_bytes), where the GGUF rows put it at row row_bytes + BlockInfo<T>::BYTES sb.
+template <int T>
+__device__ __forceinline__ long long tiled_offset(int row, int sb, long long row_bytes) {
+  static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "the tiled layout holds Q4_K and Q6_K");
+  constexpr int SLOT = T == GGML_Q4_K ? 144 : 216;
+  return (long long)(row & ~7) * row_bytes + (long long)(sb >> 1) * (16 * SLOT) + (row & 7) * (2 * SLOT) +
+         (sb & 1) * SLOT;
 }
 
 namespace quant {

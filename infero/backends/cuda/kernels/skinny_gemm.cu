@@ -37,7 +37,8 @@
 // (tests/cuda/test_skinny_gemm.py).
 //
 // Rows past `rows` reload the last row and are not stored; tokens past n are zero columns of x and not stored.
-// Q4_K weights may be stored in quant.cuh's tiled layout instead of GGUF rows (tiled: the launcher says which).
+// Q4_K and Q6_K weights may be stored in quant.cuh's tiled layout instead of GGUF rows (tiled: the launcher says
+// which; a tiled Q6_K superblock starts 0 or 8 bytes into a 16-byte chunk, so its fetch stays inside its pair).
 //
 // Speed on the H200 (scripts/bench_skinny.py, llama-3.1-8b shapes): Q4_K 14336 x 4096 21.5 us at 1-8 tokens, 30
 // us at 32 (1.1-1.5 TB/s of weights), vs 47 / 90 us before (batched mat-vec / gemm.cu); flat in n up to ~16:
@@ -318,12 +319,13 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   const int row0 = tile * BLOCK_ROWS + warp * RW;
 
   // Lane rows: g, g + 8 (MMA tile 0), g + 16, g + 24 (tile 1) of the warp's rows; rowp: superblock 0 of each.
-  const bool tiled_q4k = T == GGML_Q4_K && tiled;
+  constexpr int TILED_T = T == GGML_Q6_K ? GGML_Q6_K : GGML_Q4_K;  // the tiled layout's type (Q8_0 is never tiled)
+  const bool tiled_k = T != GGML_Q8_0 && tiled;
   const uint8_t* rowp[RPL];
 #pragma unroll
   for (int r = 0; r < RPL; ++r) {
     const int row = min(row0 + 8 * r + g, rows - 1);
-    rowp[r] = weight + (tiled_q4k ? tiled_q4k_offset(row, 0, row_bytes) : (long long)row * row_bytes);
+    rowp[r] = weight + (tiled_k ? tiled_offset<TILED_T>(row, 0, row_bytes) : (long long)row * row_bytes);
   }
 
   typename F::Raw raw[2][RPL];
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
       for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
 
   auto fetch = [&](typename F::Raw (&rw)[RPL], int sb) {
-    const long long at = tiled_q4k ? tiled_q4k_offset(0, sb, row_bytes) : (long long)sb * F::BYTES;
+    const long long at = tiled_k ? tiled_offset<TILED_T>(0, sb, row_bytes) : (long long)sb * F::BYTES;
 #pragma unroll
     for (int r = 0; r < RPL; ++r) F::fetch(rw[r], rowp[r] + at, c);
   };
