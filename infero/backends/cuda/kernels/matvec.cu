@@ -1506,10 +1506,10 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
   const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
-    if (st.x == 2) {  // its rows are those of its own type (contiguous GGUF rows)
+    if (st.x == 2) {  // its rows are those of its own type (GGUF rows, or tiled)
       const long long row_bytes2 = (long long)(cols / 256) * (seg.tiled[2] ? F2::SLOT : F2::SB_BYTES);
-      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes2, rope,
-                                              deferred, norm_eps, st.x, st.y, part);
+      mma_tile<F2, N, W, STAGES, ROPE, STAGE>(seg, xq, xs, n, cols, row_bytes2, rope, deferred, norm_eps, st.x, st.y,
+                                              part);
       return;
     }
   }
