@@ -135,8 +135,8 @@ class CudaOps:
         return self.backend.stream
 
     def weight(self, tensor: TensorInfo, gathered: bool = False):
-        """Matrices stay in their stored encoding (Q4_K linear layers tiled: weight_layout.py; gathered, a table whose
-        rows are looked up by token id, in GGUF rows); vectors (norms, biases) become float32."""
+        """Matrices stay in their stored encoding (Q4_K and Q6_K linear layers tiled: weight_layout.py; gathered, a
+        table whose rows are looked up by token id, in GGUF rows); vectors (norms, biases) become float32."""
         if tensor.ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
