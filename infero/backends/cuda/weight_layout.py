@@ -37,11 +37,11 @@ def tiled(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     superblocks = row_bytes // block
     if rows % GROUP_ROWS or row_bytes % block or superblocks % 2:
         raise ValueError(f"tiled: [{rows}, {row_bytes}] is not whole groups of 8 rows and superblock pairs")
-    blocks = raw.reshape(rows, superblocks, block)
-    if slot != block:
-        blocks = np.concatenate([blocks, np.zeros((rows, superblocks, slot - block), np.uint8)], axis=2)
-    grouped = blocks.reshape(rows // GROUP_ROWS, GROUP_ROWS, superblocks // 2, 2 * slot).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(grouped).reshape(rows, superblocks * slot)
+    groups, pairs = rows // GROUP_ROWS, superblocks // 2
+    out = np.empty((groups, pairs, GROUP_ROWS, 2, slot), np.uint8)
+    out[..., block:] = 0
+    out[..., :block] = raw.reshape(groups, GROUP_ROWS, pairs, 2, block).transpose(0, 2, 1, 3, 4)
+    return out.reshape(rows, superblocks * slot)
 
 
 def upload(raw: np.ndarray, ggml_type: int, rows: int, cols: int, arena: driver.Arena | None = None,
