@@ -47,15 +47,6 @@ def decode_grid_splits(max_context_len: int) -> int:
     return max(1, min(-(-max_context_len // DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
-def decode_workspace_bytes(num_seqs: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
-    """Workspace a decode call borrows for its split partials (released when it returns; 0 with one split)."""
-    splits = decode_grid_splits(max_context_len)
-    if splits <= 1:
-        return 0
-    slots = num_seqs * num_heads * splits
-    return sum(-(-nbytes // Workspace.ALIGN) * Workspace.ALIGN for nbytes in (slots * head_dim * 4, slots * 8))
-
-
 def paged_attention(
     out: DeviceTensor,
     q: DeviceTensor,
@@ -84,8 +75,9 @@ def paged_attention(
     max_query_len > 1 skips the decode launch. quantized: (xq int8, xs int32) of
     matvec.activation_shapes(num_tokens, num_heads * head_dim) to receive out in the mat-vec's activation format
     as well (kernels/act_quant.cuh), only where every token is a decode token (max_query_len 1). Borrows
-    decode_workspace_bytes of workspace for the decode splits and hands it back before returning (stream order
-    makes the reuse safe); never synchronizes.
+    the decode splits' partials from the workspace (float32 [num_seqs, num_heads, splits, head_dim] and their (m, l)
+    pairs, splits = decode_grid_splits(max_context_len)) and hands them back before returning (stream order makes
+    the reuse safe); never synchronizes.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
