@@ -108,6 +108,25 @@ def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     `steps` replays), re-captured on every call so that it runs the launches as the caller has just set them.
     For A/B comparisons inside one process (scripts/sweep_decode_plan.py): alternate the variants, since the
     step's time drifts by tens of microseconds between measurements."""
+    forward = decode_step(llm, prompt_len)
+    timer = llm.backend.event_timer()
+
+    def step_us() -> float:
+        llm.backend.discard_graphs()
+        forward()
+        times = []
+        for _ in range(steps):
+            begin = timer.mark()
+            forward()
+            times.append(timer.elapsed_us(begin, timer.mark()))
+        return float(np.median(times))
+
+    return step_us
+
+
+def decode_step(llm, prompt_len: int = 512):
+    """A function running one batch-1 decode step (the same one each call, its graph once captured) after a
+    prompt_len-token prompt, with nothing on the host around it."""
     model, backend, block = llm.model, llm.backend, BLOCK_SIZE
     blocks = -(-(prompt_len + 64) // block)
     cache = backend.allocate_kv_cache(model.config, blocks, block)
@@ -116,19 +135,7 @@ def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     last = prefill_chunks(llm, cache, table, ids[:-1])
     backend.forward(model, build_batch([SequenceStep(ids[last:-1], last, table)], block), cache)
     step = build_batch([SequenceStep(ids[-1:], prompt_len, table)], block)
-    timer = backend.event_timer()
-
-    def step_us() -> float:
-        backend.discard_graphs()
-        backend.forward(model, step, cache)
-        times = []
-        for _ in range(steps):
-            begin = timer.mark()
-            backend.forward(model, step, cache)
-            times.append(timer.elapsed_us(begin, timer.mark()))
-        return float(np.median(times))
-
-    return step_us
+    return lambda: backend.forward(model, step, cache)
 
 
 def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int = 0) -> float:

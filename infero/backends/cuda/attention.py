@@ -34,6 +34,7 @@ _ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTEN
 _MERGE_TYPES = (_P,) * 5 + (_I,) * 2 + (_P, _P, _I)
 _LOG2E = 1.4426950408889634
 _functions: dict[tuple[str, int], object] = {}
+runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
 
 

@@ -67,6 +67,10 @@ def base_options(arch: str) -> list[str]:
             "-lineinfo", "--extra-device-vectorization"]  # fmt: skip
 
 
+def define_options(defines: dict[str, int | str] | None) -> list[str]:
+    return [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+
+
 def cache_key(source: str, arch: str, options: list[str], names: list[str]) -> str:
     h = hashlib.sha256()
     for part in (source, _headers_digest(), arch, repr(nvrtc_version()), repr(options), repr(names)):
@@ -81,7 +85,7 @@ def compile_source(
     from cuda.bindings import nvrtc
 
     names = names or []
-    options = base_options(arch) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    options = base_options(arch) + define_options(defines)
     status, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     try:
         for expr in names:
@@ -111,8 +115,7 @@ def compile_cached(
     import json
 
     source = (KERNEL_DIR / filename).read_text()
-    options = [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
-    key = cache_key(source, arch, base_options(arch) + options, names or [])
+    key = cache_key(source, arch, base_options(arch) + define_options(defines), names or [])
     folder = cache_dir()
     cubin_path, names_path = folder / f"{key}.cubin", folder / f"{key}.json"
     if cubin_path.exists() and names_path.exists():
@@ -127,10 +130,13 @@ def compile_cached(
     return compiled
 
 
-def is_cached(filename: str, arch: str, names: list[str] | None = None) -> bool:
-    """Whether compile_cached would find this file's cubin on disk (no default defines)."""
+def is_cached(
+    filename: str, arch: str, names: list[str] | None = None, defines: dict[str, int | str] | None = None
+) -> bool:
+    """Whether compile_cached would find this file's cubin on disk."""
     source = (KERNEL_DIR / filename).read_text()
-    return (cache_dir() / f"{cache_key(source, arch, base_options(arch), names or [])}.cubin").exists()
+    key = cache_key(source, arch, base_options(arch) + define_options(defines), names or [])
+    return (cache_dir() / f"{key}.cubin").exists()
 
 
 def _program_log(prog) -> str:

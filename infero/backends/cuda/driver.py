@@ -207,6 +207,11 @@ class Module:
             fn = self._functions[name] = check(cu.cuModuleGetFunction(self.handle, name.encode()))
         return fn
 
+    def global_address(self, name: str) -> tuple[int, int]:
+        """(device address, bytes) of a __device__ variable of the module."""
+        ptr, size = check(cu.cuModuleGetGlobal(self.handle, name.encode()))
+        return int(ptr), int(size)
+
 
 def set_max_dynamic_shared(fn: cu.CUfunction, nbytes: int) -> None:
     attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

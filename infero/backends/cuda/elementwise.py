@@ -35,6 +35,7 @@ runtime.declare(
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 _functions: dict[str, object] = {}
+runtime.on_reload(_functions.clear)
 
 
 def _kernel(expression: str):

@@ -23,6 +23,7 @@ runtime.declare(SOURCE, [f"embedding<{t}>" for t in TYPES])
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ARGS = (_P, _P, _P, _I, _I, _I, _L, _I)
 _functions: dict[int, object] = {}
+runtime.on_reload(_functions.clear)
 
 
 def embedding(out: DeviceTensor, weight: QuantWeight, token_ids: DeviceTensor, stream: driver.Stream) -> None:

@@ -29,6 +29,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _functions: dict[tuple[int, int, int], tuple[object | None, int]] = {}
+runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
 _shared_limit: list[int] = []
 

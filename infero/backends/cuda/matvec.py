@@ -118,6 +118,8 @@ _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (f
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
 _functions: dict[str, object] = {}
+runtime.on_reload(_functions.clear)
+runtime.on_reload(_launches.clear)
 _num_sms: list[int] = []
 
 

@@ -37,9 +37,13 @@ def stream() -> Stream:
     return s
 
 
+# Preprocessor definitions every kernel file is compiled with (part of the cache key); empty in the engine.
+# scripts/trace_step.py sets {"INFERO_TRACE": 1} before anything compiles (kernels/trace.cuh).
+defines: dict[str, int] = {}
 _modules: dict[str, tuple[Module, dict[str, str]]] = {}
 _functions: dict[tuple[str, str], object] = {}
 _declared: dict[str, list[str]] = {}
+_reload_hooks: list = []
 
 
 def declare(filename: str, expressions: list[str]) -> None:
@@ -63,7 +67,7 @@ def kernel(filename: str, expression: str):
             names.append(expression)
         entry = _modules.get(filename)
         if entry is None or ("<" in expression and expression not in entry[1]):
-            compiled = compiler.compile_cached(filename, context().info.arch, None, list(names))
+            compiled = compiler.compile_cached(filename, context().info.arch, defines or None, list(names))
             entry = _modules[filename] = (Module(compiled.cubin), compiled.lowered)
         module, lowered = entry
         fn = _functions[(filename, expression)] = module.function(lowered.get(expression, expression))
@@ -76,11 +80,32 @@ def precompile(arch: str, progress=None) -> tuple[int, int]:
     compiled."""
     compiled = cached = 0
     for filename, names in declared().items():
-        if compiler.is_cached(filename, arch, names):
+        if compiler.is_cached(filename, arch, names, defines or None):
             cached += 1
             continue
         if progress is not None:
             progress(filename)
-        compiler.compile_cached(filename, arch, None, names)
+        compiler.compile_cached(filename, arch, defines or None, names)
         compiled += 1
     return compiled, cached
+
+
+def on_reload(hook) -> None:
+    """hook() runs at reload_kernels: a launcher drops the functions it cached."""
+    _reload_hooks.append(hook)
+
+
+def reload_kernels() -> None:
+    """Load every kernel file afresh at its next use, built with the `defines` set now: two builds of a kernel
+    timed in one process (scripts/ab_step.py --define). Functions handed out before stay valid (no module is
+    unloaded)."""
+    with _lock:
+        _modules.clear()
+        _functions.clear()
+    for hook in _reload_hooks:
+        hook()
+
+
+def loaded_modules() -> dict[str, Module]:
+    """The kernel files loaded so far, by file name."""
+    return {filename: module for filename, (module, _) in _modules.items()}

@@ -37,6 +37,7 @@ _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
+runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
 
 

@@ -52,6 +52,7 @@
 
 #include "act_quant.cuh"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "tensor_core.cuh"
 
 namespace {
@@ -127,6 +128,7 @@ __device__ __forceinline__ void attention_tile(
   __half* ks = reinterpret_cast<__half*>(smem);  // [STAGES][BLOCK_N][SK]
   __half* vs = ks + STAGES * BLOCK_N * SK;        // [STAGES][BLOCK_N][SK]
 
+  TRACE_BEGIN();
   const int group = num_heads / num_kv_heads;
   const int kvh = blockIdx.y;
   int seq, row_tile;
@@ -212,6 +214,7 @@ __device__ __forceinline__ void attention_tile(
   if (DECODE) {
     if (early_tile) copy_rows(first_begin, first_end, 0, ALL_LO, ctx - 1);
     pdl_enter();
+    TRACE_MARK(1);
     if (early_tile) copy_rows(first_begin, first_end, 0, ctx - 1, ALL_HI);
   }
 
@@ -236,6 +239,8 @@ __device__ __forceinline__ void attention_tile(
       qa[kc][h + 2] = pack_half2(hi.x * scale_log2, hi.y * scale_log2);
     }
   }
+
+  if (DECODE) TRACE_MARK(2);
 
   // Prefill: one pass over [0, prefill_end). Decode: this CTA's splits, each on its own.
   bool tile0_issued = early_tile;
@@ -262,6 +267,7 @@ __device__ __forceinline__ void attention_tile(
       cp_async_commit();
       cp_async_wait<1>();  // this tile's group is complete
       __syncthreads();
+      if (DECODE && tile == 0) TRACE_MARK(3);
 
       const __half* kt = ks + stage * BLOCK_N * SK + wn * NW * SK;
       const __half* vt = vs + stage * BLOCK_N * SK + wn * NW * SK;
@@ -346,6 +352,7 @@ __device__ __forceinline__ void attention_tile(
       __syncthreads();  // the next iteration's copy overwrites this stage
     }
     cp_async_wait<0>();
+    if (DECODE) TRACE_MARK(4);
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -411,6 +418,7 @@ __device__ __forceinline__ void attention_tile(
     }
     __syncthreads();  // the merge memory is the next split's tile memory
   }
+  if (DECODE) TRACE_END(TRACE_ATTENTION);
 }
 
 }  // namespace
@@ -456,12 +464,14 @@ __global__ void __launch_bounds__(HD)
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
                            const int* __restrict__ query_starts, int num_heads, int max_splits,
                            int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
+  TRACE_BEGIN();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
   const bool decode = query_starts[seq + 1] - q_start == 1;
   int partition;
   const int num_splits = decode_splits(context_lens[seq], partition);
   pdl_enter();
+  TRACE_MARK(1);
   if (!decode || num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
   const size_t first = ((size_t)seq * num_heads + head) * max_splits;
   float2 ml[DECODE_MAX_SPLITS];
@@ -476,6 +486,7 @@ __global__ void __launch_bounds__(HD)
 #pragma unroll
   for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
     if (s < num_splits) m = fmaxf(m, ml[s].x);
+  TRACE_MARK(2);
   float l = 0.f, acc = 0.f;
 #pragma unroll
   for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
@@ -485,4 +496,5 @@ __global__ void __launch_bounds__(HD)
       acc += w * o[s];
     }
   store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, head, threadIdx.x, acc / l);
+  TRACE_END(TRACE_MERGE);
 }

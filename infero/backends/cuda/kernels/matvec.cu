@@ -61,6 +61,7 @@
 // less (latency-bound: few loads in flight per SM). Q4_K: 160 SASS instructions per 2 rows x 32 weights.
 
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "act_quant.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
@@ -1279,6 +1280,7 @@ __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __res
     for (int i = tid; i < q16 + s16; i += threads)
       reinterpret_cast<uint4*>(sx)[i] = i < q16 ? load(xq, i) : load(xs, i - q16);
     __syncthreads();
+    TRACE_MARK(2);
     const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
     if (deferred && warp < n) {
       const float* sums = reinterpret_cast<const float*>(sx + 2 * n * cols + n * cols / 2) + warp * groups;
@@ -1427,6 +1429,7 @@ struct TileWork {
       for (int ci = 0; ci < TPT; ++ci)
         part[warp][combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[nt][ci];
     gr.sync();
+    TRACE_MARK(4);
 
     // m-row mr of token t (times a deferred norm's factor).
     auto total = [&](int mr, int t) {
@@ -1476,15 +1479,19 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  TRACE_BEGIN();
   const Work work(seg, rope, cols, row_bytes, s, tile, warp, lane);
   work.first_copies(rings, row_bytes, warp, lane);
   pdl_enter();
+  TRACE_MARK(1);
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + W * STAGES * STAGE;
   __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
   const mv::MmaAct<Work::TILES> x = mv::mma_activation<F, N, Work::TILES, Work::TPT, 32 * W>(
       sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
+  TRACE_MARK(3);
   work.rest(seg, x, n, cols, row_bytes, rope, deferred, inv_rms, s, rings, part, mv::whole_block());
+  TRACE_END(ROPE ? TRACE_MATVEC_ROPE : TRACE_MATVEC);
 }
 
 // T: Q4_K or Q6_K; T2: segment 2's format where it differs (a q/k/v launch whose v is stored in the other type:
@@ -1612,6 +1619,7 @@ struct GluWork {
       }
     }
     gr.sync();
+    TRACE_MARK(4);
 
     // Warp t: token t's 32 outputs, lane l the row 32 block + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
     if (warp < n) {
@@ -1646,15 +1654,19 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  TRACE_BEGIN();
   const Work work(seg, cols, row_bytes, blockIdx.x, warp, lane);
   work.first_copies(rings, row_bytes, warp, lane);
   pdl_enter();  // the weights are immutable: their first copies above overlap the previous kernel's tail
+  TRACE_MARK(1);
 
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + Work::W * STAGES * Work::STAGE;
   __shared__ float inv_rms[N];  // a deferred norm's factor per token (mma_activation)
   const mv::MmaAct<Work::TILES> x = mv::mma_activation<F, N, Work::TILES, Work::TPT, 32 * Work::W>(
       sx, xq, xs, n, cols, g, j, deferred, norm_eps, inv_rms);
+  TRACE_MARK(3);
   work.rest(seg, x, n, cols, row_bytes, yq, ys, deferred, inv_rms, blockIdx.x, rings, part, mv::whole_block());
+  TRACE_END(TRACE_GLU);
 }
 
 // matvec_mma_norm<T>: a decode step's linear layer whose output joins the residual stream and then goes through
@@ -1709,6 +1721,7 @@ struct NormWork {
     for (int ci = 0; ci < TPT; ++ci)
       part[half][wi][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
     gr.sync();
+    TRACE_MARK(4);
 
     if (warp < n) {
       const int t = warp, h = lane >> 4, mr = lane & 15, row = 32 * block + lane;
@@ -1742,14 +1755,18 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
+  TRACE_BEGIN();
   const Work work(seg, cols, row_bytes, blockIdx.x, warp, lane);
   work.first_copies(rings, row_bytes, warp, lane);
   pdl_enter();
+  TRACE_MARK(1);
 
   const float r = Work::residual_in(residual, n, seg.rows[0], blockIdx.x, threadIdx.x);  // used at the end
   int8_t* sx = reinterpret_cast<int8_t*>(dyn) + 2 * W * STAGES * Work::STAGE;
   const mv::MmaAct<Work::TILES> x =
       mv::mma_activation<F, N, Work::TILES, Work::TPT, 64 * W>(sx, xq, xs, n, cols, g, j, 0, 0.f, nullptr);
+  TRACE_MARK(3);
   work.rest(seg, x, n, cols, row_bytes, r, residual, norm_weight, yq, ys, norm_ss, blockIdx.x, rings, part,
             mv::whole_block());
+  TRACE_END(TRACE_NORM);
 }

@@ -1,0 +1,203 @@
+"""Where a batch-1 decode step's time goes between and inside its launches (GPU machine): the kernels built with
+-DINFERO_TRACE (kernels/trace.cuh) record, per block, the global timer at its start, when its PDL wait released,
+when its activation was staged (decode attention: its first K/V tile landed), when its sums were complete, and at
+its exit. The step's graph is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, attention,
+merge, o, gate + up, down) is then summarised over the middle layers and the replays.
+
+    python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5]
+
+Per role, medians over layers and replays, µs. Times "after prev" count from the previous launch's last block
+exit, so "span" (last exit to last exit) is the launch's share of the step:
+  early:        its blocks that started before the previous launch's last exit (resident early, copies in flight)
+  release:      its first PDL wait release, after prev
+  staging, ready, stream, epilogue: a block's time (its SM's clock) from its wait release to its activation
+                staged (attention: Q built; merge: partials loaded), to its first math (a deferred norm's factor
+                computed by thread 0's warp; attention: its first K/V tile landed), to its sums complete, to its
+                exit; medians
+  summed med / last: the blocks' sums complete, after prev
+  last: ...:    the block that ended the launch: its start after prev, its stream and its epilogue
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+
+MARKS = 6  # kernels/trace.cuh: start, waited, staged, ready, summed, exit
+RECORD = np.dtype(
+    [("t", "<u8", MARKS), ("c", "<u8", MARKS), ("kind", "<u4"), ("block", "<u4"), ("sm", "<u4"), ("slot", "<u4")]
+)
+KINDS = {1: "matvec", 2: "qkv", 3: "gate+up", 4: "norm", 5: "attention", 6: "merge"}
+CAPACITY = 1 << 17
+
+
+class Tracer:
+    """One device buffer and counter that every loaded kernel module's trace globals point at."""
+
+    def __init__(self):
+        self.buffer = driver.DeviceMemory(CAPACITY * RECORD.itemsize)
+        self.count = driver.DeviceMemory(4)
+        for module in runtime.loaded_modules().values():
+            try:
+                buffer_at, _ = module.global_address("infero_trace_buffer")
+            except driver.CudaError:
+                continue  # a kernel file without marks
+            count_at, _ = module.global_address("infero_trace_count")
+            capacity_at, _ = module.global_address("infero_trace_capacity")
+            driver.copy_host_to_device(buffer_at, np.array([self.buffer.ptr], np.uint64))
+            driver.copy_host_to_device(count_at, np.array([self.count.ptr], np.uint64))
+            driver.copy_host_to_device(capacity_at, np.array([CAPACITY], np.uint32))
+
+    def run(self, forward) -> np.ndarray:
+        driver.copy_host_to_device(self.count.ptr, np.zeros(1, np.uint32))
+        forward()
+        runtime.context().synchronize()
+        count = np.zeros(1, np.uint32)
+        driver.copy_device_to_host(count, self.count.ptr)
+        n = min(int(count[0]), CAPACITY)
+        records = np.zeros(n, RECORD)
+        driver.copy_device_to_host(records.view(np.uint8), self.buffer.ptr)
+        records = records[records["kind"] > 0]  # blocks that took a slot and returned early write none
+        return records[np.argsort(records["slot"])]
+
+
+def launches(records: np.ndarray) -> list[np.ndarray]:
+    """The records split into launches: blocks start in launch order (a kernel's blocks are scheduled only once
+    every block of the one before has passed its wait), so a launch ends where the kind changes or a block repeats."""
+    out, current, seen = [], [], set()
+    for i, r in enumerate(records):
+        if current and (r["kind"] != records[current[0]]["kind"] or int(r["block"]) in seen):
+            out.append(records[current])
+            current, seen = [], set()
+        current.append(i)
+        seen.add(int(r["block"]))
+    if current:
+        out.append(records[current])
+    return out
+
+
+def roles(runs: list[np.ndarray]) -> list[str]:
+    names, after_glu = [], False
+    for launch in runs:
+        kind = int(launch["kind"][0])
+        name = KINDS[kind]
+        if kind == 4:
+            name = "down" if after_glu else "o"
+        after_glu = kind == 3
+        names.append(name)
+    return names
+
+
+def sm_clock_ghz(records: np.ndarray) -> float:
+    """The SMs' clock while the step ran: clock64 cycles per global-timer ns over the blocks that ran > 5 us."""
+    ns = records["t"][:, -1].astype(np.float64) - records["t"][:, 0]
+    cycles = records["c"][:, -1].astype(np.float64) - records["c"][:, 0]
+    long = ns > 5000
+    return float(np.median(cycles[long] / ns[long])) if long.any() else float("nan")
+
+
+def summarise(runs: list[np.ndarray], names: list[str], ghz: float, stats: dict) -> None:
+    layer_roles = ("qkv", "attention", "merge", "o", "gate+up", "down")
+    qkv_at = [i for i, name in enumerate(names) if name == "qkv"]
+    middle = set(qkv_at[2:-2])  # the cycle's launches of the middle layers
+    for start in middle:
+        for k, role in enumerate(layer_roles):
+            i = start + k
+            if i >= len(runs) or names[i] != role:
+                break
+            launch, prev_end = runs[i], float(runs[i - 1]["t"][:, -1].max())
+            t = launch["t"].astype(np.float64)
+            c = launch["c"].astype(np.float64) / (1e3 * ghz)  # us
+            s = stats[role]
+            s["blocks"].append(len(launch))
+            s["early"].append(float(np.mean(t[:, 0] < prev_end)))
+            s["start spread"].append((t[:, 0].max() - t[:, 0].min()) / 1e3)
+            waited = t[:, 1] > 0
+            s["release"].append((t[waited, 1].min() - prev_end) / 1e3)
+            # Each phase a block went through: from its previous reached mark to this one.
+            for mark, phase in ((2, "staging"), (3, "ready"), (4, "stream"), (5, "epilogue")):
+                reached = t[:, mark] > 0
+                if not reached.any():
+                    continue
+                before = np.where(t[:, mark - 1] > 0, mark - 1, np.where(t[:, 2] > 0, 2, 1))
+                if mark == 5:  # from the last mark reached before the exit
+                    before = np.select([t[:, 4] > 0, t[:, 3] > 0, t[:, 2] > 0], [4, 3, 2], 1)
+                rows = np.arange(len(launch))
+                spent = c[rows, mark] - c[rows, before]
+                s[phase].append(float(np.median(spent[reached])))
+            done = t[:, 4] > 0
+            if done.any():
+                s["summed med"].append((np.median(t[done, 4]) - prev_end) / 1e3)
+                s["summed last"].append((t[done, 4].max() - prev_end) / 1e3)
+            last = int(np.argmax(t[:, 5]))  # the block that ended the launch: when it started, what it spent
+            s["last: start"].append((t[last, 0] - prev_end) / 1e3)
+            if done[last]:
+                s["last: stream"].append(c[last, 4] - c[last, 3 if t[last, 3] > 0 else 1])
+                s["last: epilogue"].append(c[last, 5] - c[last, 4])
+            s["span"].append((t[:, 5].max() - prev_end) / 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--replays", type=int, default=5)
+    args = parser.parse_args()
+    runtime.defines["INFERO_TRACE"] = 1
+
+    from infero import LLM
+    from infero.bench.decode import decode_step
+
+    llm = LLM(args.model, device="cuda")
+    forward = decode_step(llm, args.prompt)
+    for _ in range(5):
+        forward()
+    tracer = Tracer()
+    stats: dict = defaultdict(lambda: defaultdict(list))
+    resolution, steps, clocks = [], [], []
+    for _ in range(args.replays):
+        records = tracer.run(forward)
+        runs = launches(records)
+        names = roles(runs)
+        ghz = sm_clock_ghz(records)
+        clocks.append(ghz)
+        summarise(runs, names, ghz, stats)
+        marks = np.unique(records["t"][records["t"] > 0])
+        resolution.append(float(np.diff(marks).min()) if len(marks) > 1 else 0.0)
+        steps.append((records["t"][:, -1].max() - records["t"][:, 0].min()) / 1e3)
+        print(f"replay: {len(records)} blocks in {len(runs)} launches, first start to last exit {steps[-1]:.1f} us")
+    print(f"global timer: smallest step between marks {min(resolution):.0f} ns; SM clock {np.median(clocks):.3f} GHz")
+    columns = ("blocks", "early", "start spread", "release", "staging", "ready", "stream", "epilogue", "summed med",
+               "summed last", "last: start", "last: stream", "last: epilogue", "span")  # fmt: skip
+    print("| role | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    total = 0.0
+    for role in ("qkv", "attention", "merge", "o", "gate+up", "down"):
+        s = stats.get(role)
+        if not s:
+            continue
+        cells = []
+        for c in columns:
+            values = s.get(c)
+            if not values:
+                cells.append("-")
+            elif c == "blocks":
+                cells.append(f"{int(np.median(values))}")
+            elif c == "early":
+                cells.append(f"{100 * np.median(values):.0f}%")
+            else:
+                cells.append(f"{np.median(values):.2f}")
+        total += float(np.median(s["span"]))
+        print(f"| {role} | " + " | ".join(cells) + " |")
+    print(
+        f"layer: sum of spans {total:.2f} us (x 32 = {32 * total:.0f}); step first start to last exit "
+        f"{np.median(steps):.1f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
