@@ -657,25 +657,46 @@ struct Rope {
   float mscale;
 };
 
-// Rows r0 and r1 (a rotation pair) of token t, summed: bias, rotation, out and the cache.
-__device__ __forceinline__ void rope_pair_store(float a, float b, int t, float* __restrict__ out,
-                                                const float* __restrict__ bias, int rows, int r0, int r1, int role,
-                                                const Rope& rope) {
+// What rope_pair_store reads besides the pair's sums, so that a caller can load it before its stream: in the
+// tensor-core q/k/v launch these loads sat in the epilogue, on the path of the launch's last block.
+struct RopePairIn {
+  float bias0, bias1, inv_freq;
+  int pos;
+  long long slot;
+};
+
+__device__ __forceinline__ RopePairIn rope_pair_in(int t, const float* __restrict__ bias, int r0, int r1, int role,
+                                                   const Rope& rope) {
+  RopePairIn in{0.f, 0.f, 0.f, 0, -1};
   if (bias != nullptr) {
-    a = __fadd_rn(a, __ldg(bias + r0));
-    b = __fadd_rn(b, __ldg(bias + r1));
+    in.bias0 = __ldg(bias + r0);
+    in.bias1 = __ldg(bias + r1);
   }
   if (role != ROPE_V) {
-    const int j = rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1;
+    in.inv_freq = __ldg(rope.inv_freq + (rope.neox ? r0 % rope.head_dim : (r0 % rope.head_dim) >> 1));
+    in.pos = rope.positions[t];
+  }
+  if (role != ROPE_Q) in.slot = rope.slots[t];
+  return in;
+}
+
+// Rows r0 and r1 (a rotation pair) of token t, summed: bias, rotation, out and the cache.
+__device__ __forceinline__ void rope_pair_store(float a, float b, const RopePairIn& in, int t,
+                                                float* __restrict__ out, bool bias, int rows, int r0, int r1,
+                                                int role, const Rope& rope) {
+  if (bias) {
+    a = __fadd_rn(a, in.bias0);
+    b = __fadd_rn(b, in.bias1);
+  }
+  if (role != ROPE_V) {
     float c, s;
-    rope::cos_sin(rope.positions[t], __ldg(rope.inv_freq + j), rope.mscale, c, s);
+    rope::cos_sin(in.pos, in.inv_freq, rope.mscale, c, s);
     rope::rotate(a, b, c, s);
   }
   out[(long long)t * rows + r0] = a;
   out[(long long)t * rows + r1] = b;
-  const long long slot = rope.slots[t];
-  if (role != ROPE_Q && slot >= 0) {
-    __half* cache = (role == ROPE_K ? rope.k_cache : rope.v_cache) + slot * rows;
+  if (role != ROPE_Q && in.slot >= 0) {
+    __half* cache = (role == ROPE_K ? rope.k_cache : rope.v_cache) + in.slot * rows;
     cache[r0] = __float2half_rn(a);
     cache[r1] = __float2half_rn(b);
   }
@@ -689,7 +710,9 @@ __device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict
   warp_sums<N, 2>(acc);
 #pragma unroll
   for (int t = 0; t < N; ++t)
-    if (lane == t && t < n) rope_pair_store(acc[0][t], acc[1][t], t, out, bias, rows, r0, r1, role, rope);
+    if (lane == t && t < n)
+      rope_pair_store(acc[0][t], acc[1][t], rope_pair_in(t, bias, r0, r1, role, rope), t, out, bias != nullptr, rows,
+                      r0, r1, role, rope);
 }
 
 }  // namespace mv
@@ -1277,8 +1300,23 @@ __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __res
       const uint4* from = reinterpret_cast<const uint4*>(p) + i;
       return COHERENT ? __ldcg(from) : __ldg(from);
     };
-    for (int i = tid; i < q16 + s16; i += threads)
-      reinterpret_cast<uint4*>(sx)[i] = i < q16 ? load(xq, i) : load(xs, i - q16);
+    // Up to BATCH loads a thread in flight at once, then their stores. Loading and storing piece after piece, the
+    // 8B's decode step took 9 us longer (scripts/ab_step.py, 7 alternations).
+    constexpr int BATCH = 8;
+    const int total = q16 + s16;
+    for (int first = tid; first < total; first += BATCH * threads) {
+      uint4 piece[BATCH];
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        const int i = first + k * threads;
+        if (i < total) piece[k] = i < q16 ? load(xq, i) : load(xs, i - q16);
+      }
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        const int i = first + k * threads;
+        if (i < total) reinterpret_cast<uint4*>(sx)[i] = piece[k];
+      }
+    }
     __syncthreads();
     TRACE_MARK(2);
     const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
@@ -1420,6 +1458,21 @@ struct TileWork {
                                        int s, uint8_t* rings, float (&part)[W][2][N][16], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = pick(seg.rows, s);
+    float* out = pick(seg.out, s);
+    const float* bias = pick(seg.bias, s);
+    auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
+    // ROPE: thread i < 8 N stores rotation pair i & 7 (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) of token i >> 3,
+    // as rope_store does it. What it reads besides the sums is loaded before the stream: loaded in the epilogue, on
+    // the path of the launch's last block, those loads and the norm weight's (NormWork) cost the 8B's decode step
+    // 35 us (scripts/ab_step.py, 7 alternations).
+    const int role = ROPE ? pick(rope.role, s) : ROPE_V;
+    const bool neox_pairs = ROPE && rope.neox && role != ROPE_V;
+    const int pi = gr.tid & 7, pair_t = gr.tid >> 3;
+    const int m0 = neox_pairs ? pi : 2 * pi, m1 = neox_pairs ? pi + 8 : 2 * pi + 1;
+    const bool pair_live = ROPE && gr.tid < 8 * N && pair_t < n && row_of(m1) < rows;
+    static_assert(!ROPE || 8 * N <= 32 * W, "a rotation pair a thread");
+    const RopePairIn pair_in =
+        pair_live ? rope_pair_in(pair_t, bias, row_of(m0), row_of(m1), role, rope) : RopePairIn{0.f, 0.f, 0.f, 0, -1};
     float acc[TILES][TPT];
     mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
                                  j, lane);
@@ -1436,9 +1489,6 @@ struct TileWork {
       const float v = warps_total(part, t, mr);
       return deferred ? __fmul_rn(v, inv_rms[t]) : v;
     };
-    auto row_of = [&](int mr) { return mr < 8 ? base0 + mr : base1 + mr - 8; };
-    float* out = pick(seg.out, s);
-    const float* bias = pick(seg.bias, s);
     if constexpr (!ROPE) {
       for (int i = gr.tid; i < 16 * N; i += 32 * W) {
         const int mr = i & 15, t = i >> 4, row = row_of(mr);
@@ -1446,16 +1496,9 @@ struct TileWork {
         const float v = total(mr, t);
         out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
       }
-    } else {
-      // Each rotation pair of rows (m-rows 2i, 2i + 1; i, i + 8 for neox pairs) and token, as rope_store does it.
-      const int role = pick(rope.role, s);
-      const bool neox_pairs = rope.neox && role != ROPE_V;
-      for (int i = gr.tid; i < 8 * N; i += 32 * W) {
-        const int pi = i & 7, t = i >> 3;
-        const int m0 = neox_pairs ? pi : 2 * pi, m1 = neox_pairs ? pi + 8 : 2 * pi + 1;
-        const int r0 = row_of(m0), r1 = row_of(m1);
-        if (t < n && r1 < rows) rope_pair_store(total(m0, t), total(m1, t), t, out, bias, rows, r0, r1, role, rope);
-      }
+    } else if (pair_live) {
+      rope_pair_store(total(m0, pair_t), total(m1, pair_t), pair_in, pair_t, out, bias != nullptr, rows, row_of(m0),
+                      row_of(m1), role, rope);
     }
   }
 };
@@ -1714,6 +1757,7 @@ struct NormWork {
                                        uint8_t* rings, float (&part)[2][W][2][N][16], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int half = warp / W, wi = warp % W, rows = seg.rows[0];
+    const float weight = warp < n ? __ldg(norm_weight + 32 * block + lane) : 0.f;  // before the stream (TileWork)
     float acc[TILES][TPT];
     mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
                                  lane);
@@ -1731,7 +1775,7 @@ struct NormWork {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
       if (lane == 0) norm_ss[t * (rows / 32) + block] = ss;
-      const float y[1] = {__fmul_rn(r, __ldg(norm_weight + row))};
+      const float y[1] = {__fmul_rn(r, weight)};
       aq::quantize_store<1>(y, true, yq, ys, n, rows, t, row);
     }
   }
