@@ -45,6 +45,31 @@ def test_compiled_kernels_are_found_in_the_disk_cache(tmp_path, monkeypatch):
     assert again.cubin == first.cubin and again.lowered == first.lowered
 
 
+def test_defines_are_part_of_the_cache_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERO_CACHE_DIR", str(tmp_path))
+    names = launcher_declarations().get("embedding.cu", [])
+    compiler.compile_cached("embedding.cu", "sm_90a", {"INFERO_TRACE": 1}, names)
+    assert compiler.is_cached("embedding.cu", "sm_90a", names, {"INFERO_TRACE": 1})
+    assert not compiler.is_cached("embedding.cu", "sm_90a", names)
+
+
+# The decode step's kernels that scripts/trace_step.py reads marks from (kernels/trace.cuh), one instantiation each.
+TRACED = {
+    "attention.cu": ["attention_decode<128>", "attention_merge_splits<128>"],
+    "matvec.cu": ["matvec_mma_glu<12, 1, 2>", "matvec_mma_norm<12, 1, 4, 3>", "matvec_mma<12, 1, 4, 2, true, 14>"],
+}
+
+
+@pytest.mark.parametrize("filename", sorted(TRACED))
+def test_trace_build_compiles_and_only_it_has_the_trace_buffer(filename):
+    source = (compiler.KERNEL_DIR / filename).read_text()
+    traced = compiler.compile_source(source, filename, "sm_90a", {"INFERO_TRACE": 1}, TRACED[filename])
+    assert "warning" not in traced.log.lower(), traced.log
+    assert b"infero_trace_buffer" in traced.cubin
+    plain = compiler.compile_source(source, filename, "sm_90a", None, TRACED[filename])
+    assert b"infero_trace_buffer" not in plain.cubin
+
+
 def _struct_checks(cpp: str, struct) -> list[str]:
     """static_asserts that the C++ struct cpp is laid out as the ctypes struct: size, alignment, member sizes
     always; offsets where the compiler has the builtin (NVRTC 13.5 does, the GPU machine's 13.0 does not): with the
