@@ -1,8 +1,8 @@
 """Where a batch-1 decode step's time goes between and inside its launches (GPU machine): the kernels built with
--DINFERO_TRACE (kernels/trace.cuh) record, per block, the global timer at its start, when its PDL wait released,
-when its activation was staged (decode attention: its first K/V tile landed), when its sums were complete, and at
-its exit. The step's graph is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, attention,
-merge, o, gate + up, down) is then summarised over the middle layers and the replays.
+-DINFERO_TRACE (kernels/trace.cuh) record, per block, the global timer and its SM's clock at six marks: its start,
+its PDL wait's release, its activation staged, its first math, its sums complete, and its exit. The step's graph
+is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, attention, merge, o, gate + up, down)
+is then summarised over the middle layers and the replays.
 
     python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5]
 
@@ -159,11 +159,12 @@ def main() -> None:
     runtime.context().synchronize()  # no warm-up step may still run once the kernels' trace pointers are set
     tracer = Tracer()
     stats: dict = defaultdict(lambda: defaultdict(list))
-    resolution, steps, clocks = [], [], []
+    resolution, steps, clocks, layers = [], [], [], 0
     for _ in range(args.replays):
         records = tracer.run(forward)
         runs = launches(records)
         names = roles(runs)
+        layers = names.count("qkv")
         ghz = sm_clock_ghz(records)
         clocks.append(ghz)
         summarise(runs, names, ghz, stats)
@@ -195,7 +196,7 @@ def main() -> None:
         total += float(np.median(s["span"]))
         print(f"| {role} | " + " | ".join(cells) + " |")
     print(
-        f"layer: sum of spans {total:.2f} us (x 32 = {32 * total:.0f}); step first start to last exit "
+        f"layer: sum of spans {total:.2f} us (x {layers} = {layers * total:.0f}); step first start to last exit "
         f"{np.median(steps):.1f} us"
     )
 
