@@ -6,8 +6,8 @@
 // counter) and, at its exit, writes the global timer and its SM's clock at its marks: 0 start, 1 PDL wait released,
 // 2 activation staged (decode attention: its Q fragments built; the split merge: its partials loaded), 3 ready to
 // stream (a deferred norm's factor computed too; attention: its first K/V tile landed), 4 sums complete, 5 exit. A
-// mark the kernel does not reach stays 0. TRACE_BEGIN declares a variable: it opens the kernel's (or the block function's)
-// outermost scope, where TRACE_END is.
+// mark the kernel does not reach stays 0. TRACE_BEGIN declares a variable: it opens the kernel's (or the block
+// function's) outermost scope, where TRACE_END is.
 #pragma once
 
 #ifdef INFERO_TRACE
