@@ -227,6 +227,14 @@ def resident_blocks_per_sm(fn: cu.CUfunction, threads: int, shared: int = 0) -> 
 # Used inside captured graphs only: a decode step's graph gains ~20% from it on the H200, while eager prefill steps
 # measured ~30% slower with it (docs/performance.md).
 PDL = [False]
+# The share of each SM's unified L1/shared memory, in percent, that launches with carveout=True ask for (the decode
+# step's mat-vecs on the tensor cores and attention). The driver's own choice (-1) sizes an SM's shared memory for the
+# launch it starts, and an SM changes size only once idle: on the H200 a decode step's gate + up blocks (49.5 KiB)
+# then waited for the o projection's (122 KiB, 132 KiB configured) to exit instead of starting beside them under
+# PDL. The most: the 8B's batch-1 step -51 to -74 us. Asked by every launch with dynamic shared memory, batched
+# steps took 18-27% longer (8 to 64 sequences), so the others keep the driver's choice (docs/performance.md).
+SHARED_CARVEOUT = 100
+_carveouts: dict = {}
 _configs = threading.local()
 _capturing = threading.local()
 
@@ -241,10 +249,12 @@ def launch(
     shared: int = 0,
     pdl: bool = False,
     cooperative: bool = False,
+    carveout: bool = False,
 ) -> None:
     """Launch fn with (values, ctypes types) arguments; pointers are ints typed ctypes.c_void_p; a struct passed by
     value is a ctypes.Structure typed None (cuda.bindings passes its address; the launch copies its bytes).
 
+    carveout: ask for SHARED_CARVEOUT of each SM as shared memory (launches with dynamic shared memory only).
     pdl: the kernel calls pdl_wait() before touching what earlier kernels wrote or read (kernels/pdl.cuh), so inside
     a graph capture it is launched to overlap the previous kernel's tail where the GPU supports it. cooperative: the
     kernel's blocks wait on each other (a grid-wide barrier), so the launch must hold them all resident at once (it
@@ -252,6 +262,11 @@ def launch(
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
     pdl = pdl and PDL[0] and getattr(_capturing, "on", False)
+    percent = SHARED_CARVEOUT if shared and carveout else -1
+    if _carveouts.get(fn, -1) != percent:
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        check(cu.cuFuncSetAttribute(fn, attribute, percent))
+        _carveouts[fn] = percent
     if not (pdl or cooperative):
         check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream.handle, (args, types), 0))
         return

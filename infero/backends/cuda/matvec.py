@@ -358,7 +358,7 @@ def matvec_glu(
     _allow_shared(fn, shared)
     args = (segments([out, out], [gate, up], list(biases)), quantized[0].ptr, quantized[1].ptr, n, cols,
             gate.data.shape[1], out_quantized[0].ptr, out_quantized[1].ptr, *deferred)  # fmt: skip
-    driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True)
+    driver.launch(fn, (rows // 32,), (128,), args, _GLU_ARGS, stream, shared, pdl=True, carveout=True)
 
 
 def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
@@ -424,7 +424,7 @@ def matvec_norm(
     _allow_shared(fn, shared)
     args = (segments([residual], [weight], [None]), quantized[0].ptr, quantized[1].ptr, n, cols,
             weight.data.shape[1], residual.ptr, norm_weight.ptr, *(a.ptr for a in out_quantized[:3]))  # fmt: skip
-    driver.launch(fn, (rows // 32,), (64 * warps,), args, _NORM_ARGS, stream, shared, pdl=True)
+    driver.launch(fn, (rows // 32,), (64 * warps,), args, _NORM_ARGS, stream, shared, pdl=True, carveout=True)
 
 
 def _shared_optin() -> int:
@@ -644,7 +644,8 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
         raise ValueError(f"{name}: quantized x {xq.shape} / {xs.shape} does not fit x {x.shape}")
     args = (segments(outs, weights, biases), xq.ptr, xs.ptr, n, cols, weights[0].data.shape[1], rope or _NO_ROPE)
     if mma:
-        driver.launch(fn, grid, block, args + _deferred_norm(quantized), _MMA_ARGS, stream, shared, pdl=True)
+        args += _deferred_norm(quantized)
+        driver.launch(fn, grid, block, args, _MMA_ARGS, stream, shared, pdl=True, carveout=True)
     else:
         driver.launch(fn, grid, block, args, _Q_ARGS, stream, shared, pdl=True)
     workspace.offset = mark  # the int8 activations are dead once the mat-vec (queued on this stream) has run
