@@ -4,7 +4,7 @@ its PDL wait's release, its activation staged, its first math, its sums complete
 is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, attention, merge, o, gate + up, down)
 is then summarised over the middle layers and the replays.
 
-    python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5]
+    python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5] [--set MODULE:ATTRIBUTE=INT]
 
 Per role, medians over layers and replays, µs. Times "after prev" count from the previous launch's last block
 exit, so "span" (last exit to last exit) is the launch's share of the step:
@@ -21,6 +21,7 @@ exit, so "span" (last exit to last exit) is the launch's share of the step:
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections import defaultdict
 
 import numpy as np
@@ -146,8 +147,13 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the run")
     args = parser.parse_args()
     runtime.defines["INFERO_TRACE"] = 1
+    for setting in args.set:
+        target, value = setting.split("=")
+        module, attribute = target.split(":")
+        setattr(importlib.import_module(module), attribute, int(value))
 
     from infero import LLM
     from infero.bench.decode import decode_step
