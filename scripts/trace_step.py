@@ -14,6 +14,8 @@ exit, so "span" (last exit to last exit) is the launch's share of the step:
                 staged (attention: Q built; merge: partials loaded), to its first math (a deferred norm's factor
                 computed by thread 0's warp; attention: its first K/V tile landed), to its sums complete, to its
                 exit; medians
+  staging 1st on SM / later: the staging of the blocks that started first on their SM in the launch (whose code
+                the SM's instruction cache may not hold yet) and of the others
   summed med / last: the blocks' sums complete, after prev
   last: ...:    the block that ended the launch: its start after prev, its stream and its epilogue
 """
@@ -101,6 +103,15 @@ def sm_clock_ghz(records: np.ndarray) -> float:
     return float(np.median(cycles[long] / ns[long])) if long.any() else float("nan")
 
 
+def first_on_sm(launch: np.ndarray) -> np.ndarray:
+    """Whether each block was the first of its launch to start on its SM."""
+    sm, start = launch["sm"].astype(np.int64), launch["t"][:, 0]
+    order = np.lexsort((start, sm))
+    first = np.zeros(len(launch), bool)
+    first[order[np.r_[True, sm[order][1:] != sm[order][:-1]]]] = True
+    return first
+
+
 def summarise(runs: list[np.ndarray], names: list[str], ghz: float, stats: dict) -> None:
     layer_roles = ("qkv", "attention", "merge", "o", "gate+up", "down")
     qkv_at = [i for i, name in enumerate(names) if name == "qkv"]
@@ -130,6 +141,11 @@ def summarise(runs: list[np.ndarray], names: list[str], ghz: float, stats: dict)
                 rows = np.arange(len(launch))
                 spent = c[rows, mark] - c[rows, before]
                 s[phase].append(float(np.median(spent[reached])))
+                if mark == 2:  # an SM's first block of the launch fetches its code cold; the later ones find it
+                    first = first_on_sm(launch)
+                    for name, which in (("staging 1st on SM", first), ("staging later", ~first)):
+                        if (reached & which).any():
+                            s[name].append(float(np.median(spent[reached & which])))
             done = t[:, 4] > 0
             if done.any():
                 s["summed med"].append((np.median(t[done, 4]) - prev_end) / 1e3)
@@ -179,8 +195,9 @@ def main() -> None:
         steps.append((records["t"][:, -1].max() - records["t"][:, 0].min()) / 1e3)
         print(f"replay: {len(records)} blocks in {len(runs)} launches, first start to last exit {steps[-1]:.1f} us")
     print(f"global timer: smallest step between marks {min(resolution):.0f} ns; SM clock {np.median(clocks):.3f} GHz")
-    columns = ("blocks", "early", "start spread", "release", "staging", "ready", "stream", "epilogue", "summed med",
-               "summed last", "last: start", "last: stream", "last: epilogue", "span")  # fmt: skip
+    columns = ("blocks", "early", "start spread", "release", "staging", "staging 1st on SM", "staging later", "ready",
+               "stream", "epilogue", "summed med", "summed last", "last: start", "last: stream", "last: epilogue",
+               "span")  # fmt: skip
     print("| role | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     total = 0.0
