@@ -120,17 +120,8 @@ def paged_attention(
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
-    driver.launch(
-        _function("decode", head_dim),
-        grid,
-        (128,),
-        tuple(args),
-        _ATTENTION_TYPES,
-        stream,
-        smem,
-        pdl=True,
-        carveout=True,
-    )
+    decode = _function("decode", head_dim)
+    driver.launch(decode, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True, carveout=True)
     if max_splits > 1:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
                       xq, xs, num_tokens)  # fmt: skip
