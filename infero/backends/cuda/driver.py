@@ -262,6 +262,8 @@ def launch(
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
     pdl = pdl and PDL[0] and getattr(_capturing, "on", False)
+    # Checked at each launch (a dict lookup), not set once a function, so that scripts/ab_step.py can switch
+    # SHARED_CARVEOUT between captures of the step.
     percent = SHARED_CARVEOUT if shared and carveout else -1
     if _carveouts.get(fn, -1) != percent:
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
