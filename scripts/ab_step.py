@@ -39,16 +39,21 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
-    for setting in args.set:
-        target, value = setting.split("=")
-        held_module, held_attribute = target.split(":")
-        setattr(importlib.import_module(held_module), held_attribute, int(value))
+    hold(args.set)
     step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
     step_us()
     for flag in args.flag:
         compare(flag, args, step_us)
     for define in args.define:
         compare_define(define, args, step_us)
+
+
+def hold(settings: list[str]) -> None:
+    """Set each MODULE:ATTRIBUTE=INT for the rest of the run (--set)."""
+    for setting in settings:
+        target, value = setting.split("=")
+        module, attribute = target.split(":")
+        setattr(importlib.import_module(module), attribute, int(value))
 
 
 def compare(flag: str, args: argparse.Namespace, step_us) -> None:

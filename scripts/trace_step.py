@@ -23,10 +23,10 @@ exit, so "span" (last exit to last exit) is the launch's share of the step:
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections import defaultdict
 
 import numpy as np
+from ab_step import hold
 
 from infero.backends.cuda import driver, runtime
 
@@ -166,10 +166,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the run")
     args = parser.parse_args()
     runtime.defines["INFERO_TRACE"] = 1
-    for setting in args.set:
-        target, value = setting.split("=")
-        module, attribute = target.split(":")
-        setattr(importlib.import_module(module), attribute, int(value))
+    hold(args.set)
 
     from infero import LLM
     from infero.bench.decode import decode_step
