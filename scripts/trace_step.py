@@ -5,6 +5,7 @@ is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, atte
 is then summarised over the middle layers and the replays.
 
     python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5] [--set MODULE:ATTRIBUTE=INT]
+                                 [--define NAME=INT]
 
 Per role, medians over layers and replays, µs. Times "after prev" count from the previous launch's last block
 exit, so "span" (last exit to last exit) is the launch's share of the step:
@@ -15,7 +16,9 @@ exit, so "span" (last exit to last exit) is the launch's share of the step:
                 computed by thread 0's warp; attention: its first K/V tile landed), to its sums complete, to its
                 exit; medians
   staging 1st on SM / later: the staging of the blocks that started first on their SM in the launch (whose code
-                the SM's instruction cache may not hold yet) and of the others
+                the SM's instruction cache may not hold yet) and of the others (on the H200: no difference)
+  stream, busiest SMs / others: the stream of the blocks on the SMs that hold the most of the launch's blocks, and
+                of the rest (a one-wave launch whose blocks do not divide evenly over the SMs)
   summed med / last: the blocks' sums complete, after prev
   last: ...:    the block that ended the launch: its start after prev, its stream and its epilogue
 """
@@ -112,6 +115,13 @@ def first_on_sm(launch: np.ndarray) -> np.ndarray:
     return first
 
 
+def on_busiest_sms(launch: np.ndarray) -> np.ndarray:
+    """Whether each block ran on one of the SMs that held the most of its launch's blocks."""
+    sm = launch["sm"].astype(np.int64)
+    per_sm = np.bincount(sm)[sm]
+    return per_sm == per_sm.max()
+
+
 def summarise(runs: list[np.ndarray], names: list[str], ghz: float, stats: dict) -> None:
     layer_roles = ("qkv", "attention", "merge", "o", "gate+up", "down")
     qkv_at = [i for i, name in enumerate(names) if name == "qkv"]
@@ -147,6 +157,13 @@ def summarise(runs: list[np.ndarray], names: list[str], ghz: float, stats: dict)
                         if (reached & which).any():
                             s[name].append(float(np.median(spent[reached & which])))
             done = t[:, 4] > 0
+            streamed = done & (t[:, 3] > 0)
+            if streamed.any():
+                busiest = on_busiest_sms(launch)
+                spent = c[:, 4] - c[:, 3]
+                for name, which in (("stream, busiest SMs", busiest), ("stream, others", ~busiest)):
+                    if (streamed & which).any():
+                        s[name].append(float(np.median(spent[streamed & which])))
             if done.any():
                 s["summed med"].append((np.median(t[done, 4]) - prev_end) / 1e3)
                 s["summed last"].append((t[done, 4].max() - prev_end) / 1e3)
@@ -164,8 +181,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the run")
+    parser.add_argument("--define", action="append", default=[], help="NAME=INT of the kernel build, besides the trace")
     args = parser.parse_args()
     runtime.defines["INFERO_TRACE"] = 1
+    for define in args.define:
+        name, _, value = define.partition("=")
+        runtime.defines[name] = int(value or 1)
     hold(args.set)
 
     from infero import LLM
@@ -192,9 +213,9 @@ def main() -> None:
         steps.append((records["t"][:, -1].max() - records["t"][:, 0].min()) / 1e3)
         print(f"replay: {len(records)} blocks in {len(runs)} launches, first start to last exit {steps[-1]:.1f} us")
     print(f"global timer: smallest step between marks {min(resolution):.0f} ns; SM clock {np.median(clocks):.3f} GHz")
-    columns = ("blocks", "early", "start spread", "release", "staging", "staging 1st on SM", "staging later", "ready",
-               "stream", "epilogue", "summed med", "summed last", "last: start", "last: stream", "last: epilogue",
-               "span")  # fmt: skip
+    columns = ("blocks", "early", "start spread", "release", "staging", "staging 1st on SM", "staging later",
+               "ready", "stream", "stream, busiest SMs", "stream, others", "epilogue", "summed med", "summed last",
+               "last: start", "last: stream", "last: epilogue", "span")  # fmt: skip
     print("| role | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     total = 0.0
