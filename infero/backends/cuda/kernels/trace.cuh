@@ -57,15 +57,13 @@ __shared__ unsigned long long infero_trace_marks[2][trace::MARKS];
   } while (0)
 #define TRACE_END(what)                                                            \
   do {                                                                             \
-    const unsigned long long t_exit_ = trace::now(), c_exit_ = clock64();          \
+    TRACE_MARK(trace::MARKS - 1);                                                  \
     if (threadIdx.x == 0 && infero_trace_slot_ < infero_trace_capacity) {          \
       trace::Record r;                                                             \
-      for (int i_ = 0; i_ < trace::MARKS - 1; ++i_) {                              \
+      for (int i_ = 0; i_ < trace::MARKS; ++i_) {                                  \
         r.t[i_] = infero_trace_marks[0][i_];                                       \
         r.c[i_] = infero_trace_marks[1][i_];                                       \
       }                                                                            \
-      r.t[trace::MARKS - 1] = t_exit_;                                             \
-      r.c[trace::MARKS - 1] = c_exit_;                                             \
       r.kind = (what);                                                             \
       r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);    \
       r.sm = trace::sm_id();                                                       \
