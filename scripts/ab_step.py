@@ -32,9 +32,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--flag", default=[], action="append", help="module:ATTRIBUTE (repeat: each in turn)")
     parser.add_argument("--define", default=[], action="append", help="NAME[=VALUES] of the kernel builds (repeat)")
-    parser.add_argument("--values", help="comma-separated ints to compare (default: True,False)")
+    parser.add_argument("--values", help="comma-separated numbers to compare (default: True,False)")
     parser.add_argument("--predicate", action="store_true", help="the attribute is a function: as is vs False")
-    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the whole run")
+    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=NUMBER held for the whole run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=8)
@@ -49,11 +49,15 @@ def main() -> None:
 
 
 def hold(settings: list[str]) -> None:
-    """Set each MODULE:ATTRIBUTE=INT for the rest of the run (--set)."""
+    """Set each MODULE:ATTRIBUTE=NUMBER (an int, or a float where it has a point) for the rest of the run (--set)."""
     for setting in settings:
         target, value = setting.split("=")
         module, attribute = target.split(":")
-        setattr(importlib.import_module(module), attribute, int(value))
+        setattr(importlib.import_module(module), attribute, _number(value))
+
+
+def _number(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
 
 
 def compare(flag: str, args: argparse.Namespace, step_us) -> None:
@@ -62,7 +66,7 @@ def compare(flag: str, args: argparse.Namespace, step_us) -> None:
     module = importlib.import_module(module_name)
     default = getattr(module, attribute)
     listed = own or args.values
-    values = [int(v) for v in listed.split(",")] if listed else [True, False]
+    values = [_number(v) for v in listed.split(",")] if listed else [True, False]
     settings = {True: default, False: lambda *args, **kwargs: False} if args.predicate else {v: v for v in values}
     times: dict = {value: [] for value in values}
     for _ in range(args.repeats):

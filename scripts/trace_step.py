@@ -4,7 +4,7 @@ its PDL wait's release, its activation staged, its first math, its sums complete
 is replayed as the engine runs it; each launch of the layers' cycle (q/k/v, attention, merge, o, gate + up, down)
 is then summarised over the middle layers and the replays.
 
-    python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5] [--set MODULE:ATTRIBUTE=INT]
+    python scripts/trace_step.py --model FILE.gguf [--prompt 512] [--replays 5] [--set MODULE:ATTRIBUTE=NUMBER]
                                  [--define NAME=INT]
 
 Per role, medians over layers and replays, µs. Times "after prev" count from the previous launch's last block
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=INT held for the run")
+    parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=NUMBER held for the run")
     parser.add_argument("--define", action="append", default=[], help="NAME=INT of the kernel build, besides the trace")
     args = parser.parse_args()
     runtime.defines["INFERO_TRACE"] = 1
