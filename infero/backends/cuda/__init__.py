@@ -158,7 +158,7 @@ class CudaBackend:
         holder = {}
 
         def record():
-            with self.ops.l2.capturing(self.stream):  # prefetch_ahead's side branch joins before the capture ends
+            with self.ops.l2.capturing(self.stream):  # prefetch_gate_up's side branch joins before the capture ends
                 holder["logits"] = model.forward(device_batch, cache)
 
         graph = driver.Graph(self.stream, record)

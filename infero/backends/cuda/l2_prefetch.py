@@ -2,11 +2,12 @@
 
 Attention and its split merge leave the DRAM nearly idle for ~10 us a layer of llama-3.1-8b's batch-1 step on the
 H200; gate + up after them then streams 66 MB, every one of its blocks starting on DRAM misses. While a decode step
-is captured, CudaOps.prefetch_ahead forks a prefetch onto a side stream after the kernels queued before attention: of
-every matvec_glu block's four tiles (groups of 8 rows of gate and of up) the first GATE_UP_TILES, at most L2_SHARE
-of the L2 in all (more evicts itself before gate + up reads it). The branch joins the step's stream at the end of the
-capture, so no kernel of the step waits on it. Eager steps, and GPUs before sm_90 (no bulk prefetch), never
-prefetch. Measured on the H200: docs/performance.md ("L2 prefetch during attention").
+is captured, CudaOps.prefetch_gate_up forks a prefetch onto a side stream after the kernels queued before attention:
+of every matvec_glu block's four tiles (groups of 8 rows of gate and of up) the first GATE_UP_TILES, at most
+L2_SHARE of the L2 in all (more evicts itself before gate + up reads it). The branch joins the step's stream at the
+end of the capture, so no kernel of the step waits on it. Eager steps, and GPUs before sm_90 (no bulk prefetch),
+never prefetch. Measured on the H200 (docs/performance.md, the twentieth session): ~10 us off the 8B's ~1,970 us
+step, its variants (more tiles, o too, other issue patterns, other fork points) even or slower.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ SOURCE = "l2_prefetch.cu"
 GATE_UP_TILES = 2  # of each matvec_glu block's 4 tiles; 0 turns the prefetch off
 L2_SHARE = 0.55  # the most of the L2 a layer's prefetch may fill
 GLU_TILES, GLU_ROWS = 4, 32  # matvec_glu: a block's 32 rows, as 4 tiles of 8
-THREADS = 32  # one bulk prefetch each; 28 blocks for the 8B (56 or 448 blocks, or 14 or 7 larger ones: slower)
+# One bulk prefetch a thread, 32 a CTA (the kernel's bounds): 28 CTAs for the 8B. Measured slower: a tile a thread in
+# 56 or 448 CTAs, a block's take a thread in 14 or 7 CTAs of 64 or 128.
+THREADS = 32
 runtime.declare(SOURCE, ["l2_prefetch_chunks"])
 
 _P, _L, _U, _I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint, ctypes.c_int
