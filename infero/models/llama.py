@@ -110,11 +110,10 @@ class LlamaModel:
                 q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
                 q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
-            gate_up = (layer.w_gate, layer.w_up)
-            ops.prefetch_gate_up(gate_up, n)  # the GPU reads some ahead while attention leaves its DRAM idle
             attn = ops.attention(q, cache, i, batch, self.scale)
             # The residual add and the next norm go with the projection before them (the GPU folds them into its
             # launch at decode), so each is told which weights read the normed output.
+            gate_up = (layer.w_gate, layer.w_up)
             h, residual = ops.linear_add_rms_norm(attn.reshape(n, c.q_size), layer.wo, residual, layer.ffn_norm,
                                                   c.rms_norm_eps, readers=gate_up)  # fmt: skip
             g = ops.swiglu_gate_up(h, gate_up)

@@ -140,34 +140,6 @@ def test_graph_replay_is_bit_identical_to_eager(gpu, models):
     assert a == b
 
 
-def test_decode_graph_prefetches_gate_up_into_the_l2_on_a_side_branch_and_changes_no_token(gpu, models, monkeypatch):
-    """The captured batch-1 step prefetches each layer's gate + up first tiles while attention runs, on a branch
-    of the graph (l2_prefetch.py): one more kernel node a layer on sm_90 and later, none before or where L2_SHARE
-    leaves no room; greedy tokens stay those of the eager steps, which never prefetch."""
-    from infero.backends.cuda import l2_prefetch, matvec, runtime
-
-    path = write_tiny_model(models / "prefetch.gguf", Q.Q4_K, TinyShape(hidden=512, ffn=1024, head_dim=128), seed=29)
-    llm = LLM(path, device="cuda")
-    layer, layers = llm.model.layers[0], llm.model.config.num_layers
-    assert matvec.glu_fits(layer.w_gate, layer.w_up, 1), "the tiny model's decode must run matvec_glu"
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-    def run(tiles: int, share: float) -> tuple[int, list[int]]:
-        monkeypatch.setattr(l2_prefetch, "GATE_UP_TILES", tiles)
-        monkeypatch.setattr(l2_prefetch, "L2_SHARE", share)
-        llm.backend.discard_graphs()
-        ids = llm.generate([[3, 50, 100, 200, 17]], params)[0].completion_ids
-        (graph,) = [graph for (bucket, _), (graph, _) in llm.backend._graphs.items() if bucket == 1]
-        return graph.node_count(), ids
-
-    (plain, a), (one, b), (two, c), (no_room, d) = run(0, 0.55), run(1, 0.55), run(2, 0.55), run(2, 1e-9)
-    llm.backend.use_graphs = False
-    eager = llm.generate([[3, 50, 100, 200, 17]], params)[0].completion_ids
-    added = layers if runtime.context().info.capability >= (9, 0) else 0
-    assert (one - plain, two - plain, no_room - plain) == (added, added, 0)
-    assert a == b == c == d == eager
-
-
 def test_a_request_is_bit_identical_whichever_requests_share_a_batch_of_its_width(gpu, models):
     path = write_tiny_model(models / "batch.gguf", Q.Q4_0, seed=13)
     llm = LLM(path, device="cuda")

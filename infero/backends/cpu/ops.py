@@ -78,9 +78,6 @@ class CpuOps:
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
-    def prefetch_gate_up(self, weights, n: int) -> None:
-        """A hint for a device with a cache to fill while attention runs (the CUDA backend's L2); none here."""
-
     def swiglu_gate_up(self, x: np.ndarray, weights) -> np.ndarray:
         """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch)."""
         return self.swiglu(*self.linears(x, weights))

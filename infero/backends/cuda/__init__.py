@@ -156,12 +156,7 @@ class CudaBackend:
     def _capture(self, model, device_batch: DeviceBatch, cache: CudaKVCache) -> tuple[driver.Graph, DeviceTensor]:
         self.workspace.reset()
         holder = {}
-
-        def record():
-            with self.ops.l2.capturing(self.stream):  # prefetch_gate_up's side branch joins before the capture ends
-                holder["logits"] = model.forward(device_batch, cache)
-
-        graph = driver.Graph(self.stream, record)
+        graph = driver.Graph(self.stream, lambda: holder.setdefault("logits", model.forward(device_batch, cache)))
         return graph, holder["logits"]
 
     def capture_decode_step(self, model, batch: Batch, cache: CudaKVCache):

@@ -43,7 +43,6 @@ class DeviceInfo:
     num_sms: int
     total_memory: int
     max_shared_per_block_optin: int
-    l2_bytes: int
 
 
 class Context:
@@ -76,7 +75,6 @@ class Context:
             get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             check(cu.cuDeviceTotalMem(self.device)),
             get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-            get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         )  # fmt: skip
 
     def make_current(self) -> None:
@@ -96,11 +94,6 @@ class Stream:
 
     def synchronize(self) -> None:
         check(cu.cuStreamSynchronize(self.handle))
-
-    def wait(self, event: Event) -> None:
-        """Work queued here after this call starts once the work before the event's last record has run (while a
-        capture runs: an edge of the graph, which forks a second stream into the capture or joins it back)."""
-        check(cu.cuStreamWaitEvent(self.handle, event.handle, 0))
 
 
 class Event:
@@ -317,9 +310,6 @@ class Graph:
             graph = check(cu.cuStreamEndCapture(stream.handle))
         self.graph = graph
         self.exec = check(cu.cuGraphInstantiate(graph, 0))
-
-    def node_count(self) -> int:
-        return check(cu.cuGraphGetNodes(self.graph, 0))[1]
 
     def replay(self, stream: Stream) -> None:
         check(cu.cuGraphLaunch(self.exec, stream.handle))

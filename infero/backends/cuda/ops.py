@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import (
-    attention,
-    elementwise,
-    embedding,
-    gemm,
-    l2_prefetch,
-    matvec,
-    skinny_gemm,
-    weight_layout,
-)
+from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm, weight_layout
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
@@ -57,7 +48,6 @@ class CudaOps:
         self._act_norms: list = [None, None]
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
-        self.l2 = l2_prefetch.Branch()
 
     def prepare(self, config) -> None:
         """The fixed buffers of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -243,13 +233,6 @@ class CudaOps:
             matvec.matvec_many([outs[i] for i in group], [weights[i] for i in group], x,
                                [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
-
-    def prefetch_gate_up(self, weights, n: int) -> None:
-        """A hint that attention is queued next and gate + up of n tokens soon after: while a decode step whose gate
-        + up matvec_glu runs is captured, their first tiles go into the L2 on a side branch (l2_prefetch)."""
-        gate, up = weights
-        if isinstance(gate, QuantWeight) and isinstance(up, QuantWeight) and matvec.glu_fits(gate, up, n):
-            self.l2.ahead(gate, up)
 
     def swiglu_gate_up(self, x: DeviceTensor, weights) -> DeviceTensor:
         """swiglu(*linears(x, (w_gate, w_up))); a decode step of one or two tokens whose gate and up take
