@@ -34,6 +34,7 @@ def main() -> None:
         raw = random_blocks(Q4K, rows, cols, rng, 0.02)
         nbytes = 2 * raw.nbytes
         copies = max(2, -(-3 * L2_BYTES // nbytes))
+        # gate and up: two allocations of the same bytes, so that up is not read from the L2 after gate
         pairs = [
             (weight_layout.upload(raw, Q4K, rows, cols), weight_layout.upload(raw, Q4K, rows, cols))
             for _ in range(copies)
