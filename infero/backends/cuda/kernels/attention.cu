@@ -19,8 +19,13 @@
 // the softmax is online in fp32 (running max and sum per row, base-2 exponentials).
 //   attention_prefill: 4 warps x 16 rows, each warp sees every key. Sequences with q_len >= 2 only.
 //   attention_decode:  1 row tile of 16 rows (the group's heads; more tiles on blockIdx.z when group > 16)
-//                      x 4 warps that split each 64-key tile 16 keys apiece, merged through shared
-//                      memory at the end. Sequences with q_len == 1 only. A sequence's splits depend on
+//                      x 4 warps that split the head dim: each computes S over every key of the tile
+//                      (the same S, max and sum in all four) and O for its quarter of the columns, so
+//                      nothing is merged across warps. With the keys split 16 apiece and the warps'
+//                      shares merged through shared memory, llama-3.1-8b's batch-1 step on the H200 took
+//                      51 us longer, and 32-sequence steps 3.5% longer (docs/performance.md): the merge
+//                      and its barriers cost more than S computed four times.
+//                      Sequences with q_len == 1 only. A sequence's splits depend on
 //                      its own context length only (decode_splits): 64 keys each up to 32 splits, longer
 //                      contexts get longer splits (multiples of 64). CTA (x, kv head, sequence) computes
 //                      splits x, x + gridDim.x, ...: the launcher picks gridDim.x from the batch to fill
@@ -36,9 +41,8 @@
 //
 // Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
 // on its own sequence (its q_len and context length): key tiles in ascending order, within a tile the
-// mma's fixed k order, the decode kernel's 4 warps merged in warp order, splits (a function of the
-// context length alone, never of the batch) merged in split order. Tiles a row cannot see (past its
-// causal limit) add exact zeros. So a sequence's output is bitwise the same alone or in any batch; a
+// mma's fixed k order, splits (a function of the context length alone, never of the batch) merged in
+// split order. Tiles a row cannot see (past its causal limit) add exact zeros. So a sequence's output is bitwise the same alone or in any batch; a
 // decode sequence gets the same bits in a pure decode batch and in a mixed one. Grid sizes
 // (max_query_len, max_context_len) and the decode CTAs per sequence only add CTAs that exit at once or
 // move splits between CTAs.
@@ -46,7 +50,7 @@
 // Numerics: q and the probabilities are rounded to fp16 for the tensor cores (relative 2^-11 each); K/V
 // are fp16 already. Scores, running max/sum and outputs are fp32.
 //
-// measured: to be measured on the H200.
+// Measured on the H200: docs/performance.md (the decode kernel and its merge in the per-op profile).
 
 #include <cuda_fp16.h>
 
@@ -106,7 +110,7 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __res
 }
 
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
-// keys [kv_begin, kv_end). WARPS_N warps split each key tile between them (decode), else 1 (prefill).
+// keys [kv_begin, kv_end). WARPS_N warps split the head dim of O between them (decode), else 1 (prefill).
 template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
@@ -116,13 +120,12 @@ __device__ __forceinline__ void attention_tile(
     ActScale* __restrict__ xs, int num_tokens) {
   constexpr int NT = 32 * WARPS_M * WARPS_N;
   constexpr int ROWS = 16 * WARPS_M;
-  constexpr int NW = BLOCK_N / WARPS_N;  // keys of a tile one warp handles
   constexpr int SK = HD + 8;             // shared row stride in halves
   constexpr int KC = HD / 16;            // k-chunks of the head dim (S = Q K^T)
-  constexpr int DT = HD / 8;             // 8-wide tiles of the head dim (O)
-  constexpr int NS = NW / 8;             // 8-key tiles of S per warp
-  static_assert(HD % 16 == 0 && NW % 16 == 0, "tile shapes");
-  static_assert(WARPS_N == 1 || WARPS_N * ROWS * (HD + 2) * 4 <= tile_smem_bytes<HD>(), "merge fits");
+  constexpr int DTW = HD / 8 / WARPS_N;  // 8-wide tiles of O one warp accumulates
+  constexpr int NS = BLOCK_N / 8;        // 8-key tiles of S (every warp: the whole tile)
+  static_assert(HD % 16 == 0 && DTW % 2 == 0, "tile shapes");
+  static_assert(ROWS * HD * 4 <= tile_smem_bytes<HD>(), "one split's output fits");
 
   extern __shared__ __align__(16) unsigned char smem[];
   __half* ks = reinterpret_cast<__half*>(smem);  // [STAGES][BLOCK_N][SK]
@@ -180,6 +183,7 @@ __device__ __forceinline__ void attention_tile(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WARPS_M, wn = warp / WARPS_M;
   const int gid = lane >> 2, tig = lane & 3;
+  const int d0 = wn * DTW * 8;  // this warp's first column of O
   const int* table = block_tables + (size_t)seq * max_blocks;
 
   // Copies the key rows of positions [pos_lo, pos_hi) of the tile at tile_base into stage (K and V alike; rows
@@ -247,9 +251,9 @@ __device__ __forceinline__ void attention_tile(
   for (int split = DECODE ? blockIdx.x : 0; split < num_splits; split += DECODE ? gridDim.x : 1) {
     const int kv_begin = DECODE ? split * partition : 0;
     const int kv_end = DECODE ? min(ctx, kv_begin + partition) : prefill_end;
-    float o[DT][4];
+    float o[DTW][4];
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    for (int dt = 0; dt < DTW; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()};
     float row_sum[2] = {0.f, 0.f};  // this lane's share; the quad's shares are added at the end
     const int num_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
@@ -269,10 +273,9 @@ __device__ __forceinline__ void attention_tile(
       __syncthreads();
       if (DECODE && tile == 0) TRACE_MARK(3);
 
-      const __half* kt = ks + stage * BLOCK_N * SK + wn * NW * SK;
-      const __half* vt = vs + stage * BLOCK_N * SK + wn * NW * SK;
+      const __half* kt = ks + stage * BLOCK_N * SK;
+      const __half* vt = vs + stage * BLOCK_N * SK;
       const int tile_base = kv_begin + tile * BLOCK_N;
-      const int key0 = tile_base + wn * NW;
 
       // S = Q K^T: K rows are the B operand's columns, so plain (non-transposed) ldmatrix gives them.
       float s[NS][4];
@@ -298,7 +301,7 @@ __device__ __forceinline__ void attention_tile(
         for (int nt = 0; nt < NS; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int pos = key0 + nt * 8 + tig * 2 + (e & 1);
+            const int pos = tile_base + nt * 8 + tig * 2 + (e & 1);
             if (pos >= kv_end || pos > qpos[e >> 1]) s[nt][e] = neg_inf();
           }
       }
@@ -324,7 +327,7 @@ __device__ __forceinline__ void attention_tile(
         }
         row_sum[h] = row_sum[h] * alpha + sum;
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
+        for (int dt = 0; dt < DTW; ++dt) {
           o[dt][2 * h] *= alpha;
           o[dt][2 * h + 1] *= alpha;
         }
@@ -333,17 +336,17 @@ __device__ __forceinline__ void attention_tile(
       // O += P V: the S accumulators of two adjacent 8-key tiles are exactly one 16-key A fragment; V rows
       // are the B operand's k dimension, so ldmatrix.trans gives them.
 #pragma unroll
-      for (int kc = 0; kc < NW / 16; ++kc) {
+      for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
         unsigned pa[4];
         pa[0] = pack_half2(s[2 * kc][0], s[2 * kc][1]);
         pa[1] = pack_half2(s[2 * kc][2], s[2 * kc][3]);
         pa[2] = pack_half2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
         pa[3] = pack_half2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
-        for (int dp = 0; dp < DT / 2; ++dp) {
+        for (int dp = 0; dp < DTW / 2; ++dp) {
           unsigned b[4];
           const int key = kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-          const int col = dp * 16 + ((lane >> 4) << 3);
+          const int col = d0 + dp * 16 + ((lane >> 4) << 3);
           ldmatrix_x4_trans(b, smem_addr(vt + key * SK + col));
           mma_16816(o[2 * dp], pa, b[0], b[1]);
           mma_16816(o[2 * dp + 1], pa, b[2], b[3]);
@@ -360,8 +363,8 @@ __device__ __forceinline__ void attention_tile(
       row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
     }
 
-    if constexpr (WARPS_N == 1) {
-      // Every row saw at least its own position's key, so its sum is >= 1.
+    // Every row saw at least one key (prefill: its own position; decode: the split's), so its sum is >= 1.
+    if constexpr (!DECODE) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_base + wm * 16 + gid + 8 * h;
@@ -369,54 +372,47 @@ __device__ __forceinline__ void attention_tile(
         const float inv = 1.f / row_sum[h];
         float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD;
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
+        for (int dt = 0; dt < DTW; ++dt)
           *reinterpret_cast<float2*>(orow + dt * 8 + tig * 2) =
               make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
       }
     } else {
-      // Merge the warps' shares of the keys, in warp order, through the (now idle) tile memory.
-      float* red_o = reinterpret_cast<float*>(smem);  // [WARPS_N][ROWS][HD]
-      float* red_m = red_o + WARPS_N * ROWS * HD;      // [WARPS_N][ROWS]
-      float* red_l = red_m + WARPS_N * ROWS;           // [WARPS_N][ROWS]
+      // This warp's columns of O over all of the split's keys; every warp computed the same (m, l) per row.
+      if (num_splits > 1) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = wm * 16 + gid + 8 * h;
-        if (tig == 0) {
-          red_m[wn * ROWS + row] = row_max[h];
-          red_l[wn * ROWS + row] = row_sum[h];
+        for (int h = 0; h < 2; ++h) {
+          const int r = row_base + gid + 8 * h;
+          if (r >= num_rows) continue;
+          const float inv = 1.f / row_sum[h];
+          const size_t slot = ((size_t)seq * num_heads + kvh * group + r % group) * max_splits + split;
+#pragma unroll
+          for (int dt = 0; dt < DTW; ++dt)
+            *reinterpret_cast<float2*>(part_out + slot * HD + d0 + dt * 8 + tig * 2) =
+                make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+          if (wn == 0 && tig == 0) part_ml[slot] = make_float2(row_max[h], row_sum[h]);
         }
+      } else {
+        // The output, quantized in groups of 32 columns (a group spans warps at HD 64): through the idle tile
+        // memory, so that a warp's 32 lanes hold one group.
+        float* red = reinterpret_cast<float*>(smem);  // [ROWS][HD]
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-          *reinterpret_cast<float2*>(red_o + (wn * ROWS + row) * HD + dt * 8 + tig * 2) =
-              make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
-        const int row = e / HD, d = e % HD;
-        const int r = row_base + row;
-        if (r >= num_rows) break;  // rows grow with e
-        float m = neg_inf();
+        for (int h = 0; h < 2; ++h) {
+          const float inv = 1.f / row_sum[h];
 #pragma unroll
-        for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, red_m[w * ROWS + row]);
-        const float base = m == neg_inf() ? 0.f : m;
-        float l = 0.f, acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS_N; ++w) {
-          const float f = exp2f(red_m[w * ROWS + row] - base);
-          l += red_l[w * ROWS + row] * f;
-          acc += red_o[(w * ROWS + row) * HD + d] * f;
+          for (int dt = 0; dt < DTW; ++dt)
+            *reinterpret_cast<float2*>(red + (gid + 8 * h) * HD + d0 + dt * 8 + tig * 2) =
+                make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
         }
-        const int head = kvh * group + r % group;
-        if (num_splits == 1) {  // a warp's 32 lanes: one group of one row
-          store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start + r / group, head, d, acc / l);
-        } else {
-          const size_t slot = ((size_t)seq * num_heads + head) * max_splits + split;
-          part_out[slot * HD + d] = acc / l;
-          if (d == 0) part_ml[slot] = make_float2(m, l);
+        __syncthreads();
+        for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
+          const int r = row_base + e / HD;
+          if (r >= num_rows) break;  // rows grow with e, the same for a warp's 32 lanes
+          store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start + r / group, kvh * group + r % group, e % HD,
+                        red[e]);
         }
       }
     }
-    __syncthreads();  // the merge memory is the next split's tile memory
+    __syncthreads();  // the output's staging memory is the next split's tile memory
   }
   if (DECODE) TRACE_END(TRACE_ATTENTION);
 }
@@ -434,7 +430,7 @@ __device__ __forceinline__ void attention_tile(
       block_size, max_blocks, max_splits, scale_log2, xq, xs, num_tokens
 
 // __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
-// Registers (sm_90a): prefill 141 (HD 64) / 198 (HD 128), decode 116 / 158; no spills on sm_80/89/90a.
+// Registers (sm_90a): prefill 145 (HD 64) / 200 (HD 128), decode 126 / 152; no spills on sm_80/89/90a.
 
 // grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128, tile_smem_bytes<HD>() dynamic.
 template <int HD>
