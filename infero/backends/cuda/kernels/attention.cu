@@ -42,10 +42,10 @@
 // Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
 // on its own sequence (its q_len and context length): key tiles in ascending order, within a tile the
 // mma's fixed k order, splits (a function of the context length alone, never of the batch) merged in
-// split order. Tiles a row cannot see (past its causal limit) add exact zeros. So a sequence's output is bitwise the same alone or in any batch; a
-// decode sequence gets the same bits in a pure decode batch and in a mixed one. Grid sizes
-// (max_query_len, max_context_len) and the decode CTAs per sequence only add CTAs that exit at once or
-// move splits between CTAs.
+// split order. Tiles a row cannot see (past its causal limit) add exact zeros. So a sequence's output is
+// bitwise the same alone or in any batch; a decode sequence gets the same bits in a pure decode batch and
+// in a mixed one. Grid sizes (max_query_len, max_context_len) and the decode CTAs per sequence only add
+// CTAs that exit at once or move splits between CTAs.
 //
 // Numerics: q and the probabilities are rounded to fp16 for the tensor cores (relative 2^-11 each); K/V
 // are fp16 already. Scores, running max/sum and outputs are fp32.
@@ -412,7 +412,9 @@ __device__ __forceinline__ void attention_tile(
         }
       }
     }
-    __syncthreads();  // the output's staging memory is the next split's tile memory
+    // No barrier before a CTA's next split (at larger batches a CTA computes several): it refills the tiles
+    // only after every warp passed the last tile's barrier above, and the output's staging through tile memory
+    // is for a context of one split, which has no next one.
   }
   if (DECODE) TRACE_END(TRACE_ATTENTION);
 }
