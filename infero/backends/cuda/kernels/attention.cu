@@ -23,11 +23,11 @@
 //                      (the same S, max and sum in all four) and O for its quarter of the columns, so
 //                      nothing is merged across warps. With the keys split 16 apiece and the warps'
 //                      shares merged through shared memory, llama-3.1-8b's batch-1 step on the H200 took
-//                      51 us longer, and 32-sequence steps 3.5% longer (docs/performance.md): the merge
-//                      and its barriers cost more than S computed four times.
-//                      Sequences with q_len == 1 only. A sequence's splits depend on
-//                      its own context length only (decode_splits): 64 keys each up to 32 splits, longer
-//                      contexts get longer splits (multiples of 64). CTA (x, kv head, sequence) computes
+//                      51 us longer, and 32-sequence steps 3.4-3.5% longer (docs/performance.md): the merge
+//                      and its barriers cost more than S computed four times. Sequences with q_len == 1
+//                      only. A sequence's splits depend on its own context length only
+//                      (decode_splits): 64 keys each up to 32 splits, longer contexts get longer splits
+//                      (multiples of 64). CTA (x, kv head, sequence) computes
 //                      splits x, x + gridDim.x, ...: the launcher picks gridDim.x from the batch to fill
 //                      the GPU (one CTA per split at batch 1: context 5,000 gives 27 x num_kv_heads busy
 //                      CTAs; one CTA per sequence and kv head at large batches), which changes who
