@@ -9,6 +9,10 @@ class ModelFileError(InferoError):
     """The model file is missing, is not GGUF, is truncated, or holds something we cannot run."""
 
 
+class NonFiniteLogitsError(InferoError):
+    """The model computed NaN or infinite logits for a request: its weights are broken, not the request."""
+
+
 class UnsupportedModelError(InferoError):
     """An architecture or tensor type infero does not implement."""
 
@@ -19,3 +23,14 @@ class PromptTooLongError(InferoError):
 
 class ChatTemplateError(InferoError):
     """The model has no chat template, or the template failed to render the conversation."""
+
+
+def excerpt(value, limit: int = 60) -> str:
+    """A short printable rendering of a value read from a file, for an error message: a corrupt length can make
+    a string hundreds of megabytes long, and its characters need not be printable."""
+    if isinstance(value, str):
+        quoted = ascii(value[:limit])
+        return quoted if len(value) <= limit else f"{quoted}... ({len(value):,} characters)"
+    if hasattr(value, "__len__"):
+        return f"an array of {len(value):,} values"
+    return ascii(value)[:limit]

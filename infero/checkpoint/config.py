@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from infero.errors import ModelFileError, UnsupportedModelError
+import numpy as np
+
+from infero.errors import ModelFileError, UnsupportedModelError, excerpt
 
 # Architectures whose GGUF layout the llama-family decoder runs. Mistral-style files use `llama`.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -13,6 +16,11 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # GGUF `llama` files carry Q/K rows permuted (by the converter) for rotation of adjacent pairs (2i, 2i+1);
 # qwen2/qwen3 files are not permuted and rotate dimension i with i + d/2 (GPT-NeoX style).
 _ROPE_PAIRING = {"llama": "interleaved", "mistral": "interleaved", "qwen2": "neox", "qwen3": "neox"}
+
+MAX_HEAD_DIM = 1024  # released models use 64-256; a larger value is a corrupt field, not a model
+MAX_TOKENS = 2**31 - 1  # token ids and positions are int32
+_BROKEN = "the file is corrupt or was converted wrongly"
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,15 @@ class RopeScaling:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_log_multiplier: float = 0.1
+
+    def __post_init__(self):
+        for name in ("factor", "yarn_beta_fast", "yarn_beta_slow"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, f"rope.scaling.{name}", value, "a finite number > 0")
+        multiplier = self.yarn_log_multiplier
+        _require(math.isfinite(multiplier), "rope.scaling.yarn_log_multiplier", multiplier, "a finite number")
+        length = self.original_context_length
+        _require(0 <= length <= MAX_TOKENS, "rope.scaling.original_context_length", length, f"from 0 to {MAX_TOKENS:,}")
 
 
 @dataclass(frozen=True)
@@ -49,10 +66,31 @@ class ModelConfig:
     qk_norm: bool
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ModelFileError(f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} KV heads")
-        if self.rope_dim > self.head_dim or self.rope_dim % 2:
-            raise ModelFileError(f"rotary dimension {self.rope_dim} does not fit head dimension {self.head_dim}")
+        """Refuse hyperparameters no model can run with (a zero head count, a negative epsilon, a NaN rotary base):
+        they would fail later as a division by zero, or as NaN logits on every request."""
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "context_length")  # fmt: skip
+        for name in sizes:
+            _require(
+                0 < getattr(self, name) <= MAX_TOKENS,
+                self._key(name),
+                getattr(self, name),
+                f"an integer from 1 to {MAX_TOKENS:,}",
+            )
+        _require(self.num_heads % self.num_kv_heads == 0, self._key("num_kv_heads"), self.num_kv_heads,
+                 f"a divisor of the {self.num_heads} attention heads")  # fmt: skip
+        _require(0 < self.head_dim <= MAX_HEAD_DIM and self.head_dim % 2 == 0, self._key("head_dim"), self.head_dim,
+                 f"an even number from 2 to {MAX_HEAD_DIM}")  # fmt: skip
+        _require(0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0, self._key("rope_dim"), self.rope_dim,
+                 f"an even number from 2 to the head dimension {self.head_dim}")  # fmt: skip
+        # A base <= 1 makes no rotary sense (released models use 10,000 to 1,000,000) and YaRN divides by log(base).
+        _require(math.isfinite(self.rope_theta) and self.rope_theta > 1, self._key("rope_theta"), self.rope_theta,
+                 "a finite number > 1")  # fmt: skip
+        _require(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, self._key("rms_norm_eps"),
+                 self.rms_norm_eps, "a number > 0 and < 1 (typically 1e-5 or 1e-6)")  # fmt: skip
+
+    def _key(self, name: str) -> str:
+        return f"{self.architecture}.{_KEYS[name]}"
 
     @property
     def q_size(self) -> int:
@@ -67,48 +105,39 @@ class ModelConfig:
         arch = metadata.get("general.architecture")
         if arch is None:
             raise ModelFileError("GGUF file has no general.architecture: not a model file")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"architecture {excerpt(arch)} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
-        def get(key: str, default: Any = None) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelFileError(f"GGUF metadata lacks {arch}.{key}")
-            return value
+        def get(key: str, kind: type, default: Any = _MISSING) -> Any:
+            return _typed(metadata, f"{arch}.{key}", kind, default)
 
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        num_kv_heads = get("attention.head_count_kv", num_heads)
-        if not isinstance(num_kv_heads, int):  # per-layer arrays exist in some files; the decoder needs one value
-            values = {int(v) for v in num_kv_heads}
-            if len(values) != 1:
-                raise UnsupportedModelError(f"per-layer KV head counts {sorted(values)} are not supported")
-            num_kv_heads = values.pop()
-        head_dim = int(get("attention.key_length", hidden // num_heads))
-        if int(get("attention.value_length", head_dim)) != head_dim:
+        hidden = get("embedding_length", int)
+        num_heads = get("attention.head_count", int)
+        _require(num_heads > 0, f"{arch}.attention.head_count", num_heads, "an integer > 0")
+        head_dim = get("attention.key_length", int, hidden // num_heads)
+        if get("attention.value_length", int, head_dim) != head_dim:
             raise UnsupportedModelError("different key and value head dimensions are not supported")
         tokens = metadata.get("tokenizer.ggml.tokens")
-        vocab_size = int(metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
         if "token_embd.weight" not in tensor_names:
             raise ModelFileError("GGUF file has no token_embd.weight tensor")
         return cls(
             architecture=arch,
             name=str(metadata.get("general.name", arch)),
-            vocab_size=vocab_size,
+            vocab_size=get("vocab_size", int, len(tokens) if isinstance(tokens, list) else 0),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=get("feed_forward_length", int),
+            num_layers=get("block_count", int),
             num_heads=num_heads,
-            num_kv_heads=int(num_kv_heads),
+            num_kv_heads=_kv_heads(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
-            rope_dim=int(get("rope.dimension_count", head_dim)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_dim=get("rope.dimension_count", int, head_dim),
+            rope_theta=get("rope.freq_base", float, 10000.0),
             rope_pairing=_ROPE_PAIRING[arch],
             rope_scaling=_rope_scaling(metadata, arch),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=int(get("context_length", 4096)),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
+            context_length=get("context_length", int, 4096),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -116,21 +145,67 @@ class ModelConfig:
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:
-    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    prefix = f"{arch}.rope.scaling."
+    kind = metadata.get(prefix + "type", "none")
+    factor = _typed(metadata, prefix + "factor", float, 1.0)
     if kind == "none" or factor == 1.0:
         # Older files only carry the linear factor.
-        linear = metadata.get(f"{arch}.rope.scale_linear")
-        if linear is not None and float(linear) != 1.0:
-            return RopeScaling(kind="linear", factor=float(linear))
-        return RopeScaling()
+        linear = _typed(metadata, f"{arch}.rope.scale_linear", float, 1.0)
+        return RopeScaling(kind="linear", factor=linear) if linear != 1.0 else RopeScaling()
     if kind not in ("linear", "yarn"):
-        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (linear and yarn are)")
+        raise UnsupportedModelError(f"rope scaling type {excerpt(kind)} is not supported (linear and yarn are)")
     return RopeScaling(
         kind=kind,
         factor=factor,
-        original_context_length=int(metadata.get(f"{arch}.rope.scaling.original_context_length", 0)),
-        yarn_beta_fast=float(metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-        yarn_beta_slow=float(metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-        yarn_log_multiplier=float(metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1)),
+        original_context_length=_typed(metadata, prefix + "original_context_length", int, 0),
+        yarn_beta_fast=_typed(metadata, prefix + "yarn_beta_fast", float, 32.0),
+        yarn_beta_slow=_typed(metadata, prefix + "yarn_beta_slow", float, 1.0),
+        yarn_log_multiplier=_typed(metadata, prefix + "yarn_log_multiplier", float, 0.1),
     )
+
+
+def _typed(metadata: dict[str, Any], key: str, kind: type, default: Any = _MISSING) -> Any:
+    """metadata[key] as an int or a float (an integer is a number too); a missing key without a default, or a
+    value of another type (a string, an array, a bool), is the file's error."""
+    value = metadata.get(key, default)
+    if value is _MISSING:
+        raise ModelFileError(f"GGUF metadata lacks {key}; {_BROKEN}")
+    numeric = (int,) if kind is int else (int, float)
+    if not isinstance(value, numeric) or isinstance(value, bool):
+        noun = "an integer" if kind is int else "a number"
+        raise ModelFileError(f"GGUF metadata {key} must be {noun}; the file holds {excerpt(value)} ({_BROKEN})")
+    return kind(value)
+
+
+def _kv_heads(value: Any) -> int:
+    """attention.head_count_kv: one integer, or a per-layer array (some files) whose entries must all agree."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.size == 0:
+        raise ModelFileError(f"GGUF metadata attention.head_count_kv must be an integer; the file holds "
+                             f"{excerpt(value)} ({_BROKEN})")  # fmt: skip
+    values = sorted({int(v) for v in value})
+    if len(values) != 1:
+        raise UnsupportedModelError(f"per-layer KV head counts {excerpt(values)} are not supported")
+    return values[0]
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ModelFileError(f"GGUF metadata {key} = {excerpt(value)} is invalid: it must be {rule}; {_BROKEN}")
+
+
+# ModelConfig field -> the GGUF key (after `{arch}.`) it comes from, for error messages.
+_KEYS = {
+    "vocab_size": "vocab_size (or the number of tokenizer.ggml.tokens)",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length (or embedding_length / attention.head_count)",
+    "rope_dim": "rope.dimension_count",
+    "rope_theta": "rope.freq_base",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "context_length": "context_length",
+}

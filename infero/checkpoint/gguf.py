@@ -7,6 +7,7 @@ header and vocabulary parse in tens of milliseconds. Tensor data are zero-copy v
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType, type_name
-from infero.errors import ModelFileError
+from infero.errors import ModelFileError, excerpt
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -55,11 +56,17 @@ class TensorInfo:
 
     @property
     def num_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+# llama.cpp reads no arrays of arrays at all; we read them a few levels deep, no further.
+MAX_ARRAY_NESTING = 4
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_COUNT = 1_000_000  # tensors or metadata keys in one file; a larger count is corruption
 
 
 class _Cursor:
@@ -67,6 +74,7 @@ class _Cursor:
 
     def __init__(self, buf: memoryview, path: Path, version: int):
         self.buf, self.pos, self.path, self.version = buf, 0, path, version
+        self.width = 4 if version == 1 else 8  # GGUF v1 stored lengths and counts as uint32; v2 and v3 as uint64
 
     def _need(self, n: int) -> None:
         if self.pos + n > len(self.buf):
@@ -82,7 +90,6 @@ class _Cursor:
         return value
 
     def count(self) -> int:
-        # GGUF v1 stored lengths and counts as uint32; v2 and v3 use uint64.
         return self.scalar("<I" if self.version == 1 else "<Q")
 
     def string(self) -> str:
@@ -93,17 +100,16 @@ class _Cursor:
         return raw.decode("utf-8", errors="replace")
 
     def strings(self, n: int) -> list[str]:
+        self._need(n * self.width)  # every string holds at least its length
         out = []
         buf, pos, end = self.buf, self.pos, len(self.buf)
-        fmt = "<I" if self.version == 1 else "<Q"
-        width = struct.calcsize(fmt)
-        unpack = struct.Struct(fmt).unpack_from
+        unpack = struct.Struct("<I" if self.version == 1 else "<Q").unpack_from
         for _ in range(n):
-            if pos + width > end:
+            if pos + self.width > end:
                 self.pos = pos
-                self._need(width)
+                self._need(self.width)
             (length,) = unpack(buf, pos)
-            pos += width
+            pos += self.width
             if pos + length > end:
                 self.pos = pos
                 self._need(length)
@@ -112,24 +118,31 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, value_type: int) -> Any:
+    def value(self, value_type: int, depth: int = 0) -> Any:
         if value_type in _SCALARS:
             return self.scalar(_SCALARS[value_type][0])
         if value_type == _STRING:
             return self.string()
-        if value_type == _ARRAY:
-            elem_type = self.scalar("<I")
-            n = self.count()
-            if elem_type in _SCALARS:
-                dtype = np.dtype(_SCALARS[elem_type][1]).newbyteorder("<")
-                self._need(n * dtype.itemsize)
-                arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()
-                self.pos += n * dtype.itemsize
-                return arr
-            if elem_type == _STRING:
-                return self.strings(n)
-            return [self.value(elem_type) for _ in range(n)]
-        raise ModelFileError(f"{self.path}: unknown GGUF metadata value type {value_type} at byte {self.pos}")
+        if value_type != _ARRAY:
+            raise ModelFileError(f"{self.path}: unknown GGUF metadata value type {value_type} at byte {self.pos:,}")
+        if depth == MAX_ARRAY_NESTING:
+            raise ModelFileError(
+                f"{self.path}: metadata arrays nested deeper than {MAX_ARRAY_NESTING} at byte {self.pos:,}"
+            )
+        elem_type = self.scalar("<I")
+        n = self.count()
+        if elem_type in _SCALARS:
+            dtype = np.dtype(_SCALARS[elem_type][1]).newbyteorder("<")
+            self._need(n * dtype.itemsize)
+            arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()
+            self.pos += n * dtype.itemsize
+            return arr
+        if elem_type == _STRING:
+            return self.strings(n)
+        if elem_type != _ARRAY:
+            raise ModelFileError(f"{self.path}: unknown GGUF array element type {elem_type} at byte {self.pos:,}")
+        self._need(n * (4 + self.width))  # every array holds at least its element type and count
+        return [self.value(_ARRAY, depth + 1) for _ in range(n)]
 
 
 class GGUFFile:
@@ -162,29 +175,36 @@ class GGUFFile:
         cur = _Cursor(buf, path, version)
         cur.pos = 8
         n_tensors, n_kv = cur.count(), cur.count()
-        if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise ModelFileError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+        if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+            raise ModelFileError(f"{path}: corrupt GGUF header ({n_tensors:,} tensors, {n_kv:,} metadata keys)")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
+            if key in metadata:
+                raise ModelFileError(f"{path}: metadata key {excerpt(key)} appears twice")
             metadata[key] = cur.value(cur.scalar("<I"))
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.scalar("<I")
-            if n_dims > 8:
-                raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+            if n_dims > MAX_DIMS:
+                raise ModelFileError(f"{path}: tensor {excerpt(name)} has {n_dims:,} dimensions (at most {MAX_DIMS})")
             dims = [cur.count() for _ in range(n_dims)]
             infos.append((name, tuple(reversed(dims)), cur.scalar("<I"), cur.scalar("<Q")))
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = _alignment(path, metadata)
         data_start = -(-cur.pos // alignment) * alignment
         tensors = {}
         for name, shape, ggml_type, offset in infos:
+            if name in tensors:
+                raise ModelFileError(f"{path}: tensor {excerpt(name)} appears twice")
+            if offset % alignment:
+                raise ModelFileError(f"{path}: tensor {excerpt(name)} starts at offset {offset:,}, not a multiple of "
+                                     f"the file's alignment {alignment}")  # fmt: skip
             nbytes = _tensor_nbytes(path, name, shape, ggml_type)
             start = data_start + offset
             if start + nbytes > size:
                 raise ModelFileError(
-                    f"{path}: truncated file: tensor {name!r} needs bytes up to {start + nbytes:,}, "
+                    f"{path}: truncated file: tensor {excerpt(name)} needs bytes up to {start + nbytes:,}, "
                     f"the file has {size:,}"
                 )
             data = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=start)
@@ -192,18 +212,28 @@ class GGUFFile:
         return cls(path, version, metadata, tensors, mm)
 
 
+def _alignment(path: Path, metadata: dict[str, Any]) -> int:
+    value = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value & (value - 1):
+        raise ModelFileError(f"{path}: general.alignment must be a power of two; the file says {excerpt(value)}")
+    return value
+
+
 def _tensor_nbytes(path: Path, name: str, shape: tuple[int, ...], ggml_type: int) -> int:
     try:
         layout = BLOCK_LAYOUTS[GGMLType(ggml_type)]
     except (ValueError, KeyError):
-        raise ModelFileError(f"{path}: tensor {name!r} has unknown GGML type {ggml_type}") from None
+        raise ModelFileError(f"{path}: tensor {excerpt(name)} has unknown GGML type {ggml_type}") from None
+    # Python integers, so a corrupt dimension cannot wrap around to a small size (llama.cpp's INT64_MAX bound).
+    elements = math.prod(shape)
+    if elements >= 2**63 // layout.bytes:
+        raise ModelFileError(f"{path}: tensor {excerpt(name)} has an impossible shape {shape}")
     row = shape[-1] if shape else 1
     if row % layout.elements:
         raise ModelFileError(
-            f"{path}: tensor {name!r} row of {row} is not a multiple of the {type_name(ggml_type)} block"
+            f"{path}: tensor {excerpt(name)} row of {row} is not a multiple of the {type_name(ggml_type)} block"
         )
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-    return rows * (row // layout.elements) * layout.bytes
+    return elements // layout.elements * layout.bytes
 
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -234,9 +264,9 @@ class GGUFModel:
         for f in files:
             self.tensors.update(f.tensors)
         expected = self.metadata.get("split.tensors.count")
-        if expected is not None and int(expected) != len(self.tensors):
+        if expected is not None and (not isinstance(expected, int) or expected != len(self.tensors)):
             raise ModelFileError(
-                f"{self.path}: split model declares {int(expected)} tensors but its files hold {len(self.tensors)}"
+                f"{self.path}: split model declares {excerpt(expected)} tensors but its files hold {len(self.tensors)}"
             )
 
     @classmethod

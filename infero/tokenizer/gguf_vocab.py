@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from infero.errors import ModelFileError, UnsupportedModelError
+from infero.errors import ModelFileError, UnsupportedModelError, excerpt
 
 # tokenizer.ggml.token_type values (llama.h: enum llama_token_type).
 TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(7)
@@ -159,23 +160,52 @@ class GGUFVocab:
     chat_template: str | None
 
 
+def _array_of(value: Any, kinds: str) -> bool:
+    """Whether value is a numeric array whose dtype kind is one of `kinds` (a list, where the caller built it)."""
+    if isinstance(value, list):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return False
+        value = np.asarray(value) if value else np.zeros(0, np.int64)
+    return isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds
+
+
+# What each kind of tokenizer.* value must be: (test, what the error says it must be).
+_KINDS = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "flag": (lambda v: isinstance(v, (bool, int)), "a boolean"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "ints": (lambda v: _array_of(v, "iu"), "an array of integers"),
+    "numbers": (lambda v: _array_of(v, "iuf"), "an array of numbers"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "an array of strings"),
+}
+
+
+def _get(metadata: Mapping[str, Any], key: str, kind: str, default: Any = None) -> Any:
+    """metadata[key] (or the default when it is missing), refused with the file's error if it has another type."""
+    value = metadata.get(key)
+    if value is None:
+        return default
+    test, noun = _KINDS[kind]
+    if not test(value):
+        raise ModelFileError(f"GGUF metadata {key} must be {noun}; the file holds {excerpt(value)}: it is broken")
+    return value
+
+
 def _to_int_list(value: Any, key: str, n_tokens: int) -> list[int]:
-    values = [int(v) for v in value]
-    if len(values) < n_tokens:
-        raise ModelFileError(f"GGUF metadata {key} has {len(values)} entries for {n_tokens} tokens; the file is broken")
-    return values
+    if len(value) < n_tokens:
+        raise ModelFileError(f"GGUF metadata {key} has {len(value)} entries for {n_tokens} tokens; the file is broken")
+    return [int(v) for v in value[:n_tokens]]
 
 
 def _read_tokens(metadata: Mapping[str, Any]) -> list[str]:
-    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = _get(metadata, "tokenizer.ggml.tokens", "strs")
     if tokens is None:
         raise ModelFileError(
             "GGUF file has no tokenizer (metadata key tokenizer.ggml.tokens is missing); "
             "use a GGUF converted with its vocabulary or pass the Hugging Face tokenizer directory"
         )
-    tokens = list(tokens)
-    if not all(isinstance(t, str) for t in tokens):
-        raise ModelFileError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
+    if not tokens:
+        raise ModelFileError("GGUF metadata tokenizer.ggml.tokens is empty: the file has no vocabulary")
     # llama.cpp renames empty tokens so that every text maps to one id.
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     if len(set(tokens)) != len(tokens):
@@ -191,10 +221,10 @@ def _special_id(metadata: Mapping[str, Any], name: str, default: int | None, n_t
     # llama.cpp keeps the default when the file's id is out of range, and drops a default that is.
     if default is not None and default >= n_tokens:
         default = None
-    value = metadata.get(f"tokenizer.ggml.{_ID_KEYS.get(name, name)}_token_id")
-    if value is None or not 0 <= int(value) < n_tokens:
+    value = _get(metadata, f"tokenizer.ggml.{_ID_KEYS.get(name, name)}_token_id", "int")
+    if value is None or not 0 <= value < n_tokens:
         return default
-    return int(value)
+    return value
 
 
 def _first_with_text(ids_by_text: Mapping[str, int], texts: frozenset[str]) -> int | None:
@@ -205,7 +235,7 @@ def _first_with_text(ids_by_text: Mapping[str, int], texts: frozenset[str]) -> i
 
 def read_gguf_vocab(metadata: Mapping[str, Any]) -> GGUFVocab:
     """Parse `tokenizer.*` GGUF metadata the way llama.cpp's llama_vocab::impl::load does."""
-    model = metadata.get("tokenizer.ggml.model")
+    model = _get(metadata, "tokenizer.ggml.model", "str")
     if model is None:
         raise ModelFileError(
             "GGUF file has no tokenizer (metadata key tokenizer.ggml.model is missing); "
@@ -213,27 +243,27 @@ def read_gguf_vocab(metadata: Mapping[str, Any]) -> GGUFVocab:
         )
     if model not in ("gpt2", "llama"):
         raise UnsupportedModelError(
-            f"tokenizer model {model!r} is not supported; infero reads 'gpt2' (byte-level BPE) and 'llama' "
+            f"tokenizer model {excerpt(model)} is not supported; infero reads 'gpt2' (byte-level BPE) and 'llama' "
             "(SentencePiece) GGUF tokenizers"
         )
     tokens = _read_tokens(metadata)
     n = len(tokens)
-    raw_types = metadata.get("tokenizer.ggml.token_type")
-    token_types = _to_int_list(raw_types, "tokenizer.ggml.token_type", n)[:n] if raw_types is not None else [1] * n
-    raw_scores = metadata.get("tokenizer.ggml.scores")
-    scores = [float(s) for s in raw_scores][:n] if raw_scores is not None else None
+    raw_types = _get(metadata, "tokenizer.ggml.token_type", "ints")
+    token_types = _to_int_list(raw_types, "tokenizer.ggml.token_type", n) if raw_types is not None else [1] * n
+    raw_scores = _get(metadata, "tokenizer.ggml.scores", "numbers")
+    scores = [float(s) for s in raw_scores[:n]] if raw_scores is not None else None
     if scores is not None and len(scores) < n:
         raise ModelFileError(f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
 
     if model == "gpt2":
-        pre_name = metadata.get("tokenizer.ggml.pre") or "default"  # llama.cpp warns and uses 'default'
+        pre_name = _get(metadata, "tokenizer.ggml.pre", "str") or "default"  # llama.cpp warns and uses 'default'
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
             raise UnsupportedModelError(
-                f"pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is not supported; supported: "
+                f"pre-tokenizer {excerpt(pre_name)} (tokenizer.ggml.pre) is not supported; supported: "
                 + ", ".join(sorted(PRE_TOKENIZERS))
             )
-        merges = list(metadata.get("tokenizer.ggml.merges") or [])
+        merges = _get(metadata, "tokenizer.ggml.merges", "strs", [])
         if not merges:
             raise ModelFileError("GGUF BPE tokenizer has no merges (tokenizer.ggml.merges is missing or empty)")
         # llama.cpp falls back to id 11 (Falcon's) for a BPE file without BOS/EOS ids; we do not guess.
@@ -246,10 +276,10 @@ def read_gguf_vocab(metadata: Mapping[str, Any]) -> GGUFVocab:
         defaults = {"bos": 1, "eos": 2, "unk": 0, "pad": None}
         add_bos_default, add_space_prefix = True, True
 
-    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+    add_space_prefix = bool(_get(metadata, "tokenizer.ggml.add_space_prefix", "flag", add_space_prefix))
     ids = {name: _special_id(metadata, name, default, n) for name, default in defaults.items()}
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(_get(metadata, "tokenizer.ggml.add_bos_token", "flag", add_bos_default))
+    add_eos = bool(_get(metadata, "tokenizer.ggml.add_eos_token", "flag", False))
     if add_bos and ids["bos"] is None:
         raise ModelFileError("GGUF tokenizer.ggml.add_bos_token is true but there is no valid bos_token_id")
     if add_eos and ids["eos"] is None:
@@ -257,7 +287,7 @@ def read_gguf_vocab(metadata: Mapping[str, Any]) -> GGUFVocab:
 
     control, user_defined, eog = _token_attributes(metadata, tokens, token_types, ids["eos"])
     rstrip = _rstrip_ids(metadata, tokens, control | user_defined)
-    template = metadata.get("tokenizer.chat_template")
+    template = _get(metadata, "tokenizer.chat_template", "str")
     return GGUFVocab(
         model=model,
         pre=pre,
@@ -276,7 +306,7 @@ def read_gguf_vocab(metadata: Mapping[str, Any]) -> GGUFVocab:
         user_defined_ids=user_defined,
         rstrip_ids=rstrip,
         eog_ids=eog,
-        chat_template=str(template) if template is not None else None,
+        chat_template=template,
     )
 
 
