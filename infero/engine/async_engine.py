@@ -56,7 +56,7 @@ class AsyncEngine:
         return self._stats
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Each step's outputs for the request's n choices; closing the iterator early aborts the request."""
         if not self._accepting:
@@ -66,7 +66,7 @@ class AsyncEngine:
         self.validate(prompt_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt_ids, params))
+        self._send(("add", request_id, prompt_ids, params, cache_salt))
         running = params.n
         try:
             while running:
@@ -127,9 +127,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params = command
+                _, request_id, prompt_ids, params, cache_salt = command
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params, cache_salt)
                 except InferoError as e:
                     self._loop.call_soon_threadsafe(self._deliver_error, request_id, e)
             else:

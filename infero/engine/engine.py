@@ -44,6 +44,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # CUDA backend: the share of GPU memory weights, workspace and KV may use
     seed: int | None = None  # for requests without their own seed
     async_scheduling: bool | None = None  # queue step k + 1 before reading step k's tokens; None: where it pays
+    enable_prefix_caching: bool = True  # reuse the KV blocks of earlier requests' identical prompt prefixes
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class EngineStats:
     kv_capacity_tokens: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int  # tokens of prompts that looked up the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
+    kv_blocks_referenced: int  # blocks some sequence holds (0 when nothing runs: a leak otherwise)
+    kv_blocks_cached: int  # blocks holding a cached prefix, held or free
 
 
 class Engine:
@@ -70,7 +75,7 @@ class Engine:
         num_blocks = min(useful, backend.kv_cache_bytes(config) // backend.kv_block_bytes(mc, config.block_size))
         if num_blocks < 1:
             raise InferoError("no memory is left for the KV cache: lower the model size or raise the memory budget")
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
         self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -113,11 +118,14 @@ class Engine:
         if params.structured is not None:
             self.grammars.compile_grammar(params.structured)  # an invalid schema or regex fails here, not in a step
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
+        """Queue a request; only requests with the same `cache_salt` share prefix cache blocks."""
         if request_id in self._choices:
             raise InferoError(f"request id {request_id!r} is already running")
         self.validate(prompt_ids, params)
-        req = Request(request_id, list(prompt_ids), params, next(self._arrivals))
+        req = Request(request_id, list(prompt_ids), params, next(self._arrivals), cache_salt=cache_salt)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._track(req)
@@ -144,6 +152,10 @@ class Engine:
             kv_capacity_tokens=self.kv_capacity_tokens,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            kv_blocks_referenced=self.pool.num_referenced,
+            kv_blocks_cached=self.pool.num_cached,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -269,14 +281,16 @@ class Engine:
             params = (
                 req.params if req.params.seed is None else dataclasses.replace(req.params, seed=req.params.seed + j)
             )
-            child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j)
-            child.prompt_logprobs = req.prompt_logprobs
+            child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j,
+                            cache_salt=req.cache_salt, block_hashes=list(req.block_hashes))  # fmt: skip
+            child.prompt_logprobs, child.num_cached_tokens = req.prompt_logprobs, req.num_cached_tokens
             if not partial or self.pool.num_free > 0:
                 child.blocks = self.pool.share(req.blocks[:full])
                 if partial:
                     child.blocks += self.pool.allocate(1)
                     self.backend.copy_blocks(self.cache, [(req.blocks[full], child.blocks[-1])])
                 child.num_computed_tokens = req.num_computed_tokens
+                child.num_registered_blocks = req.num_registered_blocks
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
                 seqs.append(child)
@@ -345,6 +359,7 @@ class Engine:
             index=req.index,
             prompt_logprobs=req.prompt_logprobs if first else None,
             num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
 

@@ -34,6 +34,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is computed
+    cache_salt: str | None = None  # enters the first block's hash: only requests with the same salt share blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks of known tokens, first to last
+    num_registered_blocks: int = 0  # blocks[:this] are registered in the pool's prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
 
     @property
     def key(self) -> tuple[str, int]:
@@ -70,3 +74,4 @@ class RequestOutput:
     index: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked for
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache

@@ -6,6 +6,12 @@ budget is split across steps (chunked prefill). Running requests are served firs
 decodes never wait behind a long prompt; waiting requests are admitted while budget, blocks and the
 sequence limit allow. When blocks run out, the newest running request is preempted: its blocks are freed
 and it is recomputed later from its tokens, never left with a corrupt cache.
+
+With prefix caching (kv_cache.py) a request is admitted with the longest run of cached full blocks that
+begins its tokens, and computes from there; never all of them, since its last token must run to give logits.
+Blocks full of computed tokens are registered at the next step that sees them (or when the request ends or is
+preempted, so a preempted request finds its own blocks again). A request asking for prompt logprobs needs every
+prompt position's logits and looks nothing up.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from infero.engine.kv_cache import BlockPool
+from infero.engine.kv_cache import BlockPool, block_hashes
 from infero.engine.request import Request, Status
 
 
@@ -34,6 +40,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of admitted requests that looked up the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -49,6 +57,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below to make room for an older request
                 continue
+            self._register_computed(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._grow(req, n):
                 victim = self.running[-1]
@@ -60,8 +69,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, n):
+            n = self._admit(req, budget)
+            if n is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -76,9 +85,28 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._register_computed(req)
         self.pool.free(req.blocks)
         req.blocks = []
         req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Give a waiting request its cached prefix and the blocks of its first chunk; the chunk's size, or None
+        when the blocks are not there."""
+        hits = self._cached_prefix(req)
+        start = len(hits) * self.pool.block_size
+        n = min(req.num_tokens - start, budget)
+        needed = self.pool.blocks_for(start + n) - len(hits)
+        if needed + self.pool.num_free_among(hits) > self.pool.num_free:
+            return None
+        req.blocks = self.pool.share(hits) + self.pool.allocate(needed)
+        req.num_computed_tokens, req.num_registered_blocks = start, len(hits)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = start
+        if self._looks_up(req):
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += start
+        return n
 
     def _grow(self, req: Request, n: int) -> bool:
         needed = self.pool.blocks_for(req.num_computed_tokens + n) - len(req.blocks)
@@ -92,6 +120,40 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1
         self.running.remove(req)
+        self._register_computed(req)  # its blocks stay cached: its recompute can find them again
         self.pool.free(req.blocks)
         req.blocks, req.num_computed_tokens, req.status = [], 0, Status.WAITING
+        req.num_registered_blocks = 0
         self.waiting.appendleft(req)
+
+    def _looks_up(self, req: Request) -> bool:
+        return self.pool.enable_caching and req.params.prompt_logprobs is None
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks that begin the waiting request's tokens (not yet shared)."""
+        if not self._looks_up(req):
+            return []
+        usable = (req.num_tokens - 1) // self.pool.block_size  # its last token is always computed
+        return self.pool.cached_prefix(self._hashes(req)[:usable])
+
+    def _hashes(self, req: Request) -> list[bytes]:
+        """The request's block hashes, extended over its full blocks of known tokens. A placeholder token (negative:
+        asynchronous scheduling has not read it yet) is not known, so hashing stops before its block."""
+        size, done = self.pool.block_size, len(req.block_hashes) * self.pool.block_size
+        ids = req.token_ids(done, req.num_tokens)
+        if ids and min(ids) < 0:
+            ids = ids[: next(i for i, t in enumerate(ids) if t < 0)]
+        if len(ids) >= size:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes += block_hashes(parent, ids, size, req.cache_salt)
+        return req.block_hashes
+
+    def _register_computed(self, req: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        full = req.num_computed_tokens // self.pool.block_size
+        if not self.pool.enable_caching or full <= req.num_registered_blocks:
+            return
+        hashes = self._hashes(req)
+        for i in range(req.num_registered_blocks, min(full, len(hashes))):
+            self.pool.register(req.blocks[i], hashes[i])
+        req.num_registered_blocks = min(full, len(hashes))

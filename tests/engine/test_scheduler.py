@@ -49,7 +49,7 @@ def test_admission_waits_for_free_blocks_and_sequence_limit():
 
 
 def test_preemption_frees_newest_and_recomputes_it():
-    s = Scheduler(BlockPool(3, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    s = Scheduler(BlockPool(3, 4, enable_caching=False), max_num_seqs=4, max_num_batched_tokens=100)
     old, new = request(0, 4), request(1, 4)
     s.add(old)
     s.add(new)
