@@ -8,14 +8,29 @@ so that decoding is plain byte concatenation: the same bytes llama.cpp renders, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from infero.errors import ModelFileError
+from infero.errors import ModelFileError, PromptTooLongError
 from infero.tokenizer import gguf_vocab
+
+# encode_bounded counts a long text this many characters at a time, so that its memory follows the limit.
+PIECE_CHARS = 1 << 16
+# Tokens a cut between two pieces may add to their count (a cut inside a word splits one token in two or three);
+# the count must pass the limit by this much per cut before the text is refused without a whole encode.
+CUT_SLACK = 4
+
+
+class TooManyTokensError(PromptTooLongError):
+    """A text has more tokens than a limit: `num_tokens` of them (at least that many when not `exact`)."""
+
+    def __init__(self, num_tokens: int, exact: bool, limit: int) -> None:
+        self.num_tokens, self.exact, self.limit = num_tokens, exact, limit
+        count = num_tokens if exact else f"at least {num_tokens}"
+        super().__init__(f"the text has {count} tokens, more than the {limit} allowed")
 
 
 class Tokenizer:
@@ -63,6 +78,11 @@ class Tokenizer:
         self._rstrip = gguf_vocab.rstrip_pattern(list(rstrip_tokens))
         # When set, special tokens are cut out of the text by this instead of by `tokenizers` (see its docs).
         self._splitter = special_splitter
+        # Every token stands for at most this many bytes of the text, so a text of more than limit x this many bytes
+        # has more than `limit` tokens. None where encoding can drop text (whitespace swallowed after RSTRIP
+        # tokens, phantom ids) or the bytes of tokens are unknown.
+        lossless = pieces is not None and self._rstrip is None and not self._has_phantoms
+        self.max_token_bytes = max(map(len, pieces), default=1) if lossless else None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, exact_special_split: bool | None = None) -> Tokenizer:
@@ -125,6 +145,31 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def encode_bounded(self, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
+        """`encode(text)`, or TooManyTokensError once the text is known to have more than `limit` tokens: time and
+        memory follow `limit`, not the text's length (a long text is counted piece by piece and refused as soon as
+        the count passes the limit; the whole text is encoded only when it fits)."""
+        num_special = self._num_special(add_special_tokens)
+        if self.max_token_bytes is not None and len(text) > limit * self.max_token_bytes:
+            # len(text) <= its UTF-8 bytes, and the tokens' bytes add up to at least the text's
+            raise TooManyTokensError(-(-len(text) // self.max_token_bytes), False, limit)
+        if len(text) > PIECE_CHARS:
+            counted = num_special
+            for cuts, piece in enumerate(_pieces(text)):
+                counted += len(self.encode(piece, add_special_tokens=False))
+                if counted > limit + CUT_SLACK * cuts:
+                    raise TooManyTokensError(max(limit + 1, counted - CUT_SLACK * cuts), False, limit)
+        ids = self.encode(text, add_special_tokens)
+        if len(ids) > limit:
+            raise TooManyTokensError(len(ids), True, limit)
+        return ids
+
+    def _num_special(self, add_special_tokens: bool) -> int:
+        if not add_special_tokens:
+            return 0
+        bos = self.add_bos and self.bos_token_id is not None
+        return bos + (self.add_eos and self.eos_token_id is not None)
+
     # -- decoding -------------------------------------------------------------------------------------------
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -172,6 +217,28 @@ class Tokenizer:
     def hf_tokenizer(self) -> HFTokenizer:
         """The underlying `tokenizers.Tokenizer` (for batch encoding, offsets, ...)."""
         return self._hf
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in consecutive pieces of at most PIECE_CHARS characters, each cut where a word starts after a space
+    (where the pre-tokenizers split anyway) when its second half has such a place, else at its end."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        end = start + PIECE_CHARS
+        cut = _word_start(text, start + PIECE_CHARS // 2, end) or end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _word_start(text: str, low: int, high: int) -> int | None:
+    """The last i in (low, high) with text[i] a space between a non-space and a letter, or None."""
+    i = text.rfind(" ", low, high)
+    while i > low:
+        if not text[i - 1].isspace() and text[i + 1].isalpha():
+            return i
+        i = text.rfind(" ", low, i)
+    return None
 
 
 # -- Hugging Face directories ---------------------------------------------------------------------------------
