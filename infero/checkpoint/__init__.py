@@ -9,6 +9,7 @@ from typing import Any
 
 from infero.checkpoint.config import ModelConfig
 from infero.checkpoint.gguf import GGUFModel, TensorInfo
+from infero.checkpoint.shapes import check_tensor_shapes
 
 
 @dataclass
@@ -34,4 +35,5 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     model = GGUFModel.open(path)
     config = ModelConfig.from_gguf(model.metadata, set(model.tensors))
+    check_tensor_shapes(path, config, model.tensors)
     return Checkpoint(path, config, model.metadata, model.tensors, model.file_size)

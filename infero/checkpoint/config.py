@@ -120,12 +120,16 @@ class ModelConfig:
         if get("attention.value_length", int, head_dim) != head_dim:
             raise UnsupportedModelError("different key and value head dimensions are not supported")
         tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab_size = get("vocab_size", int, len(tokens) if isinstance(tokens, list) else 0)
+        if isinstance(tokens, list) and len(tokens) > vocab_size:
+            raise ModelFileError(f"the tokenizer has {len(tokens):,} tokens but {arch}.vocab_size is {vocab_size:,}: "
+                                 f"its ids would index past the embedding; {_BROKEN}")  # fmt: skip
         if "token_embd.weight" not in tensor_names:
             raise ModelFileError("GGUF file has no token_embd.weight tensor")
         return cls(
             architecture=arch,
             name=str(metadata.get("general.name", arch)),
-            vocab_size=get("vocab_size", int, len(tokens) if isinstance(tokens, list) else 0),
+            vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", int),
             num_layers=get("block_count", int),
