@@ -268,7 +268,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, parsers,
         )  # fmt: skip
-        gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1))
+        gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt)
         if req.stream:
             return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
         try:
@@ -297,7 +297,8 @@ def _api_routes(state: ServerState) -> APIRouter:
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs is not None, req.include_usage, texts if req.echo else None, score_only,
         )  # fmt: skip
-        gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)))
+        gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
+                         req.cache_salt)  # fmt: skip
         if req.stream:
             return SSEResponse(completion_stream(gen, ctx), on_close=gen.close)
         try:
@@ -529,7 +530,7 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
         choices.append(choice)
     return {"id": ctx.response_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": ctx.fingerprint, "choices": choices,
-            "usage": protocol.usage(gen.num_prompt_tokens, gen.num_generated)}  # fmt: skip
+            "usage": gen.usage(gen.num_generated)}  # fmt: skip
 
 
 async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> dict:
@@ -549,4 +550,4 @@ async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> 
     completion_tokens = 0 if ctx.score_only else gen.num_generated
     return {"id": ctx.response_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": ctx.fingerprint, "choices": choices,
-            "usage": protocol.usage(gen.num_prompt_tokens, completion_tokens)}  # fmt: skip
+            "usage": gen.usage(completion_tokens)}  # fmt: skip

@@ -72,6 +72,10 @@ class Metrics:
             metric("num_preemptions_total", "counter", "Preemptions of running sequences.", stats.num_preemptions)
             metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", stats.prompt_tokens_total)
             metric("generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total)
+            metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                   stats.prefix_cache_queries)  # fmt: skip
+            metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+                   stats.prefix_cache_hits)  # fmt: skip
         name = f"{PREFIX}request_success_total"
         lines += [f"# HELP {name} Finished sequences by finish reason.", f"# TYPE {name} counter"]
         for reason, count in self.finished.items():

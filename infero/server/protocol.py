@@ -145,6 +145,7 @@ class _SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
 
     @property
     def include_usage(self) -> bool:
@@ -312,9 +313,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` of the prompt tokens came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:

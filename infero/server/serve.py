@@ -22,6 +22,7 @@ from pathlib import Path
 from infero.backends import DEVICES
 
 SHUTDOWN_TIMEOUT_S = 30.0
+PREFIX_CACHING_ENV = "INFERO_ENABLE_PREFIX_CACHING"
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
           "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
 
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N", help="sequences per batch (default: 64)")
     flag("--max-num-batched-tokens", "2048", type=_int_at_least(1), metavar="N",
          help="tokens per engine step (default: 2048)")  # fmt: skip
-    flag("--max-waiting-requests", "512", type=_int_at_least(0), metavar="N",
+    flag("--max-waiting-requests", "512", type=_int_at_least(1), metavar="N",
          help="requests allowed to wait for their first token before new ones get 503 (default: 512)")  # fmt: skip
     flag("--gpu-memory-utilization", "0.90", type=_fraction, metavar="F",
          help="share of GPU memory for weights, workspace and KV cache (default: 0.90)")  # fmt: skip
@@ -90,8 +91,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--async-scheduling", "auto", choices=("auto", "on", "off"),
          help="queue each step before the host has read the last one's tokens, so the GPU never waits on the host "
               "between steps (default: auto, on with a GPU)")  # fmt: skip
+    # A switch: the flag gives a bool, the environment a string that engine_config reads (on/off, 1/0, ...).
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get(PREFIX_CACHING_ENV),
+                        help="reuse the KV cache of earlier requests' identical prompt prefixes (default: on) "
+                             f"[env {PREFIX_CACHING_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
+
+
+def _switch(value: bool | str | None, env: str) -> bool | None:
+    """A BooleanOptionalAction flag's value: the flag's bool, or its environment variable's text."""
+    from infero.errors import InferoError
+
+    if value is None or isinstance(value, bool):
+        return value
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise InferoError(f"{env}={value!r} is not a switch; set it to on or off")
 
 
 def served_name(path: Path) -> str:
@@ -109,6 +128,7 @@ def engine_config(args: argparse.Namespace):
         "kv_cache_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
+        "enable_prefix_caching": _switch(args.enable_prefix_caching, PREFIX_CACHING_ENV),
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if v is not None and k in known})

@@ -81,10 +81,11 @@ class Generation:
     """
 
     def __init__(self, engine, metrics: Metrics, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 release: Callable[[], None]):  # fmt: skip
+                 release: Callable[[], None], cache_salt: str | None = None):  # fmt: skip
         self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
-        self.release = release
+        self.release, self.cache_salt = release, cache_salt
         self.num_generated = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache, counted at each prompt's first output
         self._timers = [metrics.track() for _ in prompts]
         self._started = [False] * len(prompts)
         self._closed = False
@@ -97,17 +98,22 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def usage(self, completion_tokens: int) -> dict:
+        return protocol.usage(self.num_prompt_tokens, completion_tokens, self.num_cached_tokens)
+
     async def outputs(self) -> AsyncIterator[tuple[int, int, RequestOutput]]:
         """(choice index, prompt index, output) for every output, until every choice has finished."""
         n = self.params.n
         streams = [
-            self.engine.generate(f"{self.request_id}-{i}", ids, self.params) for i, ids in enumerate(self.prompts)
+            self.engine.generate(f"{self.request_id}-{i}", ids, self.params, self.cache_salt)
+            for i, ids in enumerate(self.prompts)
         ]
         try:
             async with aclosing(_merge(streams)) as merged:
                 async for p, out in merged:
                     if not self._started[p]:
                         self._started[p] = True
+                        self.num_cached_tokens += out.num_cached_tokens
                         self.release()
                     self._timers[p].on_output(out)
                     self.num_generated += len(out.new_token_ids)
@@ -292,7 +298,7 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
                 for choice in _chat_choice_deltas(index, out, ctx):
                     yield chunk(choice)
         if ctx.include_usage:
-            yield sse({**base, "choices": [], "usage": protocol.usage(gen.num_prompt_tokens, gen.num_generated)})
+            yield sse({**base, "choices": [], "usage": gen.usage(gen.num_generated)})
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception as e:
@@ -344,7 +350,7 @@ async def completion_stream(gen: Generation, ctx: CompletionStreamContext) -> As
                 yield sse(data)
         if ctx.include_usage:
             completion_tokens = 0 if ctx.score_only else gen.num_generated
-            yield sse({**base, "choices": [], "usage": protocol.usage(gen.num_prompt_tokens, completion_tokens)})
+            yield sse({**base, "choices": [], "usage": gen.usage(completion_tokens)})
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception as e:
