@@ -51,7 +51,7 @@ class LLM:
         self.checkpoint = load_checkpoint(self.path)
         self.config = self.checkpoint.config
         self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, self.config.architecture)
         total = sum(t.nbytes for t in self.checkpoint.tensors.values())
         progress = Progress(f"loading {self.path.name}", total, enabled=show_progress)
         self.model = load_model(self.checkpoint, self.backend.ops, progress)

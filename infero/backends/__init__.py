@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import sys
 
-from infero.errors import InferoError
+from infero.errors import InferoError, UnsupportedModelError
 
 DEVICES = ("auto", "cpu", "cuda")
+# Architectures whose ops only the CPU backend implements (qwen3moe: the GPU's expert kernels are not written yet).
+CPU_ONLY_ARCHITECTURES = ("qwen3moe",)
 
 
-def select_backend(device: str = "auto"):
-    """The backend for --device; `auto` takes the GPU when infero can drive one, else the CPU (with a note)."""
+def select_backend(device: str = "auto", architecture: str | None = None):
+    """The backend for --device; `auto` takes the GPU when infero can drive one and runs the architecture, else the
+    CPU (with a note)."""
     if device not in DEVICES:
         raise InferoError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    if architecture in CPU_ONLY_ARCHITECTURES:
+        if device == "cuda":
+            raise UnsupportedModelError(f"{architecture} runs on the CPU backend only for now: use --device cpu")
+        if device == "auto":
+            print(f"infero: {architecture} runs on the CPU backend only for now; running on the CPU", file=sys.stderr)
+            device = "cpu"
     if device in ("auto", "cuda"):
         try:
             from infero.backends.cuda import CudaBackend

@@ -11,14 +11,18 @@ import numpy as np
 from infero.errors import ModelFileError, UnsupportedModelError, excerpt
 
 # Architectures whose GGUF layout the llama-family decoder runs. Mistral-style files use `llama`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+# Architectures whose feed-forward is a mixture of experts (`{arch}.expert_*` keys, `ffn_*_exps` tensors).
+MOE_ARCHITECTURES = ("qwen3moe",)
 
 # GGUF `llama` files carry Q/K rows permuted (by the converter) for rotation of adjacent pairs (2i, 2i+1);
 # qwen2/qwen3 files are not permuted and rotate dimension i with i + d/2 (GPT-NeoX style).
-_ROPE_PAIRING = {"llama": "interleaved", "mistral": "interleaved", "qwen2": "neox", "qwen3": "neox"}
+_ROPE_PAIRING = {"llama": "interleaved", "mistral": "interleaved", "qwen2": "neox", "qwen3": "neox",
+                 "qwen3moe": "neox"}  # fmt: skip
 
 MAX_HEAD_DIM = 1024  # released models use 64-256; a larger value is a corrupt field, not a model
 MAX_TOKENS = 2**31 - 1  # token ids and positions are int32
+MAX_EXPERTS = 4096  # released models use 8-512; more is a corrupt field
 _BROKEN = "the file is corrupt or was converted wrongly"
 _MISSING = object()
 
@@ -64,6 +68,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    num_experts: int = 0  # 0: a dense feed-forward
+    num_experts_used: int = 0  # experts each token is routed to
+    expert_intermediate_size: int = 0
 
     def __post_init__(self):
         """Refuse hyperparameters no model can run with (a zero head count, a negative epsilon, a NaN rotary base):
@@ -88,6 +95,16 @@ class ModelConfig:
                  "a finite number > 1")  # fmt: skip
         _require(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, self._key("rms_norm_eps"),
                  self.rms_norm_eps, "a number > 0 and < 1 (typically 1e-5 or 1e-6)")  # fmt: skip
+        if self.architecture in MOE_ARCHITECTURES:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        _require(0 < self.num_experts <= MAX_EXPERTS, self._key("num_experts"), self.num_experts,
+                 f"an integer from 1 to {MAX_EXPERTS:,}")  # fmt: skip
+        _require(0 < self.num_experts_used <= self.num_experts, self._key("num_experts_used"),
+                 self.num_experts_used, f"an integer from 1 to the {self.num_experts} experts")  # fmt: skip
+        _require(0 < self.expert_intermediate_size <= MAX_TOKENS, self._key("expert_intermediate_size"),
+                 self.expert_intermediate_size, f"an integer from 1 to {MAX_TOKENS:,}")  # fmt: skip
 
     def _key(self, name: str) -> str:
         return f"{self.architecture}.{_KEYS[name]}"
@@ -145,7 +162,18 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            **(_experts(metadata, arch) if arch in MOE_ARCHITECTURES else {}),
         )
+
+
+def _experts(metadata: dict[str, Any], arch: str) -> dict[str, int]:
+    """The mixture-of-experts keys as ModelConfig fields. Qwen3-MoE always renormalizes its top-k weights (llama.cpp
+    ignores any key for it, and the published models set norm_topk_prob), so no key is read for that."""
+    return {
+        "num_experts": _typed(metadata, f"{arch}.expert_count", int),
+        "num_experts_used": _typed(metadata, f"{arch}.expert_used_count", int),
+        "expert_intermediate_size": _typed(metadata, f"{arch}.expert_feed_forward_length", int),
+    }
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:
@@ -212,4 +240,7 @@ _KEYS = {
     "rope_theta": "rope.freq_base",
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "context_length": "context_length",
+    "num_experts": "expert_count",
+    "num_experts_used": "expert_used_count",
+    "expert_intermediate_size": "expert_feed_forward_length",
 }

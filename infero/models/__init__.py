@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from infero.checkpoint import Checkpoint
 from infero.errors import UnsupportedModelError
 
-# architecture name -> model class; llama, mistral, qwen2 and qwen3 differ only in flags of one decoder.
-_REGISTRY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+# architecture name -> module.class, imported when first used; llama, mistral, qwen2 and qwen3 differ only in flags
+# of one decoder.
+_REGISTRY = {"llama": "llama.LlamaModel", "mistral": "llama.LlamaModel", "qwen2": "llama.LlamaModel",
+             "qwen3": "llama.LlamaModel", "qwen3moe": "qwen3moe.Qwen3MoeModel"}  # fmt: skip
 
 
 def load_model(checkpoint: Checkpoint, ops: Any, progress=None):
     arch = checkpoint.config.architecture
     if arch not in _REGISTRY:
         raise UnsupportedModelError(f"no model family for architecture {arch!r}")
-    from infero.models.llama import LlamaModel
-
-    return LlamaModel.load(checkpoint, ops, progress)
+    module, name = _REGISTRY[arch].rsplit(".", 1)
+    return getattr(importlib.import_module(f"infero.models.{module}"), name).load(checkpoint, ops, progress)

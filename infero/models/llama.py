@@ -55,67 +55,33 @@ class LlamaModel:
     @classmethod
     def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> LlamaModel:
         """Hand every tensor to the backend (which keeps or decodes it) and build the model."""
-        config, tensors = checkpoint.config, checkpoint.tensors
-
-        def weight(name: str, optional: bool = False, gathered: bool = False):
-            if name not in tensors:
-                if optional:
-                    return None
-                raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
-            w = ops.weight(tensors[name], gathered=gathered)
-            if progress is not None:
-                progress(tensors[name].nbytes)
-            return w
-
+        weight = weight_loader(checkpoint, ops, progress)
         layers = []
-        for i in range(config.num_layers):
+        for i in range(checkpoint.config.num_layers):
             p = f"blk.{i}."
             layers.append(
                 LayerWeights(
-                    attn_norm=weight(p + "attn_norm.weight"),
-                    wq=weight(p + "attn_q.weight"),
-                    wk=weight(p + "attn_k.weight"),
-                    wv=weight(p + "attn_v.weight"),
-                    wo=weight(p + "attn_output.weight"),
+                    **attention_weights(weight, p),
                     ffn_norm=weight(p + "ffn_norm.weight"),
                     w_gate=weight(p + "ffn_gate.weight"),
                     w_up=weight(p + "ffn_up.weight"),
                     w_down=weight(p + "ffn_down.weight"),
-                    bq=weight(p + "attn_q.bias", optional=True),
-                    bk=weight(p + "attn_k.bias", optional=True),
-                    bv=weight(p + "attn_v.bias", optional=True),
-                    q_norm=weight(p + "attn_q_norm.weight", optional=True),
-                    k_norm=weight(p + "attn_k_norm.weight", optional=True),
                 )
             )
-        embedding = weight("token_embd.weight", gathered=True)  # its rows are looked up by token id
-        output = embedding if config.tie_word_embeddings else weight("output.weight")
-        freq_factors = tensors.get("rope_freqs.weight")
-        rotary = build_rotary(config, None if freq_factors is None else dequantize_tensor(freq_factors))
-        return cls(config, ops, embedding, layers, weight("output_norm.weight"), output, rotary)
+        return cls(checkpoint.config, ops, layers=layers, **head_weights(checkpoint, weight))
 
     def forward(self, batch: Batch, cache: Any) -> Any:
         """Logits [len(batch.logits_indices), vocab] for the batch; writes its K/V into the cache."""
         ops, c = self.ops, self.config
-        n = batch.num_tokens
         x = ops.embedding(self.embedding, batch.token_ids)
         h, residual = ops.add_rms_norm(x, None, self.layers[0].attn_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            qkv, biases = (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv)
-            if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
-                q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
-                                         batch.slot_mapping)  # fmt: skip
-            else:
-                q, k, v = (y.reshape(n, -1, c.head_dim) for y in ops.linears(h, qkv, biases))
-                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-                q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
-            attn = ops.attention(q, cache, i, batch, self.scale)
+            attn = self.attention(i, layer, h, batch, cache)
             # The residual add and the next norm go with the projection before them (the GPU folds them into its
             # launch at decode), so each is told which weights read the normed output.
             gate_up = (layer.w_gate, layer.w_up)
-            h, residual = ops.linear_add_rms_norm(attn.reshape(n, c.q_size), layer.wo, residual, layer.ffn_norm,
-                                                  c.rms_norm_eps, readers=gate_up)  # fmt: skip
+            h, residual = ops.linear_add_rms_norm(attn, layer.wo, residual, layer.ffn_norm, c.rms_norm_eps,
+                                                  readers=gate_up)  # fmt: skip
             g = ops.swiglu_gate_up(h, gate_up)
             if i + 1 < len(self.layers):
                 following = self.layers[i + 1]
@@ -123,7 +89,72 @@ class LlamaModel:
                                                       readers=(following.wq, following.wk, following.wv))  # fmt: skip
             else:
                 x = ops.linear(g, layer.w_down)
-        rows = batch.logits_indices
+        return self.logits(x, residual, batch)
+
+    def attention(self, i: int, layer: Any, h: Any, batch: Batch, cache: Any) -> Any:
+        """Layer i's attention of the normed h over the cache (its K/V written first): [n, q_size], before Wo."""
+        ops, c, n = self.ops, self.config, batch.num_tokens
+        qkv, biases = (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv)
+        if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
+            q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
+                                     batch.slot_mapping)  # fmt: skip
+        else:
+            q, k, v = (y.reshape(n, -1, c.head_dim) for y in ops.linears(h, qkv, biases))
+            q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
+        return ops.attention(q, cache, i, batch, self.scale).reshape(n, c.q_size)
+
+    def logits(self, x: Any, residual: Any, batch: Batch) -> Any:
+        """The output norm of residual + x and the vocabulary projection, for the rows that return logits."""
+        ops, rows = self.ops, batch.logits_indices
         x, residual = ops.gather_rows(x, rows), ops.gather_rows(residual, rows)
-        h, _ = ops.add_rms_norm(x, residual, self.output_norm, c.rms_norm_eps)
+        h, _ = ops.add_rms_norm(x, residual, self.output_norm, self.config.rms_norm_eps)
         return ops.linear(h, self.output)
+
+
+def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
+    """weight(name, optional=False, gathered=False): the named tensor handed to the backend; a missing one is the
+    file's error unless optional (then None)."""
+    config, tensors = checkpoint.config, checkpoint.tensors
+
+    def weight(name: str, optional: bool = False, gathered: bool = False):
+        if name not in tensors:
+            if optional:
+                return None
+            raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
+        w = ops.weight(tensors[name], gathered=gathered)
+        if progress is not None:
+            progress(tensors[name].nbytes)
+        return w
+
+    return weight
+
+
+def attention_weights(weight, p: str) -> dict[str, Any]:
+    """The attention tensors of the layer whose names start with p, as LayerWeights fields."""
+    return dict(
+        attn_norm=weight(p + "attn_norm.weight"),
+        wq=weight(p + "attn_q.weight"),
+        wk=weight(p + "attn_k.weight"),
+        wv=weight(p + "attn_v.weight"),
+        wo=weight(p + "attn_output.weight"),
+        bq=weight(p + "attn_q.bias", optional=True),
+        bk=weight(p + "attn_k.bias", optional=True),
+        bv=weight(p + "attn_v.bias", optional=True),
+        q_norm=weight(p + "attn_q_norm.weight", optional=True),
+        k_norm=weight(p + "attn_k_norm.weight", optional=True),
+    )
+
+
+def head_weights(checkpoint: Checkpoint, weight) -> dict[str, Any]:
+    """The model's ends: embedding, output norm and head (the embedding when tied), rotary frequencies."""
+    config, tensors = checkpoint.config, checkpoint.tensors
+    embedding = weight("token_embd.weight", gathered=True)  # its rows are looked up by token id
+    freq_factors = tensors.get("rope_freqs.weight")
+    return dict(
+        embedding=embedding,
+        output_norm=weight("output_norm.weight"),
+        output=embedding if config.tie_word_embeddings else weight("output.weight"),
+        rotary=build_rotary(config, None if freq_factors is None else dequantize_tensor(freq_factors)),
+    )

@@ -82,6 +82,38 @@ class CpuOps:
         """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch)."""
         return self.swiglu(*self.linears(x, weights))
 
+    def moe_route(self, x: np.ndarray, router: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's k experts and their weights (Qwen3-MoE routing): softmax over every expert's router logit,
+        the k most probable, their probabilities renormalized to sum 1. Experts are int64 [n, k], most probable
+        first; equal probabilities rank the lower expert id first, so a tie always picks the same expert."""
+        logits = self.linear(x, router)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        experts = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(probs, experts, axis=-1)
+        return experts, weights / weights.sum(axis=-1, keepdims=True)
+
+    def moe_experts(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, w_gate: np.ndarray,
+                    w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:  # fmt: skip
+        """sum_r weights[:, r] * down_e(silu(gate_e x) * up_e x) with e = experts[:, r], for expert matrices
+        [num_experts, out, in].
+
+        Each row goes through its experts alone, as linear does (so its result never depends on which other rows
+        chose the same expert), and its k outputs are added in rank order. The loop runs expert by expert so a
+        matrix is read from memory once per step, however many rows chose it.
+        """
+        n, k = experts.shape
+        y = np.empty((n, k, w_down.shape[1]), np.float32)
+        for e in np.unique(experts):
+            rows, ranks = np.nonzero(experts == e)
+            gate, up, down = w_gate[e].T, w_up[e].T, w_down[e].T
+            for row, rank in zip(rows, ranks, strict=True):
+                y[row, rank] = self.swiglu(x[row] @ gate, x[row] @ up) @ down
+        out = weights[:, 0, None] * y[:, 0]
+        for r in range(1, k):
+            out += weights[:, r, None] * y[:, r]
+        return out
+
     def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
         """Rotate the first rope_dim dimensions of every head of x [n, heads, head_dim] by position."""
         cos, sin = rotary.cos_sin(positions)
