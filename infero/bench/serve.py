@@ -17,6 +17,11 @@ model's tokenizer splits a word into several tokens: 256 words were 1,100 tokens
 
 Aggregates: generated tok/s and requests/s over the measured window (clients start -> last request done), and
 mean/p50/p90/p99 of each latency. Latency statistics cover every request that streamed tokens.
+
+`--shared-prefix N` puts the same N-token text (sized like the prompts) before every request's own prompt: as a
+system message for chat, as the prompt's first paragraph for completions. One warm-up request sends it first, so
+the measured requests find it in a server's prefix cache, as a deployment's fixed system prompt would be; where the
+server reports `usage.prompt_tokens_details.cached_tokens`, the report gives their mean.
 """
 
 from __future__ import annotations
@@ -352,6 +357,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     usage_completion: int | None = None
     usage_prompt: int | None = None
+    usage_cached: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
     finish_reason: str | None = None
     completed: bool = False  # the stream ended with [DONE]
     error: str | None = None
@@ -372,6 +378,9 @@ def _on_event(obj, rec: RequestRecord, now: float) -> None:
             rec.usage_completion = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
             rec.usage_prompt = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.usage_cached = details["cached_tokens"]
     choices = obj.get("choices")
     if not isinstance(choices, list):
         if isinstance(usage, dict):
@@ -442,6 +451,7 @@ class ServeBenchConfig:
     endpoint: str = "chat"  # or "completions"
     timeout: float = 120.0
     seed: int = 0
+    shared_prefix: int = 0  # tokens of one text every request starts with (0: none)
 
 
 def make_prompt(seed: int, index: int, words: int) -> str:
@@ -450,12 +460,14 @@ def make_prompt(seed: int, index: int, words: int) -> str:
     return " ".join(rng.choices(_WORDS, k=max(1, words)))
 
 
-def make_payload(cfg: ServeBenchConfig, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+def make_payload(cfg: ServeBenchConfig, model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+                 prefix: str | None = None) -> dict:  # fmt: skip
     payload: dict = {"model": model}
     if cfg.endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": prompt}]
+        system = [{"role": "system", "content": prefix}] if prefix else []
+        payload["messages"] = [*system, {"role": "user", "content": prompt}]
     else:
-        payload["prompt"] = prompt
+        payload["prompt"] = f"{prefix}\n\n{prompt}" if prefix else prompt
     payload |= {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         payload["ignore_eos"] = True
@@ -549,11 +561,26 @@ async def warm_up(
     return ignore_eos, rec.usage_completion is not None, notes, words
 
 
+async def send_shared_prefix(conn: Connection, target: Target, cfg: ServeBenchConfig, model: str, words: int,
+                             ignore_eos: bool) -> str:  # fmt: skip
+    """The shared prefix (cfg.shared_prefix tokens at the warm-up's words per token), sent once in a warm-up
+    request so that the measured requests can find it cached."""
+    prefix = make_prompt(cfg.seed, -2, max(1, round(cfg.shared_prefix * words / cfg.prompt_tokens)))
+    payload = make_payload(cfg, model, make_prompt(cfg.seed, -3, words), WARMUP_MAX_TOKENS, ignore_eos, prefix)
+    path = _endpoint_path(target, cfg.endpoint)
+    try:
+        await asyncio.wait_for(stream_request(conn, path, payload, RequestRecord(-1)), cfg.timeout)
+    except Exception as e:
+        conn.close()
+        raise _user_error(target, f"POST {path.removeprefix(target.base_path)} (shared prefix)", e, cfg.api_key) from e
+    return prefix
+
+
 class _Run:
     def __init__(self, cfg: ServeBenchConfig, target: Target, model: str, ignore_eos: bool, check_tokens: bool,
-                 words: int):  # fmt: skip
+                 words: int, prefix: str | None):  # fmt: skip
         self.cfg, self.model, self.ignore_eos, self.check_tokens = cfg, model, ignore_eos, check_tokens
-        self.words = words
+        self.words, self.prefix = words, prefix
         self.path = _endpoint_path(target, cfg.endpoint)
         self.records: list[RequestRecord] = []
         self.deadline = float("inf")
@@ -571,7 +598,7 @@ class _Run:
         cfg = self.cfg
         while (rec := self.next_request()) is not None:
             prompt = make_prompt(cfg.seed, rec.index, self.words)
-            payload = make_payload(cfg, self.model, prompt, cfg.max_tokens, self.ignore_eos)
+            payload = make_payload(cfg, self.model, prompt, cfg.max_tokens, self.ignore_eos, self.prefix)
             try:
                 await stream_request(conn, self.path, payload, rec)
                 if self.check_tokens and rec.usage_completion != cfg.max_tokens:
@@ -606,10 +633,11 @@ async def run_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None = N
         if log:
             log(f"bench serve: {target.url} ({cfg.endpoint}), model {model}: warming up")
         ignore_eos, has_usage, notes, words = await warm_up(conn, target, cfg, model)
+        prefix = await send_shared_prefix(conn, target, cfg, model, words, ignore_eos) if cfg.shared_prefix else None
     finally:
         conn.close()
     check_tokens = ignore_eos and has_usage
-    run = _Run(cfg, target, model, ignore_eos, check_tokens, words)
+    run = _Run(cfg, target, model, ignore_eos, check_tokens, words, prefix)
     conns = [Connection(target, headers) for _ in range(cfg.clients)]
     await asyncio.gather(*(c.connect() for c in conns), return_exceptions=True)  # a failure reconnects later
     for c in conns:
@@ -669,6 +697,7 @@ def summarize(cfg: ServeBenchConfig, target: Target, model: str, ignore_eos: boo
     ok = [r for r in records if r.error is None]
     tokens = sum(r.tokens for r in records)
     prompt_usage = [r.usage_prompt for r in records if r.usage_prompt is not None]
+    cached_usage = [r.usage_cached for r in records if r.usage_cached is not None]
     errors = Counter(r.error for r in records if r.error is not None)
     return {
         "url": target.url,
@@ -678,6 +707,8 @@ def summarize(cfg: ServeBenchConfig, target: Target, model: str, ignore_eos: boo
         "max_tokens": cfg.max_tokens,
         "prompt_tokens": cfg.prompt_tokens,
         "prompt_tokens_mean": sum(prompt_usage) / len(prompt_usage) if prompt_usage else None,
+        "shared_prefix": cfg.shared_prefix,
+        "cached_tokens_mean": sum(cached_usage) / len(cached_usage) if cached_usage else None,
         "ignore_eos": ignore_eos,
         "duration_s": round(window_s, 4),
         "requests": len(records),
@@ -703,6 +734,7 @@ def _ms(stats: dict) -> str:
 
 def format_table(r: dict) -> str:
     measured = f" (mean {r['prompt_tokens_mean']:,.0f} by usage)" if r["prompt_tokens_mean"] is not None else ""
+    cached = f" (mean {r['cached_tokens_mean']:,.0f} cached by usage)" if r["cached_tokens_mean"] is not None else ""
     rows = [
         ("endpoint", f"{r['url']} ({r['endpoint']})"),
         ("model", r["model"]),
@@ -717,6 +749,8 @@ def format_table(r: dict) -> str:
         ("TPOT", _ms(r["tpot_ms"])),
         ("end-to-end", _ms(r["e2e_ms"])),
     ]
+    if r["shared_prefix"]:
+        rows.insert(4, ("shared prefix", f"~{r['shared_prefix']} tokens before every prompt{cached}"))
     rows += [("error", f"{n:,} x {kind}") for kind, n in r["error_kinds"].items()]
     rows += [("note", note) for note in r["notes"]]
     width = max(len(k) for k, _ in rows)
@@ -790,6 +824,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="wait at most S seconds for the warm-up request, and for requests in flight at the end (default: 120)",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        type=_positive(int),
+        default=0,
+        metavar="N",
+        help="start every prompt with the same N-token text, sent once before the run (default: 0, none)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -798,7 +839,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     return ServeBenchConfig(url=args.url, clients=args.clients, max_tokens=args.max_tokens, duration=args.duration,
                             requests=args.requests, api_key=args.api_key, model=args.model,
                             prompt_tokens=args.prompt_tokens, endpoint=args.endpoint, timeout=args.timeout,
-                            seed=args.seed)  # fmt: skip
+                            seed=args.seed, shared_prefix=args.shared_prefix)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

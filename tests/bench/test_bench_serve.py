@@ -268,6 +268,20 @@ def test_prompts_are_resized_to_the_asked_tokens_where_words_make_several(fake):
     assert any("200 words made 800 prompt tokens" in n and "50 words" in n for n in r["notes"])
 
 
+def test_a_shared_prefix_starts_every_request_and_is_sent_once_before_the_run(fake):
+    r = bench(fake, clients=2, requests=4, prompt_tokens=20, shared_prefix=60)
+    primed, *measured = fake.requests[-5:]
+    system = primed["messages"][0]
+    assert system["role"] == "system" and len(system["content"].split()) == 60
+    assert all(q["messages"][0] == system and q["messages"][1]["role"] == "user" for q in measured)
+    assert len({q["messages"][1]["content"] for q in measured}) == 4
+    assert r["shared_prefix"] == 60 and r["requests_ok"] == 4
+    bench(fake, requests=2, prompt_tokens=20, shared_prefix=30, endpoint="completions")
+    prompts = [q["prompt"] for q in fake.requests[-3:]]
+    head = prompts[0].split("\n\n")[0]
+    assert len(head.split()) == 30 and all(p.startswith(head + "\n\n") for p in prompts)
+
+
 def test_requests_in_flight_at_the_end_are_awaited_and_counted(fake):
     fake.token_delay = 0.025  # 10 tokens: about 0.25 s a request
     r = bench(fake, clients=3, max_tokens=10, duration=0.1)
