@@ -71,8 +71,26 @@ def reference_logits(path, token_ids: list[int]) -> np.ndarray:
             out[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kvh]
         x = x + out.reshape(n, heads * hd) @ t[p + "attn_output.weight"].T
         h = norm(x, t[p + "ffn_norm.weight"])
-        g, u = h @ t[p + "ffn_gate.weight"].T, h @ t[p + "ffn_up.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ t[p + "ffn_down.weight"].T
+        if p + "ffn_gate_inp.weight" in t:
+            x = x + _experts(h, t, p, meta[f"{arch}.expert_used_count"])
+        else:
+            g, u = h @ t[p + "ffn_gate.weight"].T, h @ t[p + "ffn_up.weight"].T
+            x = x + (g / (1 + np.exp(-g)) * u) @ t[p + "ffn_down.weight"].T
         layer += 1
     out_w = t.get("output.weight", t["token_embd.weight"])
     return norm(x, t["output_norm.weight"]) @ out_w.T
+
+
+def _experts(h: np.ndarray, t: dict, p: str, k: int) -> np.ndarray:
+    """Qwen3-MoE's feed-forward token by token: softmax router, the k most probable experts (equal probabilities:
+    the lower id), their probabilities renormalized, each expert a SwiGLU."""
+    out = np.zeros_like(h)
+    for i, row in enumerate(h):
+        logits = t[p + "ffn_gate_inp.weight"] @ row
+        prob = np.exp(logits - logits.max())
+        prob /= prob.sum()
+        top = sorted(range(len(prob)), key=lambda e: (-prob[e], e))[:k]
+        for e in top:
+            g, u = t[p + "ffn_gate_exps.weight"][e] @ row, t[p + "ffn_up_exps.weight"][e] @ row
+            out[i] += prob[e] / prob[top].sum() * (t[p + "ffn_down_exps.weight"][e] @ (g / (1 + np.exp(-g)) * u))
+    return out
