@@ -18,10 +18,10 @@ model's tokenizer splits a word into several tokens: 256 words were 1,100 tokens
 Aggregates: generated tok/s and requests/s over the measured window (clients start -> last request done), and
 mean/p50/p90/p99 of each latency. Latency statistics cover every request that streamed tokens.
 
-`--shared-prefix N` puts the same N-token text (sized like the prompts) before every request's own prompt: as a
-system message for chat, as the prompt's first paragraph for completions. One warm-up request sends it first, so
-the measured requests find it in a server's prefix cache, as a deployment's fixed system prompt would be; where the
-server reports `usage.prompt_tokens_details.cached_tokens`, the report gives their mean.
+`--shared-prefix N` puts the same N-token text before every request's own prompt: as a system message for chat, as
+the prompt's first paragraph for completions. Warm-up requests size it by usage (the tokens it adds to a prompt) and
+send it first, so the measured requests find it in a server's prefix cache, as a deployment's fixed system prompt
+would be; where the server reports `usage.prompt_tokens_details.cached_tokens`, the report gives their mean.
 """
 
 from __future__ import annotations
@@ -562,18 +562,35 @@ async def warm_up(
 
 
 async def send_shared_prefix(conn: Connection, target: Target, cfg: ServeBenchConfig, model: str, words: int,
-                             ignore_eos: bool) -> str:  # fmt: skip
-    """The shared prefix (cfg.shared_prefix tokens at the warm-up's words per token), sent once in a warm-up
-    request so that the measured requests can find it cached."""
-    prefix = make_prompt(cfg.seed, -2, max(1, round(cfg.shared_prefix * words / cfg.prompt_tokens)))
-    payload = make_payload(cfg, model, make_prompt(cfg.seed, -3, words), WARMUP_MAX_TOKENS, ignore_eos, prefix)
+                             ignore_eos: bool) -> tuple[str, str | None]:  # fmt: skip
+    """The shared prefix, sent in warm-up requests so that the measured requests can find it cached, and a note on
+    its size. Where the server reports usage, its words are rescaled (as warm_up does the prompts') until the
+    prompt tokens it adds come to within 15% of cfg.shared_prefix."""
     path = _endpoint_path(target, cfg.endpoint)
-    try:
-        await asyncio.wait_for(stream_request(conn, path, payload, RequestRecord(-1)), cfg.timeout)
-    except Exception as e:
-        conn.close()
-        raise _user_error(target, f"POST {path.removeprefix(target.base_path)} (shared prefix)", e, cfg.api_key) from e
-    return prefix
+
+    async def prompt_tokens(prefix: str | None) -> int | None:
+        rec = RequestRecord(-1)
+        payload = make_payload(cfg, model, make_prompt(cfg.seed, -3, words), WARMUP_MAX_TOKENS, ignore_eos, prefix)
+        try:
+            await asyncio.wait_for(stream_request(conn, path, payload, rec), cfg.timeout)
+        except Exception as e:
+            conn.close()
+            what = f"POST {path.removeprefix(target.base_path)} (shared prefix)"
+            raise _user_error(target, what, e, cfg.api_key) from e
+        return rec.usage_prompt
+
+    target_tokens, prefix_words = cfg.shared_prefix, cfg.shared_prefix
+    without = await prompt_tokens(None)
+    for sizing in range(4):
+        prefix = make_prompt(cfg.seed, -2, prefix_words)
+        with_prefix = await prompt_tokens(prefix)
+        if without is None or with_prefix is None:
+            return prefix, None
+        added = with_prefix - without
+        if abs(added - target_tokens) <= 0.15 * target_tokens or sizing == 3:
+            break
+        prefix_words = max(1, round(prefix_words * target_tokens / max(added, 1)))
+    return prefix, f"the shared prefix is {prefix_words} words, {added:,} prompt tokens by usage"
 
 
 class _Run:
@@ -633,7 +650,10 @@ async def run_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None = N
         if log:
             log(f"bench serve: {target.url} ({cfg.endpoint}), model {model}: warming up")
         ignore_eos, has_usage, notes, words = await warm_up(conn, target, cfg, model)
-        prefix = await send_shared_prefix(conn, target, cfg, model, words, ignore_eos) if cfg.shared_prefix else None
+        prefix = None
+        if cfg.shared_prefix:
+            prefix, note = await send_shared_prefix(conn, target, cfg, model, words, ignore_eos)
+            notes += [note] if note else []
     finally:
         conn.close()
     check_tokens = ignore_eos and has_usage

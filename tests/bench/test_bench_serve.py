@@ -138,7 +138,8 @@ class FakeServer:
             await event(chunk(f" w{i}"))
         await event(chunk("", "length" if n == req["max_tokens"] else "stop"))
         if self.send_usage and req.get("stream_options", {}).get("include_usage"):
-            words = len(req["messages"][0]["content"].split() if chat else req["prompt"].split())
+            texts = [m["content"] for m in req["messages"]] if chat else [req["prompt"]]
+            words = sum(len(t.split()) for t in texts)
             prompt_tokens = words * self.tokens_per_word
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
             await event(json.dumps({"id": "x", "choices": [], "usage": usage}))
@@ -280,6 +281,13 @@ def test_a_shared_prefix_starts_every_request_and_is_sent_once_before_the_run(fa
     prompts = [q["prompt"] for q in fake.requests[-3:]]
     head = prompts[0].split("\n\n")[0]
     assert len(head.split()) == 30 and all(p.startswith(head + "\n\n") for p in prompts)
+
+
+def test_a_shared_prefix_is_sized_by_the_tokens_it_adds(fake):
+    fake.tokens_per_word = 4
+    r = bench(fake, requests=2, prompt_tokens=40, shared_prefix=400)
+    assert len(fake.requests[-1]["messages"][0]["content"].split()) == 100
+    assert "the shared prefix is 100 words, 400 prompt tokens by usage" in r["notes"]
 
 
 def test_requests_in_flight_at_the_end_are_awaited_and_counted(fake):
