@@ -105,6 +105,8 @@ class LLM:
             while running:
                 for out in self.engine.step():
                     if out.request_id == request_id:
+                        if out.error is not None:
+                            raise out.error
                         running -= out.finished
                         yield out
         finally:
@@ -130,6 +132,8 @@ class LLM:
             running = len(results)
             while running:
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise out.error
                     c = results[out.request_id, out.index]
                     c.completion_ids += out.new_token_ids
                     c.text += out.new_text

@@ -147,7 +147,7 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put_nowait(out if out.error is None else out.error)
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -27,10 +27,10 @@ import numpy as np
 from infero.engine.batch import SequenceStep, TokenFeed, build_batch
 from infero.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from infero.engine.request import Request, RequestOutput, Status, TokenLogprob
-from infero.engine.sampling import SampledTokens, SamplingParams, raw_logprobs, top_logprobs
+from infero.engine.sampling import NON_FINITE_LOGITS, SampledTokens, SamplingParams, raw_logprobs, top_logprobs
 from infero.engine.scheduler import ScheduledChunk, Scheduler
 from infero.engine.stop import StopChecker
-from infero.errors import InferoError, PromptTooLongError
+from infero.errors import InferoError, NonFiniteLogitsError, PromptTooLongError
 from infero.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -315,6 +315,8 @@ class Engine:
         return self.grammars.bitmasks(matchers, self.model.config.vocab_size)
 
     def _append(self, req: Request, result) -> RequestOutput:
+        if result.token_id == NON_FINITE_LOGITS:
+            return self._fail(req, NonFiniteLogitsError(NON_FINITE_MESSAGE))
         seq = self._seqs[req.key]
         first = not req.output_ids or req.output_ids == [PENDING]
         token = result.token_id
@@ -363,6 +365,22 @@ class Engine:
         )
 
 
+    def _fail(self, req: Request, error: InferoError) -> RequestOutput:
+        """Finish one sequence whose step went wrong for it alone; its output carries the error to the caller while
+        the other sequences go on."""
+        self.scheduler.finish(req, "error")
+        del self._seqs[req.key]
+        self._choices[req.request_id] -= 1
+        if self._choices[req.request_id] == 0:
+            del self._choices[req.request_id]
+        return RequestOutput(req.request_id, [], "", True, "error", index=req.index,
+                             num_prompt_tokens=len(req.prompt_ids), error=error)  # fmt: skip
+
+
+NON_FINITE_MESSAGE = (
+    "the model produced non-finite logits (NaN or infinity) for this request: its weights are broken; "
+    "check the model file or try another quantization of it"
+)
 PENDING = -1  # the output token of a step whose tokens the host has not read yet (asynchronous scheduling)
 
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from infero.engine.sampling import SamplingParams
+from infero.errors import InferoError
 
 
 class Status(enum.Enum):
@@ -74,4 +75,5 @@ class RequestOutput:
     index: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked for
     num_prompt_tokens: int = 0
+    error: InferoError | None = None  # finish_reason "error": why this choice failed (the others go on)
     num_cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache

@@ -59,6 +59,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLIN
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _UINT64 = 1 << 64
 SEEDED_STREAM, ENGINE_STREAM = 0, 1  # the third counter word of the noise
+NON_FINITE_LOGITS = -2  # the token of a row whose raw logits hold a NaN or an infinity: the model is broken
 
 
 class SamplingError(InferoError):
@@ -366,6 +367,10 @@ class Sampler:
         ]
 
     def _sample_row(self, logits, params, prompt_ids, output_ids, banned, allowed=None) -> SampleResult:
+        if not np.isfinite(logits).all():
+            if not params.greedy and params.seed is None:
+                self.num_engine_draws += 1  # the row keeps its place in the engine's noise stream, as on the GPU
+            return SampleResult(NON_FINITE_LOGITS, None, None)
         z = logits.astype(np.float64)
         z = apply_allowed_mask(z, allowed)
         z = apply_logit_bias(z, params.logit_bias)

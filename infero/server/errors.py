@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from infero.errors import InferoError, PromptTooLongError
+from infero.errors import InferoError, NonFiniteLogitsError, PromptTooLongError
 
 log = logging.getLogger("infero.server")
 
@@ -102,6 +102,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-a
 def from_infero_error(e: InferoError) -> APIError:
     if isinstance(e, PromptTooLongError):
         return bad_request(str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, NonFiniteLogitsError):  # the model's fault, not the request's
+        return APIError(500, str(e), code="non_finite_logits")
     return bad_request(str(e))
 
 

@@ -33,6 +33,7 @@ from infero.backends.cuda.tensor import DeviceTensor, empty
 from infero.engine.sampling import (
     ENGINE_STREAM,
     MAX_LOGPROBS,
+    NON_FINITE_LOGITS,
     SEEDED_STREAM,
     SampledTokens,
     SampleResult,
@@ -184,11 +185,11 @@ class PendingSample(SampledTokens):
         if s == 0:
             return []
         tokens = rb.tokens[:s].copy()
-        if (tokens < 0).any():
+        if (tokens == -1).any():
             raise SamplingError(NO_TOKEN_MESSAGE)
         results = []
         for i, n in enumerate(self.step.logprobs):
-            if n is None:
+            if n is None or tokens[i] == NON_FINITE_LOGITS:
                 results.append(SampleResult(int(tokens[i]), None, None))
             else:
                 pairs = [(int(rb.top_ids[i, k]), float(rb.top_logprobs[i, k])) for k in range(n)]

@@ -7,7 +7,8 @@
 //   sampler_histogram grid G/k x S  (top-k/top-p rows) counts and fixed-point masses per 1/32-nat bucket below max z
 //   sampler_select    grid S        min_p, top_k, top_p -> the support, as a value floor and a cut in sort order
 //   sampler_gumbel    grid G x S    Philox4x64-10 noise, argmax of z - log(-log(u)) over the support, per chunk
-//   sampler_finalize  grid S        the token (greedy: argmax of z), raw logprob and top-N logprobs
+//   sampler_finalize  grid S        the token (greedy: argmax of z), raw logprob and top-N logprobs; -2 for a row
+//                                   with a NaN or infinite raw logit (prepare flags it per chunk)
 //
 // Chunks are CHUNK = 2048 consecutive ids of a row (G = ceil(V / CHUNK)); the per-chunk partials are reduced
 // in chunk order by whoever needs them, so every result is a fixed function of the row (batch invariant,
@@ -84,7 +85,7 @@ struct ChunkStats {  // sampler_prepare's partial for one chunk (32 bytes)
     double lmax;     // raw logit max (logprob rows)
     double lsum;     // sum of exp(logit - lmax) (logprob rows)
     int zarg;        // lowest id with z == zmax
-    int pad;
+    int nonfinite;   // 1 if a raw logit of the chunk is NaN or infinite (the model is broken)
 };
 
 struct TopEntry {  // one of a chunk's top-N raw logits
@@ -425,6 +426,10 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sampler_prepare(
             best_id = t;
         }
     }
+    bool bad = false;  // a non-finite raw logit: the row's token becomes -2 (sampling.py NON_FINITE_LOGITS)
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) bad |= c0 + j * CHUNK_THREADS + (int)threadIdx.x < V && !isfinite(lv[j]);
+    const int nonfinite = __syncthreads_or(bad);
     __syncwarp();  // every lane has read the words before lane 0 clears them
     if (lane == 0) {
 #pragma unroll
@@ -438,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sampler_prepare(
     out.zarg = best_id;
     out.lmax = 0.0;
     out.lsum = 0.0;
-    out.pad = 0;
+    out.nonfinite = nonfinite;
     if (p.num_logprobs >= 0) {
         double m = -INF;
         int unused = 0;
@@ -1083,6 +1088,9 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sampler_finalize(
             token = best > -INF ? id : -1;
         }
     }
+    bool bad = false;
+    for (int c = threadIdx.x; c < G; c += CHUNK_THREADS) bad |= stats[c].nonfinite != 0;
+    if (__syncthreads_or(bad)) token = -2;  // sampling.py NON_FINITE_LOGITS: the engine fails this request alone
     if (threadIdx.x == 0) tokens[row] = token;
     if (p.num_logprobs < 0) return;
     // log_softmax of the raw logits: max over the chunks, then sum of exp in a fixed tree over the chunks.
