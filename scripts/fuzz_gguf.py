@@ -373,6 +373,9 @@ def run(cases: int | None, seconds: float | None, seed: int, jobs: int, timeout:
     """Run the campaign; the summary: counts per outcome, cases/s, peak RSS above the parent's, failures."""
     rng = random.Random(seed)
     mutator = Mutator(build_seed(vocab_size))
+    import infero.checkpoint  # noqa: F401 (imported once here, not in every forked child)
+    import infero.tokenizer  # noqa: F401
+
     counts = dict.fromkeys(OUTCOMES, 0)
     failures, peak = [], 0
     started = last_report = time.monotonic()
