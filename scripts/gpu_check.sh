@@ -6,8 +6,6 @@
 #           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
 #   sweep   scripts/sweep_decode_plan.py on both synthetic models (mat-vec variants inside the batch-1 step)
-#   barrier scripts/bench_grid_barrier.py (grid barrier cost, alone and between phases of a weight stream)
-#   ring    scripts/bench_weight_ring.py (a persistent mat-vec phase fed by a shared-memory ring vs the plain one)
 # e.g. scripts/gpu_check.sh tests server  |  PYTEST_ARGS="-k matvec" scripts/gpu_check.sh tests
 set -uo pipefail
 out=${OUT:-/tmp/infero-out}; mkdir -p "$out"
@@ -66,10 +64,6 @@ for stage in "$@"; do
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
     done ;;
-  barrier)
-    python3 scripts/bench_grid_barrier.py 2>&1 | tee "$out/grid-barrier.txt" ;;
-  ring)
-    python3 scripts/bench_weight_ring.py 2>&1 | tee "$out/weight-ring.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
