@@ -20,11 +20,12 @@ from infero.default_model import default_model_path
 from infero.engine.engine import Engine, EngineConfig
 from infero.engine.request import RequestOutput, TokenLogprob
 from infero.engine.sampling import SamplingParams
-from infero.errors import ChatTemplateError
+from infero.errors import ChatTemplateError, PromptTooLongError
 from infero.models import load_model
 from infero.progress import Progress
 from infero.tokenizer import Tokenizer
 from infero.tokenizer.chat_template import ChatTemplate
+from infero.tokenizer.tokenizer import TooManyTokensError
 
 
 @dataclass
@@ -92,8 +93,30 @@ class LLM:
         )
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        """The conversation's prompt ids; PromptTooLongError, before the whole text is encoded, when it cannot fit."""
+        max_bytes = self.tokenizer.max_token_bytes
+        max_chars = None if max_bytes is None else self.engine.max_model_len * max_bytes
+        try:
+            text = self.render_chat(messages, max_chars=max_chars, **kwargs)
+        except PromptTooLongError:
+            raise self._too_long(self.engine.max_model_len, False) from None
         # The template writes BOS itself where the model wants one, so the tokenizer adds none (as vLLM).
-        return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; PromptTooLongError as soon as it is known to leave no room for a generated token (time
+        and memory follow the context, not the text)."""
+        try:
+            return self.tokenizer.encode_bounded(text, self.engine.max_model_len - 1, add_special_tokens)
+        except TooManyTokensError as e:
+            raise self._too_long(e.num_tokens, e.exact) from None
+
+    def _too_long(self, num_tokens: int, exact: bool) -> PromptTooLongError:
+        count = num_tokens if exact else f"at least {num_tokens}"
+        return PromptTooLongError(
+            f"the prompt has {count} tokens; this model's context holds {self.engine.max_model_len} including at "
+            "least one generated token"
+        )
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield each step's new tokens and text for one prompt (all n choices, told apart by `index`)."""
@@ -150,4 +173,4 @@ class LLM:
         return list(results.values())
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)

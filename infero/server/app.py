@@ -50,6 +50,7 @@ from infero.server.streaming import (
     completion_stream,
 )
 from infero.server.tool_parsers import choose_tool_parser, forced, get_tool_parser
+from infero.tokenizer.tokenizer import TooManyTokensError
 
 log = logging.getLogger("infero.server")
 
@@ -57,7 +58,7 @@ MAX_BODY_BYTES = 32 << 20
 # A body over the limit is still read (and dropped) up to this size, so the client gets its 413 instead of a reset
 # connection; beyond it we answer at once and close.
 MAX_DRAIN_BYTES = 128 << 20
-RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "max_chars"}
 
 RequestModel = TypeVar("RequestModel", bound=pydantic.BaseModel)
 
@@ -100,9 +101,21 @@ class ServerState:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
         raise unavailable("the server is shutting down", "shutting_down")
 
+    def check_admissible(self, num_prompts: int) -> None:
+        """A 400 for a request of more prompts than may ever wait at once: a 503 would have it retried forever."""
+        limit = self.settings.max_waiting_requests
+        if num_prompts > limit:
+            raise bad_request(
+                f"the request has {num_prompts} prompts and this server lets at most {limit} wait at once "
+                f"(--max-waiting-requests {limit}), so it can never be admitted; send at most {limit} prompts a "
+                "request", "prompt", "too_many_prompts",
+            )  # fmt: skip
+
     def admit(self, num_prompts: int) -> Callable[[], None]:
-        """Take `num_prompts` places in the waiting queue or answer 503; returns the release for one place."""
+        """Take `num_prompts` places in the waiting queue, or answer 503 while it is full (400 if it never could
+        hold them); returns the release for one place."""
         engine = self.require_ready()
+        self.check_admissible(num_prompts)
         waiting = max(self.num_queued, engine.stats().num_waiting)
         if waiting + num_prompts > self.settings.max_waiting_requests:
             raise unavailable(
@@ -239,12 +252,20 @@ def _api_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
     settings = state.settings
 
+    def model_card() -> dict:
+        engine = state.require_ready()
+        return {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "infero",
+                "root": settings.served_model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
+
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        engine = state.require_ready()
-        card = {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "infero",
-                "root": settings.served_model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        card = model_card()
+        protocol.check_model(model_id, settings.served_model_name)
+        return JSONResponse(card)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -257,10 +278,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         prompt_ids, prompt_text = await asyncio.to_thread(
             _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, True, False
         )
-        room = _room(engine, prompt_ids, "messages")
+        max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
-            req, vocab_size=_vocab_size(engine), max_tokens=req.max_completion_tokens or req.max_tokens or room,
-            logprobs=req.num_logprobs,
+            req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.num_logprobs,
         )  # fmt: skip
         params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
         await _validate(engine, prompt_ids, params, "messages")
@@ -282,8 +302,12 @@ def _api_routes(state: ServerState) -> APIRouter:
         req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
         protocol.check_model(req.model, settings.served_model_name)
         engine = state.require_ready()
-        prompts, texts = await asyncio.to_thread(_encode_prompts, engine, req.prompt)
-        rooms = [_room(engine, ids, "prompt") for ids in prompts]
+        prompts = _prompt_list(req.prompt)
+        state.check_admissible(len(prompts))  # before the work of encoding them
+        prompts, texts = await asyncio.to_thread(_encode_prompts, engine, prompts)
+        # Only a max_tokens the client gave must fit; OpenAI's default of 16 may run to the context's end.
+        requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
+        rooms = [_max_tokens(engine, ids, requested or None, "prompt") for ids in prompts]
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens or min(rooms)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -320,7 +344,7 @@ def _api_routes(state: ServerState) -> APIRouter:
                                              req.add_generation_prompt, special)  # fmt: skip
         else:
             special = req.add_special_tokens is not False
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, special)
+            ids = await asyncio.to_thread(_encode_text, engine, req.prompt, special, "prompt")
         strs = [protocol.token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": strs})  # fmt: skip
@@ -393,21 +417,49 @@ def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_gener
     reserved = RESERVED_TEMPLATE_KWARGS & set(template_kwargs)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
-    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
-    return state.llm.tokenizer.encode(text, add_special_tokens=special), text
+    engine = state.engine
+    # The rendered prompt is refused once it is longer than any text of max_model_len tokens can be.
+    max_bytes = engine.tokenizer.max_token_bytes
+    max_chars = None if max_bytes is None else engine.max_model_len * max_bytes
+    try:
+        text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, max_chars=max_chars,
+                               **template_kwargs)  # fmt: skip
+    except PromptTooLongError:
+        raise _too_long(engine, engine.max_model_len + 1, False, "messages") from None
+    return _encode_text(engine, text, special, "messages"), text
 
 
-def _encode_prompts(engine: AsyncEngine, prompt) -> tuple[list[list[int]], list[str]]:
+def _encode_text(engine: AsyncEngine, text: str, special: bool, param: str) -> list[int]:
+    """The token ids of a prompt, or a 400 as soon as it is known to be longer than the context."""
+    try:
+        return engine.tokenizer.encode_bounded(text, engine.max_model_len, special)
+    except TooManyTokensError as e:
+        raise _too_long(engine, e.num_tokens, e.exact, param) from None
+
+
+def _too_long(engine: AsyncEngine, num_tokens: int, exact: bool, param: str) -> APIError:
+    count = num_tokens if exact else f"at least {num_tokens}"
+    return bad_request(
+        f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} has {count} "
+        f"tokens. Please reduce the length of the {param}.", param, "context_length_exceeded",
+    )  # fmt: skip
+
+
+def _prompt_list(prompt) -> list:
+    """A completion's `prompt` as a list of prompts (a string, or a list of token ids, is one)."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+
+
+def _encode_prompts(engine: AsyncEngine, prompts: list) -> tuple[list[list[int]], list[str]]:
     """A completion's prompts as token ids, with the text that `echo` repeats."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
     ids, texts = [], []
-    for i, p in enumerate(prompt):
+    for i, p in enumerate(prompts):
+        param = f"prompt.{i}" if len(prompts) > 1 else "prompt"
         if isinstance(p, str):
-            ids.append(engine.tokenizer.encode(p))
+            ids.append(_encode_text(engine, p, True, param))
             texts.append(p)
         else:
-            _check_token_ids(engine, p, f"prompt.{i}" if len(prompt) > 1 else "prompt")
+            _check_token_ids(engine, p, param)
             ids.append(list(p))
             texts.append(engine.tokenizer.decode(p))
     return ids, texts
@@ -424,16 +476,23 @@ def _check_token_ids(engine: AsyncEngine, ids: list[int], param: str) -> None:
         raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
 
 
-def _room(engine: AsyncEngine, prompt_ids: list[int], param: str) -> int:
-    """Tokens left in the context after the prompt; a 400 context_length_exceeded when there are none."""
-    room = engine.max_model_len - len(prompt_ids)
-    if room < 1:
+def _max_tokens(engine: AsyncEngine, prompt_ids: list[int], requested: int | None, param: str) -> int:
+    """The tokens a completion may generate: `requested`, or all the context leaves after the prompt when None; a
+    400 context_length_exceeded with the numbers (in OpenAI's and vLLM's words) when they do not fit."""
+    context, prompt = engine.max_model_len, len(prompt_ids)
+    if requested is None and prompt >= context:
         raise bad_request(
-            f"this model's context holds {engine.max_model_len} tokens and the {param} has {len(prompt_ids)}; "
-            "shorten it to leave room for at least one generated token",
+            f"This model's maximum context length is {context} tokens. However, your {param} has {prompt} tokens, "
+            f"which leaves no room for a completion. Please reduce the length of the {param}.",
             param, "context_length_exceeded",
         )  # fmt: skip
-    return room
+    if requested is not None and prompt + requested > context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, you requested {prompt + requested} "
+            f"tokens ({prompt} in the {param}, {requested} in the completion). Please reduce the length of the "
+            f"{param} or completion.", param, "context_length_exceeded",
+        )  # fmt: skip
+    return context - prompt if requested is None else requested
 
 
 async def _validate(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str) -> None:

@@ -12,13 +12,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infero.engine.request import TokenLogprob
 from infero.engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from infero.engine.structured import StructuredOutput, StructuredOutputError
 from infero.server.errors import APIError, bad_request
 from infero.tokenizer import Tokenizer
+from infero.tokenizer.chat_template import schema_problem
 
 MAX_N = 128  # choices per request; the engine also caps n at its --max-num-seqs
 
@@ -80,6 +81,14 @@ class FunctionDefinition(_Model):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = schema_problem(parameters)
+        if problem is not None:
+            raise ValueError(f"not a valid JSON Schema: {problem}")
+        return parameters
 
 
 class Tool(_Model):

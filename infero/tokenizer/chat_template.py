@@ -25,6 +25,7 @@ vLLM does (vllm/entrypoints/chat_utils.py):
 """
 
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jsonschema
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from infero.errors import ChatTemplateError
+from infero.errors import ChatTemplateError, PromptTooLongError
 
 # Where each kind of text part keeps its text; other part types (images, audio) have nothing a text model can read.
 _TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -178,31 +180,71 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
+        max_chars: int | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Return the prompt text for `messages` (OpenAI-style dicts), with the assistant header appended when
         `add_generation_prompt`; `tools` are JSON schemas and `template_kwargs` become template variables.
-        Raise ChatTemplateError with one line when the template rejects the conversation or fails."""
+        Raise ChatTemplateError with one line when the template rejects the conversation or fails, and
+        PromptTooLongError as soon as the text passes `max_chars` characters (before it is joined)."""
         if not messages:
             raise ChatTemplateError("cannot apply the chat template to an empty conversation")
         if tools is not None and not all(isinstance(tool, dict) for tool in tools):
             raise ChatTemplateError("tools must be a list of JSON schema objects")
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function", tool)
+            problem = schema_problem(function.get("parameters")) if isinstance(function, dict) else None
+            if problem is not None:
+                raise ChatTemplateError(f"tools[{i}]: parameters is not a valid JSON Schema: {problem}")
         special_tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         variables = {name: token for name, token in special_tokens.items() if token is not None}
         variables.update(_plain_data(template_kwargs))  # as in HF, the caller's values override the special tokens
         conversation = prepare_messages(messages, self.content_format)
         try:
-            return self._template.render(
+            pieces = self._template.generate(
                 messages=conversation,
                 tools=_plain_data(tools),
                 documents=_plain_data(documents),
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+            return _join_at_most(pieces, max_chars)
+        except PromptTooLongError:
+            raise
         except _RaisedByTemplate as e:
             raise ChatTemplateError(_one_line(e.message or "the chat template rejected the conversation")) from e
         except Exception as e:  # anything the template's code can raise is the template's or the conversation's fault
             raise ChatTemplateError(f"chat template failed: {_one_line(e)}") from e
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why a tool's `parameters` is not a JSON Schema (checked against the meta-schema its "$schema" names, else
+    draft 2020-12's), or None: a model told to call a tool whose schema is broken can only guess."""
+    if schema is None:
+        return None
+    if not isinstance(schema, dict | bool):
+        return f"a schema is an object, got {type(schema).__name__}"
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(part) for part in e.absolute_path)
+        return f"{e.message}" + (f" (at {where})" if where else "")
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
+
+
+def _join_at_most(pieces: Iterable[str], max_chars: int | None) -> str:
+    if max_chars is None:
+        return "".join(pieces)
+    kept, size = [], 0
+    for piece in pieces:
+        size += len(piece)
+        if size > max_chars:
+            raise PromptTooLongError(f"the rendered prompt is longer than {max_chars:,} characters")
+        kept.append(piece)
+    return "".join(kept)
 
 
 def require_template(source: str | None, model_name: str) -> str:

@@ -31,10 +31,10 @@ def test_every_flag_defaults_to_its_environment_variable_and_the_command_line_wi
     monkeypatch.setenv("INFERO_PORT", "9001")
     monkeypatch.setenv("INFERO_API_KEY", "k")
     monkeypatch.setenv("INFERO_KV_CACHE_MEMORY", "2GiB")
-    monkeypatch.setenv("INFERO_MAX_WAITING_REQUESTS", "0")
+    monkeypatch.setenv("INFERO_MAX_WAITING_REQUESTS", "7")
     monkeypatch.setenv("INFERO_SERVED_MODEL_NAME", "m")
     args = parse([])
-    assert (args.port, args.api_key, args.kv_cache_memory, args.max_waiting_requests) == (9001, "k", 2 << 30, 0)
+    assert (args.port, args.api_key, args.kv_cache_memory, args.max_waiting_requests) == (9001, "k", 2 << 30, 7)
     assert args.served_model_name == "m" and args.host == "127.0.0.1" and args.gpu_memory_utilization == 0.9
     assert parse(["--port", "8000"]).port == 8000
     monkeypatch.setenv("INFERO_PORT", "eighty")
@@ -50,7 +50,7 @@ def test_defaults_and_engine_config():
     assert config.async_scheduling is None  # the backend decides: on where it overlaps steps (CUDA)
     assert [engine_config(parse(["--async-scheduling", v])).async_scheduling for v in ("on", "off")] == [True, False]
     bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],
-                 ["--async-scheduling", "maybe"])  # fmt: skip
+                 ["--async-scheduling", "maybe"], ["--max-waiting-requests", "0"])  # fmt: skip
     for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)

@@ -56,7 +56,7 @@ def scripted(tiny_model_path, tmp_path_factory):
 
 
 def test_tool_calls_and_reasoning_are_split_out_of_the_text(scripted):
-    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
+    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.model_extra["reasoning_content"] == "I should add."
@@ -66,8 +66,8 @@ def test_tool_calls_and_reasoning_are_split_out_of_the_text(scripted):
 
 
 def test_streamed_tool_calls_add_up_to_the_same_message(scripted):
-    full = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
-    chunks = list(scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
+    full = scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120)
+    chunks = list(scripted.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120,
                                                             stream=True))  # fmt: skip
     reasoning, content, calls = "", "", {}
     for c in chunks:
@@ -89,7 +89,7 @@ def test_streamed_tool_calls_add_up_to_the_same_message(scripted):
 @pytest.mark.parametrize("tool_choice", [None, "none"])
 def test_without_tools_on_offer_a_tool_call_stays_content(scripted, tool_choice):
     tools = {} if tool_choice is None else {"tools": TOOLS, "tool_choice": tool_choice}
-    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=200, **tools)
+    r = scripted.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=120, **tools)
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert choice.message.content == SCRIPT[SCRIPT.index("<tool_call>") :]
