@@ -12,70 +12,96 @@ import os
 import sys
 from collections import Counter
 
+import infero
 from infero.backends import DEVICES
 from infero.errors import InferoError
 
 EXIT_USER_ERROR = 2
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or the flag has none (an unset
+    value or an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if not action.option_strings or "default" in text or default is None or default is False or default == []:
+            return text
+        if default is argparse.SUPPRESS:
+            return text
+        head, env, tail = text.partition(" [env ")  # the default before the environment variable that sets it
+        return f"{head} (default: %(default)s){env}{tail}".lstrip()
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
+        metavar="FILE",
         default=os.environ.get("INFERO_MODEL"),
-        help="GGUF file (the first part of a split model); default: the embedded SmolLM2-135M-Instruct",
+        help="GGUF file (the first part of a split model) (default: the embedded SmolLM2-135M-Instruct) "
+        "[env INFERO_MODEL]",
     )
     p.add_argument("--device", choices=DEVICES, default=os.environ.get("INFERO_DEVICE", "auto"),
-                   help="where to run; auto takes the GPU when there is one (default: auto)")  # fmt: skip
+                   help="where to run; auto takes the GPU when there is one [env INFERO_DEVICE]")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infero", description="LLM inference with hand-written kernels")
+    parser = argparse.ArgumentParser(prog="infero", description="LLM inference with hand-written kernels",
+                                     formatter_class=DefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"infero {infero.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate a completion for PROMPT, streamed to stdout")
+    def command(parent, name: str, **kwargs) -> argparse.ArgumentParser:
+        return parent.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
+
+    g = command(sub, "generate", help="generate a completion for PROMPT, streamed to stdout")
     _add_model_args(g)
     g.add_argument("prompt", metavar="PROMPT")
     g.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     g.add_argument("--system", help="with --chat: a system message before PROMPT")
     g.add_argument("--chat-template", metavar="FILE", help="a jinja chat template to use instead of the model's")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="stop after N tokens")
     # Sampling defaults follow llama.cpp's CLI, which users of a local CLI expect.
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling temperature")
+    g.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely tokens")
+    g.add_argument("--top-p", type=float, default=0.95, metavar="P", help="sample within probability mass P")
+    g.add_argument("--min-p", type=float, default=0.05, metavar="P",
+                   help="drop tokens less likely than P times the most likely")  # fmt: skip
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the logits of tokens seen so far by R")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="R",
+                   help="subtract R from the logits of tokens generated so far")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="R",
+                   help="subtract R times its count from a generated token's logit")  # fmt: skip
+    g.add_argument("--seed", type=int, help="seed of the sampler (default: a fresh one each run)")
     g.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
     g.add_argument("--logprobs", type=int, metavar="N", help="also report the top-N alternatives of every token")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    i = sub.add_parser("inspect", help="describe a model file")
+    i = command(sub, "inspect", help="describe a model file")
     _add_model_args(i)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print one JSON object instead of aligned lines")
 
-    t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
+    t = command(sub, "tokenize", help="print the token ids of TEXT as a JSON list")
     _add_model_args(t)
     t.add_argument("text", metavar="TEXT")
     t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS the model asks for")
     from infero.checkpoint.synthetic import QUANTS, SHAPES
 
-    sy = sub.add_parser("synth", help="write a GGUF of a real model's shape with random weights")
+    sy = command(sub, "synth", help="write a GGUF of a real model's shape with random weights")
     sy.add_argument("shape", choices=sorted(SHAPES))
-    sy.add_argument("--quant", choices=QUANTS, default="Q4_K_M")
-    sy.add_argument("-o", "--output", required=True, metavar="FILE")
-    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--quant", choices=QUANTS, default="Q4_K_M", help="quantization of the linear layers")
+    sy.add_argument("-o", "--output", required=True, metavar="FILE", help="the GGUF file to write")
+    sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
-    b = sub.add_parser("bench", help="benchmarks")
+    b = command(sub, "bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    d = bsub.add_parser("decode", help="prefill and batch-1 decode speed, and the roofline fraction")
+    d = command(bsub, "decode", help="prefill and batch-1 decode speed, and the roofline fraction")
     _add_model_args(d)
-    d.add_argument("--prompt-tokens", type=int, default=512)
-    d.add_argument("--decode-tokens", type=int, default=64)
+    d.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="tokens of the prompt to prefill")
+    d.add_argument("--decode-tokens", type=int, default=64, metavar="N", help="tokens to decode after it")
     d.add_argument(
         "--profile",
         action="store_true",
@@ -85,12 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
     from infero.bench import serve as bench_serve
 
-    bench_serve.add_arguments(
-        bsub.add_parser("serve", help="load an OpenAI-compatible endpoint with N streaming clients")
-    )
+    bench_serve.add_arguments(command(bsub, "serve", help="load an OpenAI-compatible endpoint with streaming clients"))
     from infero.server import serve
 
-    serve.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
+    serve.add_arguments(command(sub, "serve", help="serve the model over an OpenAI-compatible HTTP API"))
     return parser
 
 
@@ -203,12 +227,20 @@ def _inspect(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from infero.checkpoint.gguf import GGUFModel
+    from infero.checkpoint import load_checkpoint
     from infero.default_model import default_model_path
     from infero.tokenizer import Tokenizer
+    from infero.tokenizer.tokenizer import TooManyTokensError
 
-    tok = Tokenizer.from_gguf_metadata(GGUFModel.open(args.model or default_model_path()).metadata)
-    print(json.dumps(tok.encode(args.text, add_special_tokens=not args.no_special)))
+    ckpt = load_checkpoint(args.model or default_model_path())
+    tok = Tokenizer.from_gguf_metadata(ckpt.metadata)
+    context = ckpt.config.context_length
+    try:
+        ids = tok.encode_bounded(args.text, context, add_special_tokens=not args.no_special)
+    except TooManyTokensError as e:  # as the server's /tokenize: a text the model could never read
+        count = e.num_tokens if e.exact else f"at least {e.num_tokens}"
+        raise InferoError(f"TEXT has {count} tokens, more than the model's context of {context}") from None
+    print(json.dumps(ids))
     return 0
 
 

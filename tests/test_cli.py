@@ -120,3 +120,34 @@ def test_bench_decode_batch_sizes_are_checked(capsys):
         main(["bench", "decode", "--batch", "1,x"])
     assert exit_info.value.code == 2
     assert "positive integers separated by commas" in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    import infero
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"infero {infero.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        (["generate"], ["--max-tokens N  stop after N tokens (default: 256)", "(default: 0.8)", "(default: 40)",
+                        "(default: 0.95)", "(default: 0.05)", "(default: 1.0)", "(default: 0.0)", "(default: auto)"]),
+        (["synth"], ["(default: Q4_K_M)", "(default: 0)"]),
+        (["bench", "decode"], ["(default: 512)", "(default: 64)"]),
+        (["serve"], ["(default: 8080)", "(default: 512)", "(default: 0.90)", "(default: auto)"]),
+    ],
+)  # fmt: skip
+def test_help_shows_every_default(capsys, command, shown):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    for needle in shown:
+        assert " ".join(needle.split()) in text, needle
+
+
+def test_tokenize_refuses_a_text_longer_than_the_context(capsys, tiny_model_path):
+    code, _, err = run_cli(capsys, "tokenize", "--model", str(tiny_model_path), "hello world " * 300)
+    assert_one_line_error(code, err, "more than the model's context of 256")
