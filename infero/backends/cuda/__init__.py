@@ -13,6 +13,7 @@ import numpy as np
 
 from infero.backends.cuda import driver, embedding, runtime
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
+from infero.backends.cuda.compiler import compile_parallel
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
@@ -54,24 +55,27 @@ class CudaBackend:
         self.workspace: Workspace | None = None
         self.use_graphs = True
         self._graphs: dict[tuple[int, int], tuple[driver.Graph, DeviceTensor]] = {}  # (bucket, id(cache))
-        self.kernel_status = self._precompile()
+        self.kernel_status = ""
+        self.startup_seconds: dict[str, float] = {}  # the parts of the time to ready spent here: compile, graphs
 
-    def _precompile(self) -> str:
-        """Compile every kernel for this GPU on a cold cache, with a progress line; the status for the summary."""
+    def compile_kernels(self, checkpoint) -> None:
+        """Compile the kernels this checkpoint's model runs (its weight types, its head dim) for this GPU where the
+        disk cache lacks them, one unit a core at a time, with a progress bar."""
         import sys
         import time
 
         from infero.progress import Progress
 
-        arch, total = self.ctx.info.arch, len(runtime.declared())
-        bar = Progress(f"compiling kernels for {arch}", total, unit="files")
-        start = time.monotonic()
-        compiled, cached = runtime.precompile(arch, lambda name: bar(1))
-        if compiled:
+        start, arch = time.monotonic(), self.ctx.info.arch
+        jobs, cached = runtime.uncompiled(arch, runtime.checkpoint_needs(checkpoint))
+        if jobs:
+            bar = Progress(f"compiling kernels for {arch}", len(jobs), unit="units")
+            compile_parallel(jobs, arch, runtime.defines or None, progress=lambda job: bar(1))
             bar.close()
-            print(f"infero: compiled {compiled} kernel files for {arch} in {time.monotonic() - start:.0f} s "
+            print(f"infero: compiled {len(jobs)} kernel units for {arch} in {time.monotonic() - start:.0f} s "
                   f"(cached in {compiler_cache_dir()})", file=sys.stderr)  # fmt: skip
-        return f"kernels {arch}: {cached} cached, {compiled} compiled"
+        self.kernel_status = f"kernels {arch}: {cached} units cached, {len(jobs)} compiled"
+        self.startup_seconds["compile"] = time.monotonic() - start
 
     # --- sizing -------------------------------------------------------------------------------------------
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:

@@ -27,7 +27,9 @@ DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at
 _BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 
-runtime.declare(FILE, [f"attention_{kind}<{hd}>" for kind in ("prefill", "decode", "merge_splits") for hd in HEAD_DIMS])
+for _hd in HEAD_DIMS:
+    runtime.declare(FILE, [f"attention_{kind}<{_hd}>" for kind in ("prefill", "decode", "merge_splits")],
+                    needs=(runtime.head_dim(_hd),))  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS

@@ -130,6 +130,32 @@ def compile_cached(
     return compiled
 
 
+@dataclass(frozen=True)
+class Job:
+    """One unit to compile: kernels/<filename> with these name expressions; `name` is what progress shows."""
+
+    filename: str
+    names: tuple[str, ...]
+    name: str
+
+
+def compile_parallel(jobs: list[Job], arch: str, defines: dict[str, int | str] | None = None,
+                     workers: int | None = None, progress=None) -> None:  # fmt: skip
+    """compile_cached for every job, `workers` at a time (default: one per core the process may run on), largest
+    first so the longest one starts at once; progress(job) as each finishes. Threads suffice: cuda.bindings lets
+    go of the GIL inside nvrtcCompileProgram, and NVRTC compiles programs of one process concurrently."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    workers = workers or len(os.sched_getaffinity(0))
+    ordered = sorted(jobs, key=lambda j: -len(j.names))
+    with ThreadPoolExecutor(max(1, min(workers, len(ordered) or 1))) as pool:
+        futures = {pool.submit(compile_cached, j.filename, arch, defines, list(j.names)): j for j in ordered}
+        for future in as_completed(futures):
+            future.result()
+            if progress is not None:
+                progress(futures[future])
+
+
 def is_cached(
     filename: str, arch: str, names: list[str] | None = None, defines: dict[str, int | str] | None = None
 ) -> bool:

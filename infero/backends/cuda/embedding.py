@@ -18,7 +18,9 @@ SOURCE = "embedding.cu"
 TYPES = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)
 THREADS = 256
 
-runtime.declare(SOURCE, [f"embedding<{t}>" for t in TYPES])
+runtime.declare(SOURCE, ["feed_tokens"])
+for _t in TYPES:
+    runtime.declare(SOURCE, [f"embedding<{_t}>"], needs=(runtime.weight_type(_t),))
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ARGS = (_P, _P, _P, _I, _I, _I, _L, _I)

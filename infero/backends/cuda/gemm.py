@@ -22,7 +22,9 @@ SLICE = 64  # k per main-loop step (BK in gemm.cu)
 TILES = ((16, 64), (32, 64), (128, 128), (128, 256))  # (weight rows, tokens) per block, smallest first
 TYPES = tuple(sorted(int(t) for t in SUPPORTED_TYPES))
 
-runtime.declare(SOURCE, [f"gemm<{t}, {bm}, {bn}>" for t in TYPES for bm, bn in TILES])
+runtime.declare(SOURCE, ["gemm_x_to_f16"])
+for _t in TYPES:
+    runtime.declare(SOURCE, [f"gemm<{_t}, {bm}, {bn}>" for bm, bn in TILES], needs=(runtime.weight_type(_t),))
 
 _CONVERT_THREADS = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int

@@ -71,19 +71,29 @@ MMA_MIXED = ((Q4_K, Q6_K),)
 # are one wave at 4 blocks an SM; 3 and 4 leave room for 3 (two waves) and measured 0.2 ms slower in its step.
 GLU_STAGES = 2
 
-runtime.declare(
-    SOURCE,
-    ["matvec_quantize_x"]
-    + [f"matvec_q<{t}, 1, {r}, {a}>" for t in QUANT_TYPES for r, a in N1_VARIANTS]
-    + [f"matvec_q<{t}, {n}, {r}, -1>" for t in QUANT_TYPES for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
-    + [f"matvec_f<{t}, {n}, {r}>" for t in FLOAT_TYPES for n, r in _variants()]
-    + [f"matvec_q<{t}, {n}, 2, {a}, true>" for t in QUANT_TYPES for n, a in ((1, 1), (2, -1))]
-    + [f"matvec_mma<{t}, {n}, {w}, {s}, false>" for t in MMA_ROW for n in TOKEN_BUCKETS for w, s in MMA_SHAPES]
-    + [f"matvec_mma<{t}, {n}, {w}, {s}, true>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES]
-    + [f"matvec_mma<{t}, {n}, 4, {s}, true, {t2}>" for t, t2 in MMA_MIXED for n in (1, 2) for s in (2, 3)]
-    + [f"matvec_mma_glu<{t}, {n}, {GLU_STAGES}>" for t in MMA_ROW for n in (1, 2)]
-    + [f"matvec_mma_norm<{t}, {n}, {w}, {s}>" for t in MMA_ROW for n in (1, 2) for w, s in MMA_SHAPES],
-)
+runtime.declare(SOURCE, ["matvec_quantize_x"])
+for _t in QUANT_TYPES:
+    runtime.declare(
+        SOURCE,
+        [f"matvec_q<{_t}, 1, {r}, {a}>" for r, a in N1_VARIANTS]
+        + [f"matvec_q<{_t}, {n}, {r}, -1>" for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
+        + [f"matvec_q<{_t}, {n}, 2, {a}, true>" for n, a in ((1, 1), (2, -1))],
+        needs=(runtime.weight_type(_t),),
+    )
+for _t in FLOAT_TYPES:
+    runtime.declare(SOURCE, [f"matvec_f<{_t}, {n}, {r}>" for n, r in _variants()], needs=(runtime.weight_type(_t),))
+# matvec_mma's instantiations of a type in parts of similar size, compiled in parallel.
+for _t in MMA_ROW:
+    _needs = (runtime.weight_type(_t),)
+    runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, {w}, {s}, false>" for n in TOKEN_BUCKETS for w, s in MMA_SHAPES],
+                    needs=_needs, part="mma")  # fmt: skip
+    runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, {w}, {s}, true>" for n in (1, 2) for w, s in MMA_SHAPES]
+                    + [f"matvec_mma_glu<{_t}, {n}, {GLU_STAGES}>" for n in (1, 2)]
+                    + [f"matvec_mma_norm<{_t}, {n}, {w}, {s}>" for n in (1, 2) for w, s in MMA_SHAPES],
+                    needs=_needs, part="mma decode")  # fmt: skip
+for _t, _t2 in MMA_MIXED:
+    runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, 4, {s}, true, {_t2}>" for n in (1, 2) for s in (2, 3)],
+                    needs=(runtime.weight_type(_t), runtime.weight_type(_t2)))  # fmt: skip
 
 MAX_SEGMENTS = 3  # matrices per matvec_q launch (matvec.cu's mv::MAX_SEGMENTS)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong

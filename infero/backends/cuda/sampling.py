@@ -65,7 +65,7 @@ assert ROW_DTYPE.itemsize == 104 and MOD_DTYPE.itemsize == 24
 
 KERNELS = ("sampler_modify", "sampler_prepare", "sampler_histogram", "sampler_select", "sampler_gumbel",
            "sampler_finalize")  # fmt: skip
-runtime.declare(SOURCE, [])  # extern "C" kernels: nothing to instantiate
+runtime.declare(SOURCE, list(KERNELS))
 
 _UINT64 = 1 << 64
 _P, _I = ctypes.c_void_p, ctypes.c_int

@@ -29,8 +29,10 @@ WARPS = 8
 MAX_SPLITS = 16
 _THREADS = 256
 
-runtime.declare(SOURCE, ["skinny_reduce"] + [f"skinny_x_to_f16<{t}>" for t in TYPES]
-                + [f"skinny_gemm<{t}, {ni}>" for t in TYPES for ni in TILE_COUNTS])  # fmt: skip
+runtime.declare(SOURCE, ["skinny_reduce"])
+for _t in TYPES:
+    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>"] + [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS],
+                    needs=(runtime.weight_type(_t),))  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)

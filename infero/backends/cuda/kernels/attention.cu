@@ -59,12 +59,15 @@
 #include "trace.cuh"
 #include "tensor_core.cuh"
 
-namespace {
+// A named namespace and inline constants: NVRTC names a symbol of internal linkage (an anonymous namespace's, a
+// namespace-scope const's that the code takes by reference) with a random id per compile, so the cubin would differ
+// from one compile to the next (scripts/compile_time.py compares them).
+namespace attn {
 
-constexpr int BLOCK_N = 64;                // keys per shared-memory tile
-constexpr int STAGES = 2;                  // cp.async double buffering
-constexpr int DECODE_MIN_PARTITION = 64;  // keys per decode split (one tile: at batch 1 a split is one CTA), until...
-constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
+inline constexpr int BLOCK_N = 64;                // keys per shared-memory tile
+inline constexpr int STAGES = 2;                  // cp.async double buffering
+inline constexpr int DECODE_MIN_PARTITION = 64;  // keys per decode split (one tile: at batch 1 one CTA), until...
+inline constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
 
 // How a decode sequence of ctx keys is split: the same for a given ctx in every batch.
 __device__ __forceinline__ int decode_splits(int ctx, int& partition) {
@@ -419,7 +422,9 @@ __device__ __forceinline__ void attention_tile(
   if (DECODE) TRACE_END(TRACE_ATTENTION);
 }
 
-}  // namespace
+}  // namespace attn
+
+using namespace attn;
 
 #define ATTENTION_PARAMS                                                                                       \
   float *__restrict__ out, const float *__restrict__ q, const __half *__restrict__ k_cache,                     \
