@@ -38,12 +38,15 @@ from infero.tokenizer import IncrementalDetokenizer, Tokenizer
 class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens a step computes: decodes first (always), prompt chunks take what is left. None: the backend's
+    # default (CpuBackend, CudaBackend.default_max_num_batched_tokens): the CPU's keeps a step near 100 ms.
+    max_num_batched_tokens: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int | None = None  # the KV pool's byte budget; None: 1 GiB on the CPU, the GPU's free share
     gpu_memory_utilization: float = 0.90  # CUDA backend: the share of GPU memory weights, workspace and KV may use
     seed: int | None = None  # for requests without their own seed
     async_scheduling: bool | None = None  # queue step k + 1 before reading step k's tokens; None: where it pays
+    cpu_threads: int | None = None  # CPU backend: BLAS threads; None: $INFERO_CPU_THREADS, else 1
     enable_prefix_caching: bool = True  # reuse the KV blocks of earlier requests' identical prompt prefixes
 
 
@@ -65,6 +68,8 @@ class EngineStats:
 class Engine:
     def __init__(self, model, backend, tokenizer: Tokenizer, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(config, max_num_batched_tokens=backend.default_max_num_batched_tokens)
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         mc = model.config
         backend.prepare(mc, config)
@@ -206,8 +211,6 @@ class Engine:
         that needs their new tokens on the host first."""
         live = [r for r in launched.sampling if not r.finished]
         if not live or self.scheduler.waiting or len(live) != len(self.scheduler.running):
-            return False
-        if len(live) > self.config.max_num_batched_tokens:
             return False
         pool = self.pool
         if sum(pool.blocks_for(r.num_computed_tokens + 1) > len(r.blocks) for r in live) > pool.num_free:
@@ -363,7 +366,6 @@ class Engine:
             num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens or 0,
         )
-
 
     def _fail(self, req: Request, error: InferoError) -> RequestOutput:
         """Finish one sequence whose step went wrong for it alone; its output carries the error to the caller while

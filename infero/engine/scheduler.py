@@ -2,10 +2,13 @@
 
 There is no prefill or decode phase. Every running request catches its computed tokens up to its known
 tokens: a decode needs 1, a new prompt needs all of it, and a prompt longer than what is left of the step's
-budget is split across steps (chunked prefill). Running requests are served first, in arrival order, so
-decodes never wait behind a long prompt; waiting requests are admitted while budget, blocks and the
-sequence limit allow. When blocks run out, the newest running request is preempted: its blocks are freed
-and it is recomputed later from its tokens, never left with a corrupt cache.
+budget is split across steps (chunked prefill). Decodes come first, in arrival order, and always run, whatever
+the budget; running prompts' chunks, then waiting requests, take what is left of it (vLLM's
+max_num_batched_tokens). So a long prompt adds at most the budget's tokens to a step, which bounds how long
+a decode waits for its next token: the backend picks the default (see EngineConfig). Waiting requests are
+admitted while budget, blocks and the sequence limit allow. When blocks run out, the newest running request
+not yet scheduled in the step is preempted: its blocks are freed and it is recomputed later from its tokens,
+never left with a corrupt cache.
 
 With prefix caching (kv_cache.py) a request is admitted with the longest run of cached full blocks that
 begins its tokens, and computes from there; never all of them, since its last token must run to give logits.
@@ -52,21 +55,19 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        for req in list(self.running):
-            if budget == 0:
-                break
+        scheduled: set[int] = set()
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for req in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
             if req not in self.running:  # preempted below to make room for an older request
                 continue
             self._register_computed(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.status is Status.RUNNING:
-                chunks.append(ScheduledChunk(req, n))
-                budget -= n
+            left = req.num_tokens - req.num_computed_tokens
+            n = left if left == 1 else min(left, budget)
+            if n == 0 or not self._make_room(req, n, scheduled):
+                continue
+            chunks.append(ScheduledChunk(req, n))
+            scheduled.add(id(req))
+            budget = max(0, budget - n)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, budget)
@@ -107,6 +108,16 @@ class Scheduler:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += start
         return n
+
+    def _make_room(self, req: Request, n: int, scheduled: set[int]) -> bool:
+        """Blocks for n more tokens of a running request, preempting the newest requests not yet scheduled this
+        step (the request itself last); False when it was preempted."""
+        while not self._grow(req, n):
+            victim = [r for r in self.running if id(r) not in scheduled][-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def _grow(self, req: Request, n: int) -> bool:
         needed = self.pool.blocks_for(req.num_computed_tokens + n) - len(req.blocks)

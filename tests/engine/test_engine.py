@@ -126,7 +126,8 @@ def test_n_choices_share_the_prefill_and_equal_separate_requests(llm, prompt_len
 def test_forked_choices_hold_shared_blocks_once(llm):
     engine = llm.engine
     engine.add_request("fork", list(range(3, 35)), SamplingParams(temperature=0.5, n=4, max_tokens=5, seed=1))
-    engine.step()  # prefill of 32 tokens = 2 full blocks, then the fork
+    while not engine.step():  # prefill of 32 tokens = 2 full blocks (in chunks of the budget), then the fork
+        pass
     running = [r for r in engine.scheduler.running if r.request_id == "fork"]
     assert len(running) == 4 and all(r.blocks[:2] == running[0].blocks[:2] for r in running)
     assert engine.pool.num_blocks - engine.pool.num_free == 2

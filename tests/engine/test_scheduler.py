@@ -92,3 +92,34 @@ def test_token_ids_slice_prompt_and_output_without_joining_them():
     for start in range(8):
         for stop in range(start, 8):
             assert req.token_ids(start, stop) == joined[start:stop]
+
+
+def test_every_decode_runs_even_past_the_budget_and_prompts_take_what_is_left():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=16, max_num_batched_tokens=18)
+    decoding = [request(i, 3) for i in range(6)]
+    for r in decoding:
+        s.add(r)
+    advance(s.schedule())  # six 3-token prompts in one step of 18 tokens
+    s.max_num_batched_tokens = 4
+    waiting = request(9, 40)
+    s.add(waiting)
+    chunks = s.schedule()
+    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding]  # 6 decodes over a budget of 4
+    assert waiting.status is Status.WAITING
+    for r in decoding[:3]:
+        s.finish(r, "stop")
+    chunks = s.schedule()
+    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding[3:]] + [(waiting, 1)]
+
+
+def test_a_decode_behind_a_prefilling_request_still_runs_first():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_num_batched_tokens=8)
+    long, short = request(0, 100), request(1, 3)
+    s.add(long)
+    advance(s.schedule())
+    s.running.append(short)  # as a request re-admitted after preemption lands behind one still prefilling
+    short.status, short.blocks = Status.RUNNING, s.pool.allocate(1)
+    short.num_computed_tokens = 3
+    short.output_ids.append(7)
+    chunks = s.schedule()
+    assert [(c.request, c.num_tokens) for c in chunks] == [(short, 1), (long, 7)]

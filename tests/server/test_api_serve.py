@@ -46,7 +46,7 @@ def test_defaults_and_engine_config():
     args = parse(["--max-model-len", "128", "--max-num-seqs", "8"])
     assert (args.port, args.max_waiting_requests, args.device) == (8080, 512, "auto")
     config = engine_config(args)
-    assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens) == (128, 8, 2048)
+    assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens) == (128, 8, None)  # backend's
     assert config.async_scheduling is None  # the backend decides: on where it overlaps steps (CUDA)
     assert [engine_config(parse(["--async-scheduling", v])).async_scheduling for v in ("on", "off")] == [True, False]
     bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from infero.backends.cpu.ops import CpuKVCache, CpuOps
+from infero.backends.cpu.threads import requested_threads, set_blas_threads
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, TokenFeed
 from infero.engine.sampling import Sampler, SampleResult, SamplingParams
@@ -14,15 +15,22 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 class CpuBackend:
     name = "cpu"
+    # A step's time grows with its tokens (about 6 ms each on SmolLM2-135M, 2 cores): this many keeps a step with
+    # a prompt chunk near 100 ms, so running streams get a token at least every ~100 ms while a long prompt is
+    # prefilled (measured in docs/performance.md, "CPU backend").
+    default_max_num_batched_tokens = 16
 
     def __init__(self):
         self.ops = CpuOps()
+        self.threads: int | None = None  # BLAS threads, set by prepare
 
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:
         return CpuKVCache.bytes_per_block(config.num_layers, block_size, config.num_kv_heads, config.head_dim)
 
     def prepare(self, config: ModelConfig, engine_config) -> None:
-        """Nothing to preallocate: numpy allocates per op."""
+        """Set the BLAS thread count; nothing to preallocate (numpy allocates per op)."""
+        self.threads = requested_threads(engine_config.cpu_threads)
+        set_blas_threads(self.threads)
 
     def kv_cache_bytes(self, engine_config) -> int:
         return engine_config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES

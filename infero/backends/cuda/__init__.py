@@ -46,6 +46,8 @@ class CudaBackend:
     # The engine queues step k + 1 (its input tokens read from step k's sampling on the device) before it reads
     # step k's tokens, so the host's work between steps overlaps the GPU's (asynchronous scheduling).
     overlaps_steps = True
+    # The engine's budget before the CPU got its own (b3a2e05): a whole 2,048-token chunk in one step.
+    default_max_num_batched_tokens = 2048
 
     def __init__(self):
         self.ctx = runtime.context()
