@@ -37,7 +37,6 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # children are forked: no Rust thread pools across a fork
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.setrecursionlimit(20_000)  # gguf_fields writes nested arrays recursively, 3,000 deep at most
 import gguf_fields as g  # noqa: E402
 
 MAX_MESSAGE = 1000

@@ -104,26 +104,11 @@ def parse(path: Path) -> GGUFFields:
     return out
 
 
-def encode_value(v: Value) -> bytes:
+def scalar_bytes(v: Value) -> bytes:
     if v.type == FLOAT32:  # numpy rounds a value past float32's range to infinity; struct refuses it
         with np.errstate(over="ignore"):
             return np.array(v.value, "<f4").tobytes()
-    if v.type in SCALAR_FORMATS:
-        return struct.pack(SCALAR_FORMATS[v.type], v.value)
-    if v.type == STRING:
-        return _string(v.value)
-    head = struct.pack("<IQ", v.elem_type, len(v.value))
-    if v.elem_type in DTYPES:
-        with np.errstate(over="ignore"):
-            return head + np.asarray(v.value, DTYPES[v.elem_type]).tobytes()
-    if v.elem_type == STRING:
-        return head + b"".join(_string(s) for s in v.value)
-    return head + b"".join(encode_value(item) for item in v.value)  # an element array: its type and count, no tag
-
-
-def _string(s: str | bytes) -> bytes:
-    raw = s.encode() if isinstance(s, str) else s
-    return struct.pack("<Q", len(raw)) + raw
+    return struct.pack(SCALAR_FORMATS[v.type], v.value)
 
 
 def serialize(f: GGUFFields, slots: list[tuple[int, int]] | None = None) -> bytes:
@@ -142,21 +127,24 @@ def serialize(f: GGUFFields, slots: list[tuple[int, int]] | None = None) -> byte
         out.extend(raw)
 
     def value(v: Value) -> None:
-        if v.type != ARRAY or v.elem_type in DTYPES:
-            if v.type == ARRAY:
+        stack = [v]  # not recursive: a hostile file may nest arrays thousands deep
+        while stack:
+            v = stack.pop()
+            if v.type == STRING:
+                string(v.value)
+            elif v.type != ARRAY:
+                out.extend(scalar_bytes(v))
+            else:
                 num("<I", v.elem_type)
                 num("<Q", len(v.value))
-            out.extend(encode_value(v)[12 if v.type == ARRAY else 0 :])
-        elif v.elem_type == STRING:
-            num("<I", STRING)
-            num("<Q", len(v.value))
-            for s in v.value:
-                string(s)
-        else:
-            num("<I", v.elem_type)
-            num("<Q", len(v.value))
-            for item in v.value:
-                value(item)
+                if v.elem_type in DTYPES:
+                    with np.errstate(over="ignore"):
+                        out.extend(np.asarray(v.value, DTYPES[v.elem_type]).tobytes())
+                elif v.elem_type == STRING:
+                    for s in v.value:
+                        string(s)
+                else:
+                    stack.extend(reversed(v.value))  # an element array: its type and count, no tag
 
     num("<Q", len(f.tensors))
     num("<Q", len(f.metadata))
