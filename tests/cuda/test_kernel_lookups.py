@@ -1,0 +1,130 @@
+"""Every kernel a model's forward pass looks up lies in a unit its needs compile ahead: the CUDA backend runs tiny
+models' prefill, mixed and decode steps at several widths against a stand-in driver that launches nothing, and
+each (file, name) the launchers ask the runtime for is checked against the model's units. No GPU needed."""
+
+import itertools
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from infero.backends.cuda import driver, runtime
+from infero.checkpoint import load_checkpoint
+from infero.engine.batch import SequenceStep, build_batch
+from infero.engine.engine import EngineConfig
+from infero.models import load_model
+from tests.tiny_gguf import TinyShape, write_tiny_model
+
+BLOCK = 16
+BLOCKS_PER_SEQ = 8
+_pointers = itertools.count(1 << 32, 1 << 20)
+
+
+class FakeContext:
+    info = driver.DeviceInfo(0, "stand-in H200", "sm_90a", (9, 0), 132, 141 << 30, 227 << 10)
+
+    def make_current(self):
+        pass
+
+    def memory_info(self):
+        return 8 << 30, 141 << 30
+
+    def synchronize(self):
+        pass
+
+
+class FakeStream:
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    def __init__(self, timing=True):
+        pass
+
+    def record(self, stream, in_graph=False):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class FakeMemory:
+    def __init__(self, nbytes):
+        self.nbytes, self.ptr = nbytes, next(_pointers)
+
+
+class FakePinned:
+    def __init__(self, nbytes):
+        self.nbytes, self.array, self.ptr = nbytes, np.zeros(max(nbytes, 1), np.uint8), next(_pointers)
+
+
+class FakeGraph:
+    def __init__(self, stream, record):
+        record()
+
+    def replay(self, stream):
+        pass
+
+
+@pytest.fixture
+def lookups(monkeypatch):
+    """The (file, name) pairs the launchers look up, with every driver call standing in."""
+    seen: set[tuple[str, str]] = set()
+
+    def kernel(filename, expression):
+        seen.add((filename, expression))
+        return (filename, expression)
+
+    monkeypatch.setattr(runtime, "kernel", kernel)
+    monkeypatch.setattr(runtime, "context", FakeContext)
+    monkeypatch.setattr(runtime, "stream", FakeStream)
+    for name, value in {"Stream": FakeStream, "Event": FakeEvent, "DeviceMemory": FakeMemory,
+                        "PinnedBuffer": FakePinned, "Graph": FakeGraph}.items():  # fmt: skip
+        monkeypatch.setattr(driver, name, value)
+    for name in ("launch", "copy_host_to_device", "copy_device_to_host", "copy_device_to_device", "memset_d8",
+                 "set_max_dynamic_shared"):  # fmt: skip
+        monkeypatch.setattr(driver, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(driver, "resident_blocks_per_sm", lambda *args, **kwargs: 2)
+    return seen
+
+
+def run_steps(path):
+    """A CudaBackend's forward passes over a prefill, decodes of 1-64 sequences, a skinny and a mixed step."""
+    from infero.backends.cuda import CudaBackend
+
+    checkpoint = load_checkpoint(path)
+    backend = CudaBackend()
+    model = load_model(checkpoint, backend.ops)
+    backend.prepare(checkpoint.config, EngineConfig(max_num_seqs=64, max_num_batched_tokens=512))
+    cache = backend.allocate_kv_cache(checkpoint.config, 64 * BLOCKS_PER_SEQ, BLOCK)
+
+    def step(lengths, start=0):
+        tables = [list(range(s * BLOCKS_PER_SEQ, (s + 1) * BLOCKS_PER_SEQ)) for s in range(len(lengths))]
+        steps = [SequenceStep([5] * n, start, table) for n, table in zip(lengths, tables, strict=True)]
+        backend.forward(model, build_batch(steps, BLOCK), cache)
+
+    step([100])  # a prefill chunk (GEMM)
+    step([40])  # a shorter one (skinny GEMM where the type has one)
+    step([4, 5, 3])  # a few sequences' short chunks (mat-vec)
+    for width in (1, 2, 3, 8, 16, 33, 64):  # decodes, captured as graphs per bucket
+        step([1] * width, start=9)
+    step([1, 1, 20], start=9)  # decodes beside a prefill chunk
+    return runtime.checkpoint_needs(checkpoint)
+
+
+MODELS = {
+    "q4_k": (Q.Q4_K, None, TinyShape(hidden=512, ffn=2048)),
+    "q6_k": (Q.Q6_K, None, TinyShape(hidden=2048, ffn=2048, heads=16, kv_heads=4, head_dim=128)),
+    "q4_1, q8_0 embedding": (Q.Q4_1, Q.Q8_0, TinyShape(tied=True)),
+    "f16": (Q.F16, None, TinyShape()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_kernel_a_forward_pass_looks_up_is_in_the_models_units(tmp_path, lookups, name):
+    qtype, embed_type, shape = MODELS[name]
+    needs = run_steps(write_tiny_model(tmp_path / "m.gguf", qtype, shape, embed_type=embed_type))
+    compiled = {(u.filename, n) for u, names in runtime.needed_units(needs).items() for n in names}
+    assert lookups, "no kernel was looked up"
+    assert not sorted(lookups - compiled)
