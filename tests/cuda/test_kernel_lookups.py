@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from infero.backends.cuda import driver, runtime
+from infero.backends.cuda import attention, driver, gemm, matvec, runtime, skinny_gemm
 from infero.checkpoint import load_checkpoint
 from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.engine import EngineConfig
@@ -86,7 +86,15 @@ def lookups(monkeypatch):
                  "set_max_dynamic_shared"):  # fmt: skip
         monkeypatch.setattr(driver, name, lambda *args, **kwargs: None)
     monkeypatch.setattr(driver, "resident_blocks_per_sm", lambda *args, **kwargs: 2)
-    return seen
+    yield seen
+    # The launchers cached the stand-in's functions and device sizes: a GPU test later in the process gets its own.
+    runtime.reload_kernels()
+    for module in (matvec, gemm, skinny_gemm, attention):
+        for name in ("_num_sms", "_shared_limit"):
+            getattr(module, name, []).clear()
+    matvec._mma_shared.clear()
+    matvec._mma_fits.clear()
+    gemm.choose_tile.cache_clear()
 
 
 def run_steps(path):
