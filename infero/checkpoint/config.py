@@ -167,8 +167,9 @@ class ModelConfig:
 
 
 def _experts(metadata: dict[str, Any], arch: str) -> dict[str, int]:
-    """The mixture-of-experts keys as ModelConfig fields. Qwen3-MoE always renormalizes its top-k weights (llama.cpp
-    ignores any key for it, and the published models set norm_topk_prob), so no key is read for that."""
+    """The mixture-of-experts keys as ModelConfig fields. No key says whether the top-k weights are renormalized:
+    llama.cpp's converter writes none for qwen3moe and its runtime always renormalizes (as transformers does with
+    the published models' norm_topk_prob = true), so the model always does."""
     return {
         "num_experts": _typed(metadata, f"{arch}.expert_count", int),
         "num_experts_used": _typed(metadata, f"{arch}.expert_used_count", int),
