@@ -2,10 +2,11 @@
 
     GET  /health                200 when the model is loaded, 503 while it loads or the server stops
     GET  /metrics               Prometheus text (open, like /health)
-    GET  /v1/models             the one served model
+    GET  /v1/models             the one served model; GET /v1/models/{id} its card (404 for another name)
     POST /v1/chat/completions   chat, streamed (SSE) or not
     POST /v1/completions        text completion: a string, token ids, or a list of either
     POST /tokenize, /detokenize vLLM's shapes
+    GET  /openapi.json, /docs   the routes' description (openapi.py) and its Swagger page, open like /health
 
 The model loads in a thread started by the app's lifespan, so the server answers (503) while it loads. Every
 request body is read here with a size limit and validated strictly before anything runs; admission is bounded by
@@ -36,7 +37,7 @@ from infero.engine.sampling import SamplingParams
 from infero.engine.structured import StructuredOutputError
 from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
 from infero.server import metrics as metrics_module
-from infero.server import protocol
+from infero.server import openapi, protocol
 from infero.server.errors import APIError, bad_request, from_validation_error, install_error_handlers, unavailable
 from infero.server.reasoning import choose_reasoning_parser, get_reasoning_parser
 from infero.server.streaming import (
@@ -61,6 +62,10 @@ MAX_DRAIN_BYTES = 128 << 20
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "max_chars"}
 
 RequestModel = TypeVar("RequestModel", bound=pydantic.BaseModel)
+REQUEST_MODELS = [protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
+                  protocol.DetokenizeRequest]  # fmt: skip
+# The error statuses of the API's routes: a bad body, no API key, an unknown model, too large, not ready.
+POST_ERRORS = (400, 401, 404, 413, 503)
 
 
 @dataclass
@@ -162,8 +167,9 @@ def create_app(
             if state.engine is not None:
                 await state.engine.shutdown(settings.shutdown_timeout)
 
-    app = FastAPI(title="infero", version=infero.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(title="infero", version=infero.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", description="OpenAI's API, with vLLM's extensions")  # fmt: skip
+    openapi.install(app, REQUEST_MODELS)
     app.state.infero = state
     install_error_handlers(app)
     app.include_router(_open_routes(state))
@@ -235,12 +241,12 @@ def _auth_guard(state: ServerState):
 def _open_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.get("/health", **openapi.route_docs(None, openapi.HealthResponse, (503,)))
     async def health() -> JSONResponse:
         state.require_ready()
         return JSONResponse({"status": "ok"})
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         stats = state.engine.stats() if state.engine is not None else None
         return PlainTextResponse(state.metrics.render(stats), media_type=metrics_module.CONTENT_TYPE)
@@ -257,17 +263,18 @@ def _api_routes(state: ServerState) -> APIRouter:
         return {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "infero",
                 "root": settings.served_model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", **openapi.route_docs(None, openapi.ModelList, (401, 503)))
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", **openapi.route_docs(None, openapi.ModelCard, (401, 404, 503)))
     async def model(model_id: str) -> JSONResponse:
         card = model_card()
         protocol.check_model(model_id, settings.served_model_name)
         return JSONResponse(card)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", **openapi.route_docs(protocol.ChatCompletionRequest,
+                 openapi.ChatCompletionResponse, POST_ERRORS, stream=True))  # fmt: skip
     async def chat_completions(request: Request) -> Response:
         state.require_ready()
         req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
@@ -296,7 +303,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         finally:
             gen.close()
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", **openapi.route_docs(protocol.CompletionRequest, openapi.CompletionResponse,
+                 POST_ERRORS, stream=True))  # fmt: skip
     async def completions(request: Request) -> Response:
         state.require_ready()
         req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
@@ -330,7 +338,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         finally:
             gen.close()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", **openapi.route_docs(protocol.TokenizeRequest, openapi.TokenizeResponse, POST_ERRORS))
     async def tokenize(request: Request) -> JSONResponse:
         state.require_ready()
         req = await _parse(request, protocol.TokenizeRequest, settings.max_body_bytes)
@@ -349,7 +357,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": strs})  # fmt: skip
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", **openapi.route_docs(protocol.DetokenizeRequest, openapi.DetokenizeResponse,
+                 POST_ERRORS))  # fmt: skip
     async def detokenize(request: Request) -> JSONResponse:
         state.require_ready()
         req = await _parse(request, protocol.DetokenizeRequest, settings.max_body_bytes)

@@ -126,7 +126,7 @@ def test_a_thirty_megabyte_prompt_is_400_in_seconds_and_bounded_memory(server, p
     http = server.http()
     data = json.dumps({"model": "tiny", **body}).encode()
     before = rss_bytes()
-    for attempt in range(3):
+    for _ in range(3):
         start = time.perf_counter()
         with PeakRss() as peak:
             r = http.post(path, content=data, headers={"Content-Type": "application/json"})
@@ -137,11 +137,8 @@ def test_a_thirty_megabyte_prompt_is_400_in_seconds_and_bounded_memory(server, p
         assert elapsed < 5.0
         # The body arrives and is parsed (a few copies of 30 MB); no tokenization of it (gigabytes) happens.
         assert peak.peak - before < 400 << 20, (peak.peak - before) >> 20
-        if attempt == 0:
-            after_first = rss_bytes()
-    # What stays resident is the allocator's reuse of the body's buffers, and it does not grow request by request.
-    assert after_first - before < 200 << 20
-    assert rss_bytes() - after_first < 32 << 20
+    # What stays resident is the allocator keeping freed body buffers (in each worker thread's arena) for reuse.
+    assert rss_bytes() - before < 256 << 20, (rss_bytes() - before) >> 20
     assert http.post("/tokenize", json={"prompt": "hello " * 20}).status_code == 200
 
 
