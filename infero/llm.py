@@ -63,6 +63,9 @@ class LLM:
         self.model = load_model(self.checkpoint, self.backend.ops, progress)
         progress.close()
         self.engine = Engine(self.model, self.backend, self.tokenizer, engine_config or EngineConfig())
+        capture_graphs = getattr(self.backend, "capture_graphs", None)  # the GPU backend's decode-step graphs
+        if capture_graphs is not None:
+            capture_graphs(self.model, self.engine.cache)
         source = ChatTemplate.from_file(chat_template).source if chat_template else self.tokenizer.chat_template
         self.chat_template = (
             ChatTemplate(source, self.tokenizer.bos_token, self.tokenizer.eos_token) if source else None

@@ -136,3 +136,16 @@ def test_every_kernel_a_forward_pass_looks_up_is_in_the_models_units(tmp_path, l
     compiled = {(u.filename, n) for u, names in runtime.needed_units(needs).items() for n in names}
     assert lookups, "no kernel was looked up"
     assert not sorted(lookups - compiled)
+
+
+def test_decode_graphs_of_every_bucket_up_to_max_num_seqs_are_captured_before_serving(tmp_path, lookups):
+    from infero.backends.cuda import CudaBackend
+
+    checkpoint = load_checkpoint(write_tiny_model(tmp_path / "m.gguf", Q.Q8_0))
+    backend = CudaBackend()
+    model = load_model(checkpoint, backend.ops)
+    backend.prepare(checkpoint.config, EngineConfig(max_num_seqs=20, max_num_batched_tokens=64))
+    cache = backend.allocate_kv_cache(checkpoint.config, 32, BLOCK)
+    backend.capture_graphs(model, cache)
+    assert sorted(bucket for bucket, _ in backend._graphs) == [1, 2, 4, 8, 16]  # 20 sequences step eagerly
+    assert "graphs" in backend.startup_seconds

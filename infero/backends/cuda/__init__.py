@@ -17,7 +17,7 @@ from infero.backends.cuda.compiler import compile_parallel
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
-from infero.engine.batch import Batch, TokenFeed
+from infero.engine.batch import Batch, SequenceStep, TokenFeed, build_batch
 from infero.errors import InferoError
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -122,6 +122,20 @@ class CudaBackend:
             driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
         self._graphs.clear()
         return CudaKVCache(k, v, block_size, num_blocks)
+
+    def capture_graphs(self, model, cache: CudaKVCache) -> None:
+        """Capture the decode graph of every batch bucket up to max_seqs before serving, not at the first decode step
+        of each width; the warm-up forward before each capture loads every kernel a decode step runs. The dummy
+        sequences read and write only the block allocate_kv_cache reserved for padded rows."""
+        import time
+
+        start = time.monotonic()
+        if self.use_graphs:
+            steps = [SequenceStep([0], 0, [cache.num_blocks])]
+            for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
+                self.forward(model, build_batch(steps * bucket, cache.block_size), cache)
+            self.stream.synchronize()
+        self.startup_seconds["graphs"] = time.monotonic() - start
 
     def discard_graphs(self) -> None:
         """Forget the captured decode-step graphs: the next decode step of each width captures anew, with the
