@@ -211,6 +211,10 @@ def _inspect(args) -> int:
         "end_of_generation_tokens": sorted(tok.id_to_token(i) for i in tok.eog_token_ids),
         "chat_template": tok.chat_template is not None,
     }
+    if c.num_experts:  # a token runs num_experts_used of each layer's experts: the rest of their weights sit idle
+        expert_params = sum(t.num_elements for name, t in ckpt.tensors.items() if name.endswith("_exps.weight"))
+        info["experts"] = {"count": c.num_experts, "used": c.num_experts_used, "width": c.expert_intermediate_size}
+        info["active_parameters"] = params - expert_params * (c.num_experts - c.num_experts_used) // c.num_experts
     if args.json:
         print(json.dumps(info, ensure_ascii=False, indent=2))
         return 0
@@ -218,8 +222,10 @@ def _inspect(args) -> int:
     for key, value in info.items():
         if key == "tensor_types":
             value = ", ".join(f"{n} x{k}" for k, n in value.items())
-        elif key == "parameters":
+        elif key in ("parameters", "active_parameters"):
             value = f"{value:,} ({value / 1e6:,.1f} M)"
+        elif key == "experts":
+            value = f"{value['count']}, {value['used']} per token, width {value['width']}"
         elif key == "file_size_bytes":
             value = f"{value:,} ({value / 2**20:,.1f} MiB)"
         print(f"{key.replace('_', ' '):<{width}}  {value}")
@@ -247,11 +253,10 @@ def _tokenize(args) -> int:
 def _synth(args) -> int:
     from pathlib import Path
 
-    from infero.checkpoint.synthetic import SHAPES, write_synthetic
+    from infero.checkpoint.synthetic import tensor_plan, write_synthetic
     from infero.progress import Progress
 
-    shape = SHAPES[args.shape]
-    progress = Progress(f"writing {args.output}", 3 + 9 * shape.layers + 2, unit="tensors")
+    progress = Progress(f"writing {args.output}", len(tensor_plan(args.shape, args.quant)), unit="tensors")
     path = write_synthetic(args.shape, args.quant, Path(args.output), args.seed, progress)
     progress.close()
     print(

@@ -72,6 +72,9 @@ class Shape:
     tied: bool
     head_dim: int = 0  # 0: hidden / heads
     llama3_rope: bool = False  # Llama 3.1 rope_freqs (factor 8, low 1, high 4, original context 8192)
+    experts: int = 0  # qwen3moe: experts per layer (ffn is then only the file's feed_forward_length)
+    experts_used: int = 0
+    expert_ffn: int = 0
 
 
 SHAPES = {
@@ -79,7 +82,12 @@ SHAPES = {
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, 32768, True),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, 152064, 1000000.0, 32768, False),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, False, llama3_rope=True),
-}
+    # Qwen3-30B-A3B's published config: 128 experts of width 768, 8 active (30.5 B parameters, 3.3 B active).
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, 1000000.0, 40960, False, head_dim=128,
+                           experts=128, experts_used=8, expert_ffn=768),
+    "qwen3moe-tiny": Shape("qwen3moe", 128, 2, 4, 2, 256, 2048, 1000000.0, 4096, False, head_dim=32, experts=8,
+                           experts_used=2, expert_ffn=64),
+}  # fmt: skip
 
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
          "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}  # fmt: skip
@@ -91,7 +99,7 @@ def tensor_type(quant: str, name: str, layer: int, num_layers: int, cols: int) -
     if quant == "Q4_K_M":
         # llama.cpp: attn_v and ffn_down get Q6_K on the first and last eighth and every third layer between.
         more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
-        if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down") and more_bits):
+        if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits):
             t = TYPES["Q6_K"]
         else:
             t = TYPES["Q4_K"]
@@ -123,33 +131,16 @@ def write_synthetic(shape_name: str, quant: str, path: Path, seed: int = 0, prog
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6 if s.arch == "qwen2" else 1e-5)
+    w.add_layer_norm_rms_eps(1e-5 if s.arch == "llama" else 1e-6)
+    if s.experts:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
+        w.add_expert_feed_forward_length(s.expert_ffn)
     _add_tokenizer(w, s)
 
-    plan: list[tuple[str, tuple[int, ...], int]] = []  # name, numpy shape, type
-    plan.append(
-        ("token_embd.weight", (s.vocab, s.hidden), tensor_type(quant, "token_embd.weight", 0, s.layers, s.hidden))
-    )
-    if s.llama3_rope:
-        plan.append(("rope_freqs.weight", (head_dim // 2,), 0))
-    for i in range(s.layers):
-        p = f"blk.{i}."
-        plan.append((p + "attn_norm.weight", (s.hidden,), 0))
-        q, kv = s.heads * head_dim, s.kv_heads * head_dim
-        matrices = [("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
-                    ("attn_output", s.hidden, q), ("ffn_gate", s.ffn, s.hidden), ("ffn_up", s.ffn, s.hidden),
-                    ("ffn_down", s.hidden, s.ffn)]  # fmt: skip
-        for name, rows, cols in matrices:
-            plan.append(
-                (p + name + ".weight", (rows, cols), tensor_type(quant, p + name + ".weight", i, s.layers, cols))
-            )
-            if s.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
-                plan.append((p + name + ".bias", (rows,), 0))
-        plan.append((p + "ffn_norm.weight", (s.hidden,), 0))
-    plan.append(("output_norm.weight", (s.hidden,), 0))
-    if not s.tied:
-        plan.append(("output.weight", (s.vocab, s.hidden), tensor_type(quant, "output.weight", 0, s.layers, s.hidden)))
-
+    plan = tensor_plan(shape_name, quant)
     for name, shp, t in plan:
         qt = gguf.GGMLQuantizationType(t)
         block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qt]
@@ -169,6 +160,45 @@ def write_synthetic(shape_name: str, quant: str, path: Path, seed: int = 0, prog
     return path
 
 
+def tensor_plan(shape_name: str, quant: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, numpy shape, ggml type) of every tensor of the named shape, in file order."""
+    s = SHAPES[shape_name]
+    head_dim = s.head_dim or s.hidden // s.heads
+    plan: list[tuple[str, tuple[int, ...], int]] = []  # name, numpy shape, type
+    plan.append(
+        ("token_embd.weight", (s.vocab, s.hidden), tensor_type(quant, "token_embd.weight", 0, s.layers, s.hidden))
+    )
+    if s.llama3_rope:
+        plan.append(("rope_freqs.weight", (head_dim // 2,), 0))
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        plan.append((p + "attn_norm.weight", (s.hidden,), 0))
+        q, kv = s.heads * head_dim, s.kv_heads * head_dim
+        matrices = [("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
+                    ("attn_output", s.hidden, q)]  # fmt: skip
+        if not s.experts:
+            matrices += [("ffn_gate", s.ffn, s.hidden), ("ffn_up", s.ffn, s.hidden), ("ffn_down", s.hidden, s.ffn)]
+        for name, rows, cols in matrices:
+            plan.append(
+                (p + name + ".weight", (rows, cols), tensor_type(quant, p + name + ".weight", i, s.layers, cols))
+            )
+            if s.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                plan.append((p + name + ".bias", (rows,), 0))
+        if s.experts:  # Qwen3's q/k norms; the router stays F32, as llama.cpp's quantizer leaves it
+            plan += [(p + "attn_q_norm.weight", (head_dim,), 0), (p + "attn_k_norm.weight", (head_dim,), 0)]
+            plan.append((p + "ffn_gate_inp.weight", (s.experts, s.hidden), 0))
+            experts = [("ffn_gate_exps", s.expert_ffn, s.hidden), ("ffn_up_exps", s.expert_ffn, s.hidden),
+                       ("ffn_down_exps", s.hidden, s.expert_ffn)]  # fmt: skip
+            for name, rows, cols in experts:
+                t = tensor_type(quant, p + name + ".weight", i, s.layers, cols)
+                plan.append((p + name + ".weight", (s.experts, rows, cols), t))
+        plan.append((p + "ffn_norm.weight", (s.hidden,), 0))
+    plan.append(("output_norm.weight", (s.hidden,), 0))
+    if not s.tied:
+        plan.append(("output.weight", (s.vocab, s.hidden), tensor_type(quant, "output.weight", 0, s.layers, s.hidden)))
+    return plan
+
+
 def _make_tensor(name: str, shape: tuple[int, ...], t: int, rng: np.random.Generator, s: Shape) -> np.ndarray:
     if len(shape) == 1:
         if name == "rope_freqs.weight":
@@ -176,15 +206,15 @@ def _make_tensor(name: str, shape: tuple[int, ...], t: int, rng: np.random.Gener
         if name.endswith(".bias"):
             return rng.normal(0, 0.02, size=shape).astype(np.float32)
         return (1.0 + rng.normal(0, 0.05, size=shape)).astype(np.float32)
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]  # an expert tensor: its experts' matrices one after another
     std = 1.0 if name == "token_embd.weight" else 0.5 / np.sqrt(cols)
     if t in FP16_FIELDS and t not in (2, 3, 6, 7, 8):  # K and IQ types: random valid blocks, no float detour
-        return random_blocks(t, rows, cols, rng, std)
+        return random_blocks(t, rows, cols, rng, std).reshape(*shape[:-1], -1)
     chunk = []
     for start in range(0, rows, 8192):  # quantize in row chunks to bound memory
         n = min(8192, rows - start)
         chunk.append(encode_weight(rng.normal(0, std, size=(n, cols)).astype(np.float32), t, rng))
-    return np.concatenate(chunk)
+    return np.concatenate(chunk).reshape(*shape[:-1], -1)
 
 
 def _llama3_freq_factors(head_dim: int, base: float) -> np.ndarray:

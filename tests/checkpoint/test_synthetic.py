@@ -56,3 +56,36 @@ def test_unknown_shape_is_a_clear_error(tmp_path):
 
     with pytest.raises(InferoError, match="unknown shape"):
         write_synthetic("gpt-5", "Q8_0", tmp_path / "x.gguf")
+
+
+def test_qwen3_30b_a3b_plan_has_the_published_parameter_counts():
+    from math import prod
+
+    from infero.checkpoint.synthetic import tensor_plan
+
+    plan = tensor_plan("qwen3-30b-a3b", "Q4_K_M")
+    total = sum(prod(shape) for _, shape, _ in plan)
+    experts = sum(prod(shape) for name, shape, _ in plan if "_exps." in name)
+    active = total - experts * (128 - 8) // 128
+    # Qwen3-30B-A3B's model card: "30.5B in total and 3.3B activated"
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9
+    shapes = {name: shape for name, shape, _ in plan}
+    assert shapes["blk.47.ffn_gate_exps.weight"] == (128, 768, 2048)
+    assert shapes["blk.47.ffn_down_exps.weight"] == (128, 2048, 768)
+    assert shapes["blk.0.attn_q.weight"] == (32 * 128, 2048) and shapes["blk.0.attn_k.weight"] == (4 * 128, 2048)
+
+
+def test_synthetic_moe_runs_and_inspect_shows_its_experts(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "moe.gguf"
+    assert main(["synth", "qwen3moe-tiny", "--quant", "Q8_0", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--model", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["experts"] == {"count": 8, "used": 2, "width": 64}
+    per_layer_experts = 3 * 8 * 64 * 128
+    assert info["parameters"] - info["active_parameters"] == 2 * per_layer_experts * 6 // 8
+    llm = LLM(path, device="cpu")
+    [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.completion_ids) == 4
