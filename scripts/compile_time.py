@@ -5,7 +5,8 @@ python scripts/compile_time.py --model FILE.gguf
 python scripts/compile_time.py --types Q4_K,Q6_K --head-dim 128   # llama-3.1-8b Q4_K_M's without the file
 
 Each run compiles into a fresh empty cache directory, so nothing is reused between the sequential and the parallel
-pass; both passes' cubins are compared byte for byte. Prints one row per pass: units, wall seconds, CPU seconds.
+pass; both passes' cubins are compared byte for byte. Prints one row per pass (wall and CPU seconds) and the units
+that took the most CPU: with a core each, the longest of them bounds the parallel pass.
 """
 
 from __future__ import annotations
@@ -37,21 +38,25 @@ unit_seconds: dict[str, float] = {}
 
 
 def timed_pass(jobs: list[compiler.Job], arch: str, workers: int) -> tuple[float, float, dict[str, bytes]]:
-    """Wall and CPU seconds (every thread of the process) of compiling jobs into an empty cache; the cubins."""
+    """Wall and CPU seconds of compiling jobs into an empty cache; the cubins."""
     with tempfile.TemporaryDirectory() as folder:
         os.environ["INFERO_CACHE_DIR"] = folder
-        before, start = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-        if workers == 1:  # one at a time, each timed: the longest bounds any parallel pass
+        cpu, start = _cpu_seconds(), time.monotonic()
+        if workers == 1:  # one at a time, each one's CPU seconds: the longest bounds any parallel pass
             for job in jobs:
-                t = time.monotonic()
+                t = _cpu_seconds()
                 compiler.compile_parallel([job], arch, None, 1)
-                unit_seconds[job.name] = time.monotonic() - t
+                unit_seconds[job.name] = _cpu_seconds() - t
         else:
             compiler.compile_parallel(jobs, arch, None, workers)
-        wall, after = time.monotonic() - start, resource.getrusage(resource.RUSAGE_SELF)
+        wall, cpu = time.monotonic() - start, _cpu_seconds() - cpu
         cubins = {j.name: compiler.compile_cached(j.filename, arch, None, list(j.names)).cubin for j in jobs}
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return wall, cpu, cubins
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -72,7 +77,7 @@ def main() -> None:
     print(f"{1:>8} {seq_wall:>8.1f} {seq_cpu:>8.1f}")
     print(f"{args.workers:>8} {par_wall:>8.1f} {par_cpu:>8.1f}")
     slowest = sorted(unit_seconds.items(), key=lambda kv: -kv[1])[:3]
-    print("slowest units alone: " + ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
+    print("slowest units, CPU: " + ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
     differ = [name for name in seq_cubins if seq_cubins[name] != par_cubins[name]]
     print(f"cubins differ between the passes: {differ}" if differ else "cubins byte-identical")
 
