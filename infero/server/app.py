@@ -449,8 +449,8 @@ def _encode_text(engine: AsyncEngine, text: str, special: bool, param: str) -> l
 def _too_long(engine: AsyncEngine, num_tokens: int, exact: bool, param: str) -> APIError:
     count = num_tokens if exact else f"at least {num_tokens}"
     return bad_request(
-        f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} has {count} "
-        f"tokens. Please reduce the length of the {param}.", param, "context_length_exceeded",
+        f"This model's maximum context length is {engine.max_model_len} tokens. However, your request has {count} "
+        f"tokens in the {param}. Please reduce the length of the {param}.", param, "context_length_exceeded",
     )  # fmt: skip
 
 
@@ -491,8 +491,8 @@ def _max_tokens(engine: AsyncEngine, prompt_ids: list[int], requested: int | Non
     context, prompt = engine.max_model_len, len(prompt_ids)
     if requested is None and prompt >= context:
         raise bad_request(
-            f"This model's maximum context length is {context} tokens. However, your {param} has {prompt} tokens, "
-            f"which leaves no room for a completion. Please reduce the length of the {param}.",
+            f"This model's maximum context length is {context} tokens. However, your request has {prompt} tokens in "
+            f"the {param}, which leaves no room for a completion. Please reduce the length of the {param}.",
             param, "context_length_exceeded",
         )  # fmt: skip
     if requested is not None and prompt + requested > context:

@@ -132,8 +132,9 @@ def test_a_thirty_megabyte_prompt_is_400_in_seconds_and_bounded_memory(server, p
             r = http.post(path, content=data, headers={"Content-Type": "application/json"})
         elapsed = time.perf_counter() - start
         message = assert_error(r, 400, "context_length_exceeded", param)
-        assert message.startswith("This model's maximum context length is 256 tokens. However, your")
+        assert message.startswith("This model's maximum context length is 256 tokens. However, your request has")
         assert "has at least" in message
+        assert message.endswith(f"tokens in the {param}. Please reduce the length of the {param}.")
         assert elapsed < 5.0
         # The body arrives and is parsed (a few copies of 30 MB); no tokenization of it (gigabytes) happens.
         assert peak.peak - before < 400 << 20, (peak.peak - before) >> 20
