@@ -2,6 +2,7 @@
 
     GET  /health                200 when the model is loaded, 503 while it loads or the server stops
     GET  /metrics               Prometheus text (open, like /health)
+    GET  /version               {"version": ...}, as vLLM answers it (open)
     GET  /v1/models             the one served model; GET /v1/models/{id} its card (404 for another name)
     POST /v1/chat/completions   chat, streamed (SSE) or not
     POST /v1/completions        text completion: a string, token ids, or a list of either
@@ -245,6 +246,10 @@ def _open_routes(state: ServerState) -> APIRouter:
     async def health() -> JSONResponse:
         state.require_ready()
         return JSONResponse({"status": "ok"})
+
+    @router.get("/version", **openapi.route_docs(None, openapi.VersionResponse, ()))
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": infero.__version__})
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -138,6 +138,10 @@ class HealthResponse(BaseModel):
     status: Literal["ok"]
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 # ---- routes ---------------------------------------------------------------------------------------------------
 
 

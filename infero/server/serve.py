@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         # argparse runs `type` on a string default, so a bad environment value fails like a bad flag
         parser.add_argument(name, default=os.environ.get(env, default), **kwargs)
 
+    parser.add_argument("model_file", nargs="?", metavar="MODEL",
+                        help="the GGUF file as `vllm serve MODEL` takes it; wins over --model")  # fmt: skip
     flag("--model", metavar="FILE", help="GGUF file (the first part of a split model); default: SmolLM2-135M-Instruct")
     flag("--host", "127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     flag("--port", "8080", type=_int_at_least(0, 65535), help="port to listen on (default: 8080)")
@@ -147,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
     from infero.llm import LLM
     from infero.server.app import ServerSettings, create_app
 
-    path = Path(args.model) if args.model else default_model_path()
+    model = args.model_file or args.model
+    path = Path(model) if model else default_model_path()
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass --model FILE.gguf (or set INFERO_MODEL)")
     name = args.served_model_name or served_name(path)

@@ -6,6 +6,7 @@ import pytest
 HELLO = [{"role": "user", "content": "hello"}]
 ROUTES = {
     ("get", "/health"): (None, "HealthResponse", {"503"}),
+    ("get", "/version"): (None, "VersionResponse", set()),
     ("get", "/v1/models"): (None, "ModelList", {"401", "503"}),
     ("get", "/v1/models/{model_id}"): (None, "ModelCard", {"401", "404", "503"}),
     ("post", "/v1/chat/completions"): ("ChatCompletionRequest", "ChatCompletionResponse", {"400", "401", "404", "413",
@@ -64,6 +65,7 @@ def test_real_answers_and_errors_match_their_declared_schemas(server, spec):
     http = server.http()
     answers = {
         "HealthResponse": http.get("/health"),
+        "VersionResponse": http.get("/version"),
         "ModelList": http.get("/v1/models"),
         "ModelCard": http.get("/v1/models/tiny"),
         "ChatCompletionResponse": http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3,

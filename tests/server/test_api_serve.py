@@ -70,6 +70,9 @@ def test_a_missing_or_broken_model_is_one_line_and_status_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infero", "serve", "--model", str(tmp_path / "none.gguf")],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("infero: error:") and "none.gguf" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "infero", "serve", str(tmp_path / "other.gguf"), "--model", "x.gguf"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "other.gguf" in r.stderr  # the model as vLLM takes it, first, wins over --model
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"not a model at all")
     r = subprocess.run([sys.executable, "-m", "infero", "serve", "--model", str(broken), "--port", str(free_port())],
@@ -87,8 +90,8 @@ def free_port() -> int:
 def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
     port = free_port()
     env = {**os.environ, "INFERO_PORT": str(port), "INFERO_KV_CACHE_MEMORY": "16MiB", "INFERO_API_KEY": "key"}
-    proc = subprocess.Popen([sys.executable, "-m", "infero", "serve", "--model", str(tiny_model_path),
-                             "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu"],
+                            env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
