@@ -1220,7 +1220,7 @@ using MmaFormat = typename Pick<T == GGML_Q4_K, MmaQ4K, MmaQ6K>::type;
 // multiple of 16 and an even count of superblocks, so a group is 8 row_bytes: cuda/weight_layout.py), so that each
 // half of a stage is one contiguous copy of 8 F::ROW bytes: on the H200 (three machine starts) the 8B's Q4_K gate + up
 // -1.6 to -2.1 us of ~25, its down -1.0 to -1.2 of ~12.7, o -0.45 to -0.6 of ~6.6, bitwise the same sums
-// (scripts/bench_tiled.py).
+// (scripts/bench_tiled.py, retired: git show 66c861b:scripts/bench_tiled.py).
 template <class F>
 struct MmaCopy {
   static constexpr int PIECES = 16 * F::PIECES, SLOTS = (PIECES + 31) / 32, HALF = PIECES / 2;
@@ -1287,10 +1287,8 @@ struct MmaCopy {
 // each output by it after its block barrier (the quantization is scale invariant: the planes of r w and of r w / rms
 // differ only in rounding). Scaling the staged group scales instead cost two more barriers and a pass over them:
 // ~0.8-1.3 us a launch on the H200 (scripts/bench_norm_fold.py).
-// Staging: `threads` threads (tid: this one's index), every one of which must call; COHERENT: loads through the L2
-// (a persistent kernel's phase, scripts/bench_layer.py: what another block of the same launch wrote, which the
-// read-only path may not see yet).
-template <int N, bool COHERENT = false>
+// Staging: `threads` threads (tid: this one's index), every one of which must call.
+template <int N>
 __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __restrict__ xq,
                                                  const ActScale* __restrict__ xs, int n, int cols, int deferred,
                                                  float norm_eps, float* inv_rms, int tid, int threads) {
@@ -1298,7 +1296,7 @@ __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __res
     const int q16 = n * cols / 8, s16 = n * cols / 32 + (deferred ? n * cols / 128 : 0);
     auto load = [](const void* p, int i) {
       const uint4* from = reinterpret_cast<const uint4*>(p) + i;
-      return COHERENT ? __ldcg(from) : __ldg(from);
+      return __ldg(from);
     };
     // Up to BATCH loads a thread in flight at once, then their stores. Loading and storing piece after piece, the
     // 8B's decode step took 9 us longer (scripts/ab_step.py, 7 alternations).
@@ -1393,7 +1391,7 @@ __device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], i
 }
 
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
-// may start before the PDL wait (or a persistent kernel's grid barrier), overlapping what runs before.
+// may start before the PDL wait, overlapping what runs before.
 template <int STAGES, int STAGE, class Copy>
 __device__ __forceinline__ void mma_first_copies(const Copy& copy, uint8_t* ring, int p0, int count,
                                                  long long row_bytes, int lane) {
@@ -1405,23 +1403,17 @@ __device__ __forceinline__ void mma_first_copies(const Copy& copy, uint8_t* ring
 }
 
 // The matvec_mma kernels' blocks are written as Work structs (TileWork, GluWork, NormWork: the block's copies before
-// its PDL wait, then the rest), so that a persistent kernel can run them as the phases of one launch, bitwise the
-// same: scripts/bench_layer.py built one for a decode layer, which measured slower than these launches chained with
-// PDL (docs/performance.md, "A persistent layer kernel, built and measured").
+// its PDL wait, then the rest). A persistent kernel running them as the phases of one launch (a slot of its block a
+// Work, named barriers) measured slower than these launches chained with PDL: +11-16 us a decode layer of the 8B
+// (docs/performance.md, "Tried and measured"; git show edb531a:scripts/bench_layer.py).
 //
-// The threads that run one block's work: a plain launch's whole block (bar 0: __syncthreads), or one slot of a
-// persistent kernel's block, `threads` threads with a named barrier of their own.
+// The threads that run one block's work: the launch's whole block.
 struct Group {
-  int tid, bar, threads;
-  __device__ __forceinline__ void sync() const {
-    if (bar == 0)
-      __syncthreads();
-    else
-      asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
-  }
+  int tid;
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 
-__device__ __forceinline__ Group whole_block() { return Group{(int)threadIdx.x, 0, (int)blockDim.x}; }
+__device__ __forceinline__ Group whole_block() { return Group{(int)threadIdx.x}; }
 
 // The work of matvec_mma's block `tile` of segment s (format F; STAGE: the bytes of a ring stage, the launch's
 // largest), in two steps: first_copies (before the PDL wait) and rest (after the activation is staged).
