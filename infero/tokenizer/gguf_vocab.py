@@ -427,9 +427,31 @@ class SpecialTokenSplitter:
 
 
 def has_partial_overlap(texts: Sequence[str]) -> bool:
-    """Whether a proper suffix of one text is a proper prefix of another (or of itself)."""
-    prefixes = {t[:k] for t in texts for k in range(1, len(t))}
-    return any(t[k:] in prefixes for t in texts for k in range(1, len(t)))
+    """Whether a proper suffix of one text is a proper prefix of another (or of itself).
+
+    Compared by polynomial hashes (mod 2^61 - 1) of every proper prefix and suffix, a match confirmed character
+    by character, in time and memory linear in the texts' total length: a set of the prefixes themselves takes the
+    square of a long token's length (gigabytes for a 100,000-character special token in a corrupt file).
+    """
+    base, mod = _HASH_BASE, _HASH_MOD
+    prefix_of: dict[int, str] = {}  # hash of (length, prefix) -> the prefix's text
+    for t in texts:
+        h = 0
+        for k in range(1, len(t)):
+            h = (h * base + ord(t[k - 1])) % mod
+            prefix_of.setdefault(h ^ (k << 61), t)
+    for t in texts:
+        h, power, n = 0, 1, len(t)
+        for k in range(n - 1, 0, -1):  # the suffix t[k:], grown one character at a time from the end
+            h = (ord(t[k]) * power + h) % mod
+            power = power * base % mod
+            u = prefix_of.get(h ^ ((n - k) << 61))
+            if u is not None and u.startswith(t[k:]):
+                return True
+    return False
+
+
+_HASH_BASE, _HASH_MOD = 1_000_003, (1 << 61) - 1
 
 
 def special_splitter(vocab: GGUFVocab) -> SpecialTokenSplitter | None:
@@ -504,11 +526,14 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float], mergeable: Sequen
     token's score makes `tokenizers`' BPE do the same (this is how HF converts Llama's tokenizer too).
     """
     ids_by_text = {t: i for i, t in enumerate(tokens)}
+    lengths = {len(t) for t in tokens}  # a cut whose halves have no token's length is skipped without slicing
     ranked: list[tuple[float, int, int, tuple[str, str]]] = []
     for i, text in enumerate(tokens):
         if not mergeable[i] or len(text) < 2:
             continue
         for cut in range(1, len(text)):
+            if cut not in lengths or len(text) - cut not in lengths:
+                continue
             left, right = text[:cut], text[cut:]
             if left in ids_by_text and right in ids_by_text:
                 ranked.append((-scores[i], i, cut, (left, right)))

@@ -153,3 +153,16 @@ def test_hostile_counts_are_refused_without_reading_on(capsys, hostile):
 def test_the_unedited_seed_loads_and_generates(capsys, hostile):
     """The hostile files above differ from a working file in their one field only."""
     assert main(["generate", "--model", str(hostile()), "--max-tokens", "3", "--ignore-eos", "hi"]) == 0
+
+
+def test_a_special_token_of_100000_characters_loads_in_linear_time(capsys, hostile):
+    """The special-token overlap check once held every prefix of every special token: 5 GB for this one."""
+
+    def long_special(f):
+        tokens = list(f.metadata["tokenizer.ggml.tokens"].value)
+        tokens[5] = "a" * 100_000  # id 5 is a control token of the default model
+        f.metadata["tokenizer.ggml.tokens"] = Value(ARRAY, tokens, STRING)
+
+    start = time.monotonic()
+    assert main(["inspect", "--model", str(hostile(edit=long_special))]) == 0
+    assert time.monotonic() - start < 20
