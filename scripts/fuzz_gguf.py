@@ -139,7 +139,8 @@ def m_tokenizer(f: g.GGUFFields, rng: random.Random) -> str:
         f.metadata[key] = g.Value(g.ARRAY, [], v.elem_type)
     else:
         items = list(v.value)
-        i = rng.randrange(len(items)) if items else 0
+        # Half the edits land on the first ids, where the special tokens are.
+        i = rng.randrange(min(len(items), 32) if rng.random() < 0.5 else len(items)) if items else 0
         if edit == "drop" and items:
             del items[i]
         elif edit == "duplicate" and items:
@@ -268,6 +269,8 @@ def child(path: str, limit: int, write_fd: int) -> None:
     """Run one case; report {"outcome", "error", "rss"} on write_fd. Never returns."""
     from infero.errors import InferoError
 
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C or a kill of the group stops the campaign, not this case
+        signal.signal(sig, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         load(path)
@@ -380,9 +383,12 @@ def run(cases: int | None, seconds: float | None, seed: int, jobs: int, timeout:
     started = last_report = time.monotonic()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
         runner = Runner(jobs, timeout, allowance_mib << 20, Path(tmp))
-        n = 0
+        n, stop = 0, []
+        for sig in (signal.SIGINT, signal.SIGTERM):  # stop starting cases; the running ones finish, then the summary
+            signal.signal(sig, lambda *_: stop.append(True))
         while True:
             more = (cases is None or n < cases) and (seconds is None or time.monotonic() - started < seconds)
+            more = more and not stop
             if more and len(runner.running) < jobs:
                 data, steps = mutator.case(rng)
                 runner.start(data, (n, steps, data))
