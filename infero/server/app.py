@@ -472,6 +472,8 @@ def _encode_prompts(engine: AsyncEngine, prompts: list) -> tuple[list[list[int]]
         if isinstance(p, str):
             ids.append(_encode_text(engine, p, True, param))
             texts.append(p)
+        elif len(p) > engine.max_model_len:  # refused before its text is decoded for echo
+            raise _too_long(engine, len(p), True, param)
         else:
             _check_token_ids(engine, p, param)
             ids.append(list(p))

@@ -143,6 +143,12 @@ def test_a_thirty_megabyte_prompt_is_400_in_seconds_and_bounded_memory(server, p
     assert http.post("/tokenize", json={"prompt": "hello " * 20}).status_code == 200
 
 
+def test_token_ids_over_the_context_are_refused_with_their_count(server):
+    r = server.http().post("/v1/completions", json={"prompt": [[5, 6], [5] * 2_000_000], "echo": True})
+    message = assert_error(r, 400, "context_length_exceeded", "prompt.1")
+    assert "However, your request has 2000000 tokens in the prompt.1." in message
+
+
 def test_tokenize_refuses_a_text_over_the_context_and_counts_one_within_it(server, tiny_llm):
     http = server.http()
     text = "hello world " * 200
