@@ -122,7 +122,10 @@ def main() -> None:
         result = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
     finally:
         server.terminate()
-        server.wait(30)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:  # still inside a long step
+            server.kill()
     budget = args.budget if args.budget is not None else "default"
     load = os.getloadavg()[0]
     print(f"budget {budget}, {args.clients} streams, load {load:.1f}: "
