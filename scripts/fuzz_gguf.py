@@ -129,7 +129,7 @@ def m_tokenizer(f: g.GGUFFields, rng: random.Random) -> str:
                       "tokenizer.ggml.scores", "tokenizer.ggml.model", "tokenizer.ggml.pre"])  # fmt: skip
     v = f.metadata.get(key)
     edit = rng.choice(("drop", "duplicate", "set", "truncate", "empty", "retype", "remove"))
-    if key in ("tokenizer.ggml.model", "tokenizer.ggml.pre") or v is None:
+    if key in ("tokenizer.ggml.model", "tokenizer.ggml.pre") or v is None or v.type != g.ARRAY:
         f.metadata[key] = g.Value(g.STRING, random_string(rng)) if edit != "remove" else None
     elif edit == "remove":
         f.metadata[key] = None
