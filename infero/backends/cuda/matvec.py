@@ -82,15 +82,18 @@ for _t in QUANT_TYPES:
     )
 for _t in FLOAT_TYPES:
     runtime.declare(SOURCE, [f"matvec_f<{_t}, {n}, {r}>" for n, r in _variants()], needs=(runtime.weight_type(_t),))
-# matvec_mma's instantiations of a type in parts of similar size, compiled in parallel.
+# matvec_mma's instantiations of a type in parts, compiled in parallel: in one unit, Q6_K's 15 without an epilogue
+# took 21 CPU-seconds, the longest unit of an 8B Q4_K_M model (docs/performance.md, "Cold start").
 for _t in MMA_ROW:
     _needs = (runtime.weight_type(_t),)
-    runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, {w}, {s}, false>" for n in TOKEN_BUCKETS for w, s in MMA_SHAPES],
-                    needs=_needs, part="mma")  # fmt: skip
+    for _n in TOKEN_BUCKETS:
+        runtime.declare(SOURCE, [f"matvec_mma<{_t}, {_n}, {w}, {s}, false>" for w, s in MMA_SHAPES],
+                        needs=_needs, part=f"mma {_n}")  # fmt: skip
     runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, {w}, {s}, true>" for n in (1, 2) for w, s in MMA_SHAPES]
-                    + [f"matvec_mma_glu<{_t}, {n}, {GLU_STAGES}>" for n in (1, 2)]
-                    + [f"matvec_mma_norm<{_t}, {n}, {w}, {s}>" for n in (1, 2) for w, s in MMA_SHAPES],
-                    needs=_needs, part="mma decode")  # fmt: skip
+                    + [f"matvec_mma_glu<{_t}, {n}, {GLU_STAGES}>" for n in (1, 2)],
+                    needs=_needs, part="mma rope glu")  # fmt: skip
+    runtime.declare(SOURCE, [f"matvec_mma_norm<{_t}, {n}, {w}, {s}>" for n in (1, 2) for w, s in MMA_SHAPES],
+                    needs=_needs, part="mma norm")  # fmt: skip
 for _t, _t2 in MMA_MIXED:
     runtime.declare(SOURCE, [f"matvec_mma<{_t}, {n}, 4, {s}, true, {_t2}>" for n in (1, 2) for s in (2, 3)],
                     needs=(runtime.weight_type(_t), runtime.weight_type(_t2)))  # fmt: skip
