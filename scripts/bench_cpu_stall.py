@@ -54,9 +54,12 @@ def start_server(port: int, budget: int | None, extra: list[str]) -> subprocess.
 
 
 def max_gap(times: list[float], start: float, stop: float) -> float:
-    """The largest gap between consecutive tokens that ends within [start, stop]."""
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if start <= b <= stop]
-    return max(gaps, default=0.0)
+    """The longest wait for a token within [start, stop]: gaps between tokens, the one running at `start` counted
+    from its last token before, and a wait still open at `stop` counted up to it."""
+    inside = [t for t in times if start < t <= stop]
+    before = [t for t in times if t <= start]
+    points = before[-1:] + inside + [stop]
+    return max(b - a for a, b in zip(points, points[1:], strict=False))
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict:
