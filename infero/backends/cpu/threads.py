@@ -3,8 +3,8 @@
 One by default. A decode step is a few hundred small mat-vec products, each too short to share between threads,
 and OpenBLAS's workers spin while they wait for the next one: with its default of one thread a core, decode ran
 at 47.8 tok/s on an idle 2-core machine and at 1.5 tok/s while another process kept one core busy, against
-38-39 tok/s with one thread (measured in docs/performance.md, "CPU backend"). `--cpu-threads` or
-INFERO_CPU_THREADS asks for more.
+38-39 tok/s with one thread (issue 28, at b3a2e05; docs/performance.md, "CPU backend", has the numbers since).
+`--cpu-threads` or INFERO_CPU_THREADS asks for more.
 """
 
 from __future__ import annotations
