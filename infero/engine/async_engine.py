@@ -72,8 +72,7 @@ class AsyncEngine:
             while running:
                 item = await stream.get()
                 if isinstance(item, BaseException):
-                    running = 0
-                    raise item
+                    raise item  # the finally aborts the request's other choices (a no-op if none is left)
                 running -= item.finished
                 yield item
         finally:
