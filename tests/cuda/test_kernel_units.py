@@ -67,3 +67,15 @@ def test_parallel_compiles_give_the_cubins_of_one_at_a_time(tmp_path, monkeypatc
         cubins.append({p.name: p.read_bytes() for p in sorted(compiler.cache_dir().iterdir())})
     assert len(cubins[0]) == 2 * len(jobs)  # a cubin and its lowered names each
     assert cubins[0] == cubins[1]
+
+
+def test_importing_the_backend_declares_every_kernel_file():
+    """compile_kernels runs before the engine creates its sampler: every launcher, the sampler's too, must have
+    declared its units by then, or its file compiles at the first request."""
+    import subprocess
+    import sys
+
+    code = "import infero.backends.cuda; from infero.backends.cuda import runtime; " \
+           "print(' '.join(sorted({u.filename for u in runtime.units()})))"  # fmt: skip
+    declared = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert declared == sorted(p.name for p in compiler.KERNEL_DIR.glob("*.cu"))

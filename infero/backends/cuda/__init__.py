@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infero.backends.cuda import driver, embedding, runtime
+from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.compiler import compile_parallel
 from infero.backends.cuda.ops import CudaKVCache, CudaOps
