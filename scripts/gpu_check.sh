@@ -6,6 +6,8 @@
 #           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
 #   sweep   scripts/sweep_decode_plan.py on both synthetic models (mat-vec variants inside the batch-1 step)
+#   coldstart  scripts/cold_start.py on llama-3.1-8b Q4_K_M: time to ready with an empty kernel cache, then warm
+#   prefix  bench serve --shared-prefix 2000 on llama-3.1-8b Q4_K_M, prefix caching on and off (TTFT)
 # e.g. scripts/gpu_check.sh tests server  |  PYTEST_ARGS="-k matvec" scripts/gpu_check.sh tests
 set -uo pipefail
 out=${OUT:-/tmp/infero-out}; mkdir -p "$out"
@@ -24,6 +26,18 @@ synth() {  # synth SHAPE QUANT -> path
   local f=/tmp/synth-$1-$2.gguf
   [ -f "$f" ] || python3 -m infero synth "$1" --quant "$2" -o "$f" >&2
   echo "$f"
+}
+serve_on() {  # serve_on MODEL LOG [FLAGS...]: infero serve on port 8321 in the background, until /health is 200
+  local model=$1 log=$2; shift 2
+  python3 -m infero serve --model "$model" --device cuda --port 8321 "$@" > "$log" 2>&1 &
+  pid=$!
+  # Until /health says 200 (503 while loading); give up at once if the server died (a missing file would
+  # otherwise spend the whole wait, and the device time with it).
+  for _ in $(seq 600); do
+    kill -0 $pid 2>/dev/null || { echo "serve died: $(tail -2 "$log")" >&2; return 1; }
+    curl -sf http://127.0.0.1:8321/health >/dev/null && return 0
+    sleep 0.5
+  done
 }
 for stage in "$@"; do
   case $stage in
@@ -44,15 +58,7 @@ for stage in "$@"; do
   serve)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       f=$(synth $spec)
-      python3 -m infero serve --model "$f" --device cuda --port 8321 --max-num-seqs 64 > "$out/serve-${spec// /-}.log" 2>&1 &
-      pid=$!
-      # Until /health says 200 (503 while loading); give up at once if the server died (a missing file would
-      # otherwise spend the whole wait, and the device time with it).
-      for _ in $(seq 600); do
-        kill -0 $pid 2>/dev/null || { echo "serve died: $(tail -2 "$out/serve-${spec// /-}.log")" >&2; break; }
-        curl -sf http://127.0.0.1:8321/health >/dev/null && break
-        sleep 0.5
-      done
+      serve_on "$f" "$out/serve-${spec// /-}.log" --max-num-seqs 64 || continue
       for c in 1 8 32 64; do
         python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
           --duration "${SERVE_DURATION:-20}" 2>&1 \
@@ -63,6 +69,18 @@ for stage in "$@"; do
   sweep)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
+    done ;;
+  coldstart)
+    python3 scripts/cold_start.py --model "$(synth llama-3.1-8b Q4_K_M)" 2>&1 | tee "$out/cold-start.txt" ;;
+  prefix)
+    f=$(synth llama-3.1-8b Q4_K_M)
+    for caching in --enable-prefix-caching --no-enable-prefix-caching; do
+      serve_on "$f" "$out/serve-prefix$caching.log" $caching || continue
+      echo "$caching"
+      python3 -m infero bench serve --url http://127.0.0.1:8321 --clients 1 --max-tokens 16 --prompt-tokens 32 \
+        --shared-prefix 2000 --duration "${SERVE_DURATION:-20}" 2>&1 | tee -a "$out/bench-prefix.txt" \
+        | grep -E "^(clients|requests|TTFT|cached|error)"
+      kill $pid; wait $pid 2>/dev/null
     done ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
