@@ -159,6 +159,19 @@ def test_prompt_logprobs_equal_teacher_forced_log_softmax(tiny_model_path, tiny_
         assert [t for t, _ in lps[i].top] == list(np.argsort(-ref[i - 1], kind="stable")[:2])
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked(tiny_model_path, llm, chunk):
+    """Prompt logprobs (every position's logits) and the sampled tokens' logprobs, prefilled whole and in chunks of
+    `chunk` tokens: bitwise equal, decodes (chunks of 1) included."""
+    prompt = [(13 * i) % 270 + 3 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    [whole] = llm.generate([prompt], params)
+    chunked = LLM(tiny_model_path, engine_config=EngineConfig(max_num_batched_tokens=chunk))
+    [out] = chunked.generate([prompt], params)
+    assert out.completion_ids == whole.completion_ids
+    assert out.prompt_logprobs == whole.prompt_logprobs and out.logprobs == whole.logprobs
+
+
 def test_structured_output_is_well_formed_for_every_choice(llm):
     import json
 

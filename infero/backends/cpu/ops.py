@@ -165,17 +165,22 @@ class CpuOps:
 
 
 def _causal_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """Attention of n queries (the last n of ctx positions) over ctx keys, query heads grouped on KV heads."""
+    """Attention of n queries (the last n of ctx positions) over ctx keys, query heads grouped on KV heads.
+
+    One query at a time, over exactly the keys it sees: every product and sum then has a shape fixed by the query's
+    position alone (BLAS picks its kernel, and so its summation order, by shape), so a query's bits do not depend on
+    how many queries share its chunk, i.e. on how its prompt was split (a prefix cache hit is such a split)."""
     n, heads, hd = q.shape
     ctx, kv_heads, _ = k.shape
     group = heads // kv_heads
-    qg = q.reshape(n, kv_heads, group, hd).transpose(1, 2, 0, 3)  # [kv, group, n, hd]
     kt = k.transpose(1, 2, 0)  # [kv, hd, ctx]
-    scores = (qg @ kt[:, None]) * scale  # [kv, group, n, ctx]
-    query_pos = ctx - n + np.arange(n)
-    scores = np.where(np.arange(ctx)[None, :] <= query_pos[:, None], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out = probs @ v.transpose(1, 0, 2)[:, None]  # [kv, group, n, hd]
-    return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)
+    vt = v.transpose(1, 0, 2)  # [kv, ctx, hd]
+    out = np.empty_like(q)
+    for i in range(n):
+        seen = ctx - n + i + 1
+        scores = (q[i].reshape(kv_heads, group, hd) @ kt[:, :, :seen]) * scale  # [kv, group, seen]
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[i] = (probs @ vt[:, :seen]).reshape(heads, hd)
+    return out
