@@ -13,7 +13,7 @@ set -uo pipefail
 out=${OUT:-/tmp/infero-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 INFERO_CACHE_DIR=/tmp/infero-kernels
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --find-links .whl gguf fastapi uvicorn openai llguidance jsonschema 2>&1 | tail -2
+  python3 -m pip install -q --no-index --find-links .whl gguf fastapi uvicorn openai llguidance jsonschema threadpoolctl 2>&1 | tail -2
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
