@@ -150,6 +150,8 @@ def m_tokenizer(f: g.GGUFFields, rng: random.Random) -> str:
         elif items:
             if v.elem_type == g.STRING:
                 items[i] = random_string(rng)
+            elif v.elem_type == g.ARRAY:
+                items[i] = random_value_array(rng)
             elif v.elem_type in INT_TYPES:
                 items[i] = fit(rng.choice(BOUNDARY_INTS + [5, 6, 4]), v.elem_type)
             else:
