@@ -3,12 +3,13 @@ models' prefill, mixed and decode steps at several widths against a stand-in dri
 each (file, name) the launchers ask the runtime for is checked against the model's units. No GPU needed."""
 
 import itertools
+import sys
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from infero.backends.cuda import attention, driver, gemm, matvec, runtime, skinny_gemm
+from infero.backends.cuda import driver, runtime
 from infero.checkpoint import load_checkpoint
 from infero.engine.batch import SequenceStep, build_batch
 from infero.engine.engine import EngineConfig
@@ -67,6 +68,23 @@ class FakeGraph:
         pass
 
 
+def module_caches():
+    """Every module-level dict and list of the CUDA backend's modules (the launchers' caches of functions, launch
+    shapes and device sizes) and its functools caches."""
+    containers, functions = [], []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("infero.backends.cuda"):
+            continue
+        for attribute, value in vars(module).items():
+            if attribute.startswith("__"):
+                continue
+            if isinstance(value, dict | list):
+                containers.append(value)
+            elif hasattr(value, "cache_clear"):
+                functions.append(value)
+    return containers, functions
+
+
 @pytest.fixture
 def lookups(monkeypatch):
     """The (file, name) pairs the launchers look up, with every driver call standing in."""
@@ -76,6 +94,10 @@ def lookups(monkeypatch):
         seen.add((filename, expression))
         return (filename, expression)
 
+    # The launchers cache the stand-in's functions, launch choices and device sizes: a GPU test later in the
+    # process must find each cache as it was before this test.
+    containers, functions = module_caches()
+    saved = [value.copy() for value in containers]
     monkeypatch.setattr(runtime, "kernel", kernel)
     monkeypatch.setattr(runtime, "context", FakeContext)
     monkeypatch.setattr(runtime, "stream", FakeStream)
@@ -87,14 +109,11 @@ def lookups(monkeypatch):
         monkeypatch.setattr(driver, name, lambda *args, **kwargs: None)
     monkeypatch.setattr(driver, "resident_blocks_per_sm", lambda *args, **kwargs: 2)
     yield seen
-    # The launchers cached the stand-in's functions and device sizes: a GPU test later in the process gets its own.
-    runtime.reload_kernels()
-    for module in (matvec, gemm, skinny_gemm, attention):
-        for name in ("_num_sms", "_shared_limit"):
-            getattr(module, name, []).clear()
-    matvec._mma_shared.clear()
-    matvec._mma_fits.clear()
-    gemm.choose_tile.cache_clear()
+    for value, before in zip(containers, saved, strict=True):
+        value.clear()
+        value.update(before) if isinstance(value, dict) else value.extend(before)
+    for function in functions:
+        function.cache_clear()
 
 
 def run_steps(path):

@@ -86,6 +86,7 @@ def test_decode_steps_fold_the_norms_into_the_projections_before_them(gpu, model
     launch = matvec.matvec_norm
     monkeypatch.setattr(matvec, "matvec_norm", lambda *args: (calls.append(args[1].rows), launch(*args)))
     llm = LLM(path, device="cuda")
+    calls.clear()  # the decode graphs captured before the LLM is ready ran their steps through it too
     llm.backend.use_graphs = False  # every step's launches go through Python, so they can be counted
     steps = [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))]
     decode = logits_of(llm, PROMPT, steps)
