@@ -4,8 +4,9 @@ There is no prefill or decode phase. Every running request catches its computed 
 tokens: a decode needs 1, a new prompt needs all of it, and a prompt longer than what is left of the step's
 budget is split across steps (chunked prefill). Decodes come first, in arrival order, and always run, whatever
 the budget; running prompts' chunks, then waiting requests, take what is left of it (vLLM's
-max_num_batched_tokens). So a long prompt adds at most the budget's tokens to a step, which bounds how long
-a decode waits for its next token: the backend picks the default (see EngineConfig). Waiting requests are
+max_num_batched_tokens), and at least a quarter of it however many decodes run. So a long prompt adds at most
+the budget's tokens to a step, which bounds how long a decode waits for its next token (the backend picks the
+default: see EngineConfig), and a new prompt starts while the running streams go on. Waiting requests are
 admitted while budget, blocks and the sequence limit allow. When blocks run out, the newest running request
 not yet scheduled in the step is preempted: its blocks are freed and it is recomputed later from its tokens,
 never left with a corrupt cache.
@@ -53,10 +54,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # Prompt tokens this step: what the decodes leave of the budget, but never less than a quarter of it, so that
+        # as many streams as the budget holds cannot keep a new prompt from starting until one of them ends.
+        budget = max(self.max_num_batched_tokens - len(decodes), -(-self.max_num_batched_tokens // 4))
         for req in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
             if req not in self.running:  # preempted below to make room for an older request
                 continue
@@ -67,7 +70,8 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(req, n))
             scheduled.add(id(req))
-            budget = max(0, budget - n)
+            if left > 1:
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, budget)

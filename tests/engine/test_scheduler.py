@@ -94,7 +94,7 @@ def test_token_ids_slice_prompt_and_output_without_joining_them():
             assert req.token_ids(start, stop) == joined[start:stop]
 
 
-def test_every_decode_runs_even_past_the_budget_and_prompts_take_what_is_left():
+def test_every_decode_runs_even_past_the_budget_and_prompts_keep_a_quarter_of_it():
     s = Scheduler(BlockPool(64, 16), max_num_seqs=16, max_num_batched_tokens=18)
     decoding = [request(i, 3) for i in range(6)]
     for r in decoding:
@@ -104,12 +104,13 @@ def test_every_decode_runs_even_past_the_budget_and_prompts_take_what_is_left():
     waiting = request(9, 40)
     s.add(waiting)
     chunks = s.schedule()
-    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding]  # 6 decodes over a budget of 4
-    assert waiting.status is Status.WAITING
-    for r in decoding[:3]:
+    # 6 decodes over a budget of 4: the waiting prompt still starts, with a quarter of the budget
+    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding] + [(waiting, 1)]
+    advance(chunks)
+    for r in decoding[:4]:
         s.finish(r, "stop")
     chunks = s.schedule()
-    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding[3:]] + [(waiting, 1)]
+    assert [(c.request, c.num_tokens) for c in chunks] == [(r, 1) for r in decoding[4:]] + [(waiting, 2)]
 
 
 def test_a_decode_behind_a_prefilling_request_still_runs_first():
