@@ -336,6 +336,25 @@ def test_sampler_masks_bans_and_shared_logits_rows(gpu):
 
 
 @pytest.mark.gpu
+def test_a_row_with_a_non_finite_logit_gets_the_non_finite_token_and_the_others_sample_as_numpy(gpu):
+    from infero.backends.cuda.tensor import from_host
+    from infero.engine.sampling import NON_FINITE_LOGITS
+
+    vocab = 151936
+    rng = np.random.default_rng(5)
+    logits = _logits_rows(rng, 4, vocab, "normal")
+    logits[1, 4321] = np.nan
+    logits[3, 150000] = np.inf
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=3, logprobs=2), SamplingParams(temperature=1.0, seed=4)]  # fmt: skip
+    ref = Sampler(ENGINE_SEED).sample(logits, params, [[]] * 4, [[]] * 4)
+    got = GpuSampler(vocab, 8, seed=ENGINE_SEED).sample(from_host(logits), params, [[]] * 4, [[]] * 4)
+    print("non-finite rows:", [r.token_id for r in ref], [g.token_id for g in got])
+    assert [r.token_id for r in ref] == [g.token_id for g in got]
+    assert [g.token_id == NON_FINITE_LOGITS for g in got] == [False, True, False, True]
+
+
+@pytest.mark.gpu
 def test_sampler_is_deterministic_and_batch_invariant(gpu):
     from infero.backends.cuda.tensor import from_host
 

@@ -7,6 +7,7 @@ and the call. Nothing here knows about models.
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
 from dataclasses import dataclass
 
@@ -301,13 +302,22 @@ class Graph:
 
     def __init__(self, stream: Stream, record):
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        check(cu.cuStreamBeginCapture(stream.handle, mode))
-        _capturing.on = True
+        # No garbage collection while capturing: a collected DeviceMemory or PinnedBuffer frees itself, and a free
+        # is a synchronizing call, which invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED). Objects
+        # of an earlier model (tests build many) then failed a later model's capture at random.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            record()
+            check(cu.cuStreamBeginCapture(stream.handle, mode))
+            _capturing.on = True
+            try:
+                record()
+            finally:
+                _capturing.on = False
+                graph = check(cu.cuStreamEndCapture(stream.handle))
         finally:
-            _capturing.on = False
-            graph = check(cu.cuStreamEndCapture(stream.handle))
+            if collecting:
+                gc.enable()
         self.graph = graph
         self.exec = check(cu.cuGraphInstantiate(graph, 0))
 
