@@ -23,9 +23,9 @@ from starlette.types import Receive, Scope, Send
 from infero.engine.async_engine import EngineStoppedError
 from infero.engine.request import RequestOutput, TokenLogprob
 from infero.engine.sampling import SamplingParams
-from infero.errors import InferoError
+from infero.errors import InferoError, NonFiniteLogitsError
 from infero.server import protocol
-from infero.server.errors import APIError, unavailable
+from infero.server.errors import APIError, from_infero_error, unavailable
 from infero.server.metrics import Metrics
 from infero.tokenizer import Tokenizer
 
@@ -178,6 +178,8 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 def error_event(e: BaseException) -> bytes:
     """What a stream sends when it fails after its 200: an OpenAI error object as one more event."""
+    if isinstance(e, NonFiniteLogitsError):  # the model's fault, as a non-streamed request's 500 says
+        e = from_infero_error(e)
     if isinstance(e, APIError):
         status, message, code = e.status, e.message, e.code
     elif isinstance(e, InferoError):

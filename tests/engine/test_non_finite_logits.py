@@ -86,3 +86,13 @@ def test_async_engine_raises_for_the_poisoned_request_and_serves_the_next(poison
 def test_server_answers_non_finite_logits_with_a_500_that_says_so():
     error = from_infero_error(NonFiniteLogitsError("the model produced non-finite logits"))
     assert error.status == 500 and error.code == "non_finite_logits" and "non-finite logits" in error.message
+
+
+def test_a_stream_that_meets_non_finite_logits_ends_with_a_server_error_event_that_says_so():
+    import json
+
+    from infero.server.streaming import error_event
+
+    event = error_event(NonFiniteLogitsError("the model produced non-finite logits"))
+    body = json.loads(event.decode().removeprefix("data: ").strip())
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "non_finite_logits"
