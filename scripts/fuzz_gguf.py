@@ -103,6 +103,8 @@ def m_swap_type(f: g.GGUFFields, rng: random.Random) -> str:
 
 def m_hyperparameter(f: g.GGUFFields, rng: random.Random) -> str:
     arch = f.metadata["general.architecture"].value
+    if not isinstance(arch, str):  # an earlier mutation retyped it (maybe to an array nested 3,000 deep)
+        arch = "llama"
     keys = [k for k in f.metadata if k.startswith(f"{arch}.") or k.endswith("_token_id")] + [
         f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.rope.scaling.original_context_length",
         f"{arch}.rope.scale_linear", f"{arch}.attention.key_length", f"{arch}.attention.value_length",
