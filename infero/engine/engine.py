@@ -39,7 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
     # Tokens a step computes: decodes first (always), prompt chunks take what is left. None: the backend's
-    # default (CpuBackend, CudaBackend.default_max_num_batched_tokens): the CPU's keeps a step near 100 ms.
+    # default (CpuBackend, CudaBackend.default_max_num_batched_tokens): the CPU's bounds a step near 0.4 s.
     max_num_batched_tokens: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int | None = None  # the KV pool's byte budget; None: 1 GiB on the CPU, the GPU's free share

@@ -15,9 +15,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 class CpuBackend:
     name = "cpu"
-    # A step's time grows with its tokens (about 6 ms each on SmolLM2-135M, 2 cores): this many keeps a step with
-    # a prompt chunk near 100 ms, so running streams get a token at least every ~100 ms while a long prompt is
-    # prefilled (measured in docs/performance.md, "CPU backend").
+    # A step's time grows with its tokens (~20-25 ms each in a long prompt on SmolLM2-135M, 2 cores, 1 BLAS thread,
+    # over a 77 ms decode step): 16 bounds a running stream's gap at ~0.4 s while a long prompt is prefilled, for a
+    # third of the prompt's prefill rate (measured in docs/performance.md, "CPU backend").
     default_max_num_batched_tokens = 16
 
     def __init__(self):
