@@ -52,6 +52,14 @@ class LlamaModel:
         self.rotary = rotary
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
+    layer_weights = LayerWeights
+
+    @staticmethod
+    def feed_forward_weights(weight, p: str) -> dict:
+        """Layer p's feed-forward tensors, by LayerWeights field."""
+        return dict(w_gate=weight(p + "ffn_gate.weight"), w_up=weight(p + "ffn_up.weight"),
+                    w_down=weight(p + "ffn_down.weight"))  # fmt: skip
+
     @classmethod
     def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> LlamaModel:
         """Hand every tensor to the backend (which keeps or decodes it) and build the model."""
@@ -59,15 +67,8 @@ class LlamaModel:
         layers = []
         for i in range(checkpoint.config.num_layers):
             p = f"blk.{i}."
-            layers.append(
-                LayerWeights(
-                    **attention_weights(weight, p),
-                    ffn_norm=weight(p + "ffn_norm.weight"),
-                    w_gate=weight(p + "ffn_gate.weight"),
-                    w_up=weight(p + "ffn_up.weight"),
-                    w_down=weight(p + "ffn_down.weight"),
-                )
-            )
+            layers.append(cls.layer_weights(**attention_weights(weight, p), ffn_norm=weight(p + "ffn_norm.weight"),
+                                            **cls.feed_forward_weights(weight, p)))  # fmt: skip
         return cls(checkpoint.config, ops, layers=layers, **head_weights(checkpoint, weight))
 
     def forward(self, batch: Batch, cache: Any) -> Any:

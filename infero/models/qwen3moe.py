@@ -19,7 +19,7 @@ from typing import Any
 from infero.checkpoint import Checkpoint
 from infero.engine.batch import Batch
 from infero.errors import ModelFileError, UnsupportedModelError
-from infero.models.llama import LlamaModel, attention_weights, head_weights, weight_loader
+from infero.models.llama import LlamaModel
 
 # The GPU backend has no expert kernels yet (select_backend steers --device auto to the CPU for this architecture).
 CPU_ONLY = "qwen3moe runs on the CPU backend only (the GPU's expert kernels are not written yet): use --device cpu"
@@ -51,21 +51,15 @@ class Qwen3MoeModel(LlamaModel):
         if not hasattr(ops, "moe_experts"):
             raise UnsupportedModelError(CPU_ONLY)
         check_expert_shapes(checkpoint)
-        weight = weight_loader(checkpoint, ops, progress)
-        layers = []
-        for i in range(checkpoint.config.num_layers):
-            p = f"blk.{i}."
-            layers.append(
-                MoeLayerWeights(
-                    **attention_weights(weight, p),
-                    ffn_norm=weight(p + "ffn_norm.weight"),
-                    router=weight(p + "ffn_gate_inp.weight"),
-                    gate_exps=weight(p + "ffn_gate_exps.weight"),
-                    up_exps=weight(p + "ffn_up_exps.weight"),
-                    down_exps=weight(p + "ffn_down_exps.weight"),
-                )
-            )
-        return cls(checkpoint.config, ops, layers=layers, **head_weights(checkpoint, weight))
+        return super().load(checkpoint, ops, progress)
+
+    layer_weights = MoeLayerWeights
+
+    @staticmethod
+    def feed_forward_weights(weight, p: str) -> dict:
+        """Layer p's router and expert tensors, by MoeLayerWeights field."""
+        return dict(router=weight(p + "ffn_gate_inp.weight"), gate_exps=weight(p + "ffn_gate_exps.weight"),
+                    up_exps=weight(p + "ffn_up_exps.weight"), down_exps=weight(p + "ffn_down_exps.weight"))  # fmt: skip
 
     def forward(self, batch: Batch, cache: Any) -> Any:
         """Logits [len(batch.logits_indices), vocab] for the batch; writes its K/V into the cache."""
