@@ -43,6 +43,18 @@ def byte_level_vocab(extra_words: list[str]) -> tuple[list[str], list[str], list
     return tokens, merges, [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
 
 
+def add_byte_level_tokenizer(w: gguf.GGUFWriter, tokens: list[str], merges: list[str], types: list[int]) -> None:
+    """byte_level_vocab's tokenizer metadata: gpt2 BPE, BOS 1, EOS 2, no BOS added."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def encode_weight(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
     return synthetic.encode_weight(w, int(qtype), rng), qtype
 
@@ -73,14 +85,7 @@ def write_tiny_model(
     w.add_rope_dimension_count(s.head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_byte_level_tokenizer(w, tokens, merges, types)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 

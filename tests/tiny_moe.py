@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from tiny_gguf import CHATML, byte_level_vocab, encode_weight
+from tiny_gguf import CHATML, add_byte_level_tokenizer, byte_level_vocab, encode_weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 4, 2, 16, 2
 
@@ -42,14 +42,7 @@ def write_tiny_moe(
     w.add_expert_count(experts if expert_count_key is None else expert_count_key)
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(expert_ffn)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_byte_level_tokenizer(w, tokens, merges, types)
     w.add_chat_template(CHATML)
 
     def add(name: str, data: np.ndarray, qt: Q = Q.F32) -> None:
