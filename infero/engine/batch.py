@@ -2,6 +2,9 @@
 
 Every sequence contributes `query_lens[i]` new tokens (a prefill chunk, or 1 for a decode) that attend to
 the `context_lens[i] - query_lens[i]` tokens already in its cache blocks and, causally, to each other.
+A hybrid model's recurrent layers carry one state per sequence instead, in the slot `state_slots[i]`; a sequence
+whose tokens start at position 0 is fresh, and the model zeroes its slot first (a recycled slot, or a preempted
+request recomputed from its start, never sees an earlier sequence's state).
 This is the interface the scheduler fills and every backend (numpy, CUDA) consumes.
 """
 
@@ -24,6 +27,7 @@ class Batch:
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]: cache block ids per sequence, unused entries -1
     slot_mapping: np.ndarray  # int64 [num_tokens]: cache slot (block * block_size + offset) for each new token
     logits_indices: np.ndarray  # int32 [num_logits]: rows of num_tokens whose logits the step returns
+    state_slots: np.ndarray  # int32 [num_seqs]: each sequence's recurrent-state slot (hybrid models), else -1
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +68,7 @@ class SequenceStep:
     start_position: int  # tokens already in the cache
     block_table: list[int]
     logits: str = "last"  # last | all | none
+    state_slot: int = -1  # the sequence's recurrent-state slot (hybrid models); -1: none
 
 
 def build_batch(steps: list[SequenceStep], block_size: int) -> Batch:
@@ -106,4 +111,5 @@ def build_batch(steps: list[SequenceStep], block_size: int) -> Batch:
         block_tables=tables,
         slot_mapping=np.asarray(slots, dtype=np.int64),
         logits_indices=np.asarray(logits_indices, dtype=np.int32),
+        state_slots=np.asarray([s.state_slot for s in steps], dtype=np.int32),
     )

@@ -66,3 +66,8 @@ def test_logits_rows_follow_logits_indices(tiny_model):
     np.testing.assert_array_equal(last[0], full[-1])
     [none] = run(tiny_model, [[SequenceStep(PROMPT_B, 0, [0], "none")]])
     assert none.shape[0] == 0
+
+
+def test_state_slots_follow_the_sequences_and_default_to_none():
+    batch = build_batch([SequenceStep([5, 6], 0, [0], state_slot=3), SequenceStep([7], 4, [1])], BS)
+    assert batch.state_slots.tolist() == [3, -1] and batch.state_slots.dtype == np.int32
