@@ -32,6 +32,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its recurrent-state slot while it runs (hybrid models); -1: none
     status: Status = Status.WAITING
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is computed

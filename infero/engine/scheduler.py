@@ -7,9 +7,10 @@ the budget; running prompts' chunks, then waiting requests, take what is left of
 max_num_batched_tokens), and at least a quarter of it however many decodes run. So a long prompt adds at most
 the budget's tokens to a step, which bounds how long a decode waits for its next token (the backend picks the
 default: see EngineConfig), and a new prompt starts while the running streams go on. Waiting requests are
-admitted while budget, blocks and the sequence limit allow. When blocks run out, the newest running request
-not yet scheduled in the step is preempted: its blocks are freed and it is recomputed later from its tokens,
-never left with a corrupt cache.
+admitted while budget, blocks and the sequence limit allow, and for a hybrid model a free recurrent-state slot
+(state_pool.py): a request that fits in blocks but finds no slot waits, whole. When blocks run out, the newest
+running request not yet scheduled in the step is preempted: its blocks (and state slot) are freed and it is
+recomputed later from its tokens, never left with a corrupt cache.
 
 With prefix caching (kv_cache.py) a request is admitted with the longest run of cached full blocks that
 begins its tokens, and computes from there; never all of them, since its last token must run to give logits.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from infero.engine.kv_cache import BlockPool, block_hashes
 from infero.engine.request import Request, Status
+from infero.engine.state_pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,15 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        states: StatePool | None = None,  # a hybrid model's recurrent-state slots; None: the model has none
+    ):
         self.pool, self.max_num_seqs, self.max_num_batched_tokens = pool, max_num_seqs, max_num_batched_tokens
+        self.states = states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,11 +102,28 @@ class Scheduler:
         self._register_computed(req)
         self.pool.free(req.blocks)
         req.blocks = []
+        self.release_state(req)
         req.status, req.finish_reason = Status.FINISHED, reason
+
+    def take_state(self, req: Request) -> bool:
+        """Give the request a recurrent-state slot if the model has state; False when none is free."""
+        if self.states is None:
+            return True
+        if self.states.num_free == 0:
+            return False
+        req.state_slot = self.states.allocate()
+        return True
+
+    def release_state(self, req: Request) -> None:
+        if req.state_slot >= 0:
+            self.states.free(req.state_slot)
+            req.state_slot = -1
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Give a waiting request its cached prefix and the blocks of its first chunk; the chunk's size, or None
-        when the blocks are not there."""
+        when the blocks or a state slot are not there."""
+        if self.states is not None and self.states.num_free == 0:
+            return None
         hits = self._cached_prefix(req)
         start = len(hits) * self.pool.block_size
         n = min(req.num_tokens - start, budget)
@@ -105,6 +131,7 @@ class Scheduler:
         if needed + self.pool.num_free_among(hits) > self.pool.num_free:
             return None
         req.blocks = self.pool.share(hits) + self.pool.allocate(needed)
+        self.take_state(req)
         req.num_computed_tokens, req.num_registered_blocks = start, len(hits)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = start
@@ -137,6 +164,7 @@ class Scheduler:
         self.running.remove(req)
         self._register_computed(req)  # its blocks stay cached: its recompute can find them again
         self.pool.free(req.blocks)
+        self.release_state(req)  # its recompute starts at position 0, in whichever slot it gets then
         req.blocks, req.num_computed_tokens, req.status = [], 0, Status.WAITING
         req.num_registered_blocks = 0
         self.waiting.appendleft(req)
