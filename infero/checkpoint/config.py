@@ -11,18 +11,21 @@ import numpy as np
 from infero.errors import ModelFileError, UnsupportedModelError, excerpt
 
 # Architectures whose GGUF layout the llama-family decoder runs. Mistral-style files use `llama`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 # Architectures whose feed-forward is a mixture of experts (`{arch}.expert_*` keys, `ffn_*_exps` tensors).
-MOE_ARCHITECTURES = ("qwen3moe",)
+MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen3next")
+# Hybrids of Gated DeltaNet layers (a recurrent state per sequence, `{arch}.ssm.*` keys) and gated full attention.
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
 # GGUF `llama` files carry Q/K rows permuted (by the converter) for rotation of adjacent pairs (2i, 2i+1);
 # qwen2/qwen3 files are not permuted and rotate dimension i with i + d/2 (GPT-NeoX style).
 _ROPE_PAIRING = {"llama": "interleaved", "mistral": "interleaved", "qwen2": "neox", "qwen3": "neox",
-                 "qwen3moe": "neox"}  # fmt: skip
+                 "qwen3moe": "neox", "qwen35": "neox", "qwen35moe": "neox", "qwen3next": "neox"}  # fmt: skip
 
 MAX_HEAD_DIM = 1024  # released models use 64-256; a larger value is a corrupt field, not a model
 MAX_TOKENS = 2**31 - 1  # token ids and positions are int32
 MAX_EXPERTS = 4096  # released models use 8-512; more is a corrupt field
+MAX_CONV_KERNEL = 64  # released delta nets use 4; the conv state keeps kernel - 1 inputs per channel
 _BROKEN = "the file is corrupt or was converted wrongly"
 _MISSING = object()
 
@@ -71,6 +74,17 @@ class ModelConfig:
     num_experts: int = 0  # 0: a dense feed-forward
     num_experts_used: int = 0  # experts each token is routed to
     expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # Hybrid models: per layer True for a Gated DeltaNet layer, False for full attention; None for the others.
+    recurrent_layers: tuple[bool, ...] | None = None
+    ssm_conv_kernel: int = 0  # causal depthwise conv1d taps over the q/k/v channels
+    ssm_state_size: int = 0  # delta net key head dimension d_k
+    ssm_group_count: int = 0  # delta net key (and query) heads
+    ssm_time_step_rank: int = 0  # delta net value heads (one gate and decay each)
+    ssm_inner_size: int = 0  # value heads * value head dimension d_v
+    # M-RoPE sections (rotated pairs per position axis); for text every axis holds the token's position, so they
+    # change nothing here; kept for the vision model.
+    rope_sections: tuple[int, ...] = ()
 
     def __post_init__(self):
         """Refuse hyperparameters no model can run with (a zero head count, a negative epsilon, a NaN rotary base):
@@ -97,6 +111,31 @@ class ModelConfig:
                  self.rms_norm_eps, "a number > 0 and < 1 (typically 1e-5 or 1e-6)")  # fmt: skip
         if self.architecture in MOE_ARCHITECTURES:
             self._check_experts()
+        if self.architecture in HYBRID_ARCHITECTURES:
+            self._check_delta_net()
+
+    def _check_delta_net(self) -> None:
+        layers = self.recurrent_layers
+        if layers is None or len(layers) != self.num_layers:
+            count = "none" if layers is None else f"{len(layers)} entries"
+            raise ModelFileError(
+                f"GGUF metadata {self.architecture}.attention.recurrent_layers has {count}, but the model has "
+                f"{self.num_layers} layers ({self._key('num_layers')}); {_BROKEN}"
+            )
+        _require(0 < self.ssm_conv_kernel <= MAX_CONV_KERNEL, self._key("ssm_conv_kernel"), self.ssm_conv_kernel,
+                 f"an integer from 1 to {MAX_CONV_KERNEL}")  # fmt: skip
+        _require(0 < self.ssm_state_size <= MAX_HEAD_DIM, self._key("ssm_state_size"), self.ssm_state_size,
+                 f"an integer from 1 to {MAX_HEAD_DIM}")  # fmt: skip
+        _require(0 < self.ssm_group_count <= MAX_TOKENS, self._key("ssm_group_count"), self.ssm_group_count,
+                 f"an integer from 1 to {MAX_TOKENS:,}")  # fmt: skip
+        _require(0 < self.ssm_time_step_rank <= MAX_TOKENS and self.ssm_time_step_rank % self.ssm_group_count == 0,
+                 self._key("ssm_time_step_rank"), self.ssm_time_step_rank,
+                 f"a multiple of the {self.ssm_group_count} key heads (ssm.group_count)")  # fmt: skip
+        v_heads = self.ssm_time_step_rank
+        inner = self.ssm_inner_size
+        _require(0 < inner <= MAX_TOKENS and inner % v_heads == 0 and inner // v_heads <= MAX_HEAD_DIM,
+                 self._key("ssm_inner_size"), inner,
+                 f"the {v_heads} value heads times a head dimension from 1 to {MAX_HEAD_DIM}")  # fmt: skip
 
     def _check_experts(self) -> None:
         _require(0 < self.num_experts <= MAX_EXPERTS, self._key("num_experts"), self.num_experts,
@@ -116,6 +155,24 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.recurrent_layers is not None
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return sum(self.recurrent_layers or ())
+
+    @property
+    def linear_v_dim(self) -> int:
+        """A delta net value head's dimension d_v."""
+        return self.ssm_inner_size // self.ssm_time_step_rank
+
+    @property
+    def conv_channels(self) -> int:
+        """The channels the delta net's conv1d runs over: q and k (key heads x d_k each), then v (inner size)."""
+        return 2 * self.ssm_group_count * self.ssm_state_size + self.ssm_inner_size
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -148,7 +205,7 @@ class ModelConfig:
             name=str(metadata.get("general.name", arch)),
             vocab_size=vocab_size,
             hidden_size=hidden,
-            intermediate_size=get("feed_forward_length", int),
+            intermediate_size=get("feed_forward_length", int, *_dense_width_default(metadata, arch)),
             num_layers=get("block_count", int),
             num_heads=num_heads,
             num_kv_heads=_kv_heads(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
@@ -163,6 +220,7 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             **(_experts(metadata, arch) if arch in MOE_ARCHITECTURES else {}),
+            **(_delta_net(metadata, arch) if arch in HYBRID_ARCHITECTURES else {}),
         )
 
 
@@ -175,6 +233,44 @@ def _experts(metadata: dict[str, Any], arch: str) -> dict[str, int]:
         "num_experts_used": _typed(metadata, f"{arch}.expert_used_count", int),
         "expert_intermediate_size": _typed(metadata, f"{arch}.expert_feed_forward_length", int),
     }
+
+
+def _dense_width_default(metadata: dict[str, Any], arch: str) -> tuple[Any, ...]:
+    """feed_forward_length's default: none (it is required), except for a hybrid MoE model, whose converted file
+    may lack it (Qwen3.5-MoE's config has no dense width): the expert width stands in, as nothing dense uses it."""
+    if arch in HYBRID_ARCHITECTURES and arch in MOE_ARCHITECTURES:
+        return (metadata.get(f"{arch}.expert_feed_forward_length", _MISSING),)
+    return ()
+
+
+def _delta_net(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The hybrid keys as ModelConfig fields. Layer kinds come from attention.recurrent_layers, or else (older
+    files) from full_attention_interval: every interval-th layer is full attention, as llama.cpp reads them."""
+    layers = metadata.get(f"{arch}.attention.recurrent_layers")
+    if layers is None:
+        interval = _typed(metadata, f"{arch}.full_attention_interval", int, 4)
+        _require(interval > 0, f"{arch}.full_attention_interval", interval, "an integer > 0")
+        count = _typed(metadata, f"{arch}.block_count", int)
+        recurrent = tuple((i + 1) % interval != 0 for i in range(max(0, min(count, MAX_TOKENS))))
+    elif isinstance(layers, np.ndarray) and layers.ndim == 1 and layers.dtype.kind in "biu":
+        recurrent = tuple(bool(v) for v in layers)
+    else:
+        raise ModelFileError(f"GGUF metadata {arch}.attention.recurrent_layers must be an array of booleans; the "
+                             f"file holds {excerpt(layers)} ({_BROKEN})")  # fmt: skip
+    sections = metadata.get(f"{arch}.rope.dimension_sections", ())
+    fields: dict[str, Any] = {
+        "recurrent_layers": recurrent,
+        "ssm_conv_kernel": _typed(metadata, f"{arch}.ssm.conv_kernel", int),
+        "ssm_state_size": _typed(metadata, f"{arch}.ssm.state_size", int),
+        "ssm_group_count": _typed(metadata, f"{arch}.ssm.group_count", int),
+        "ssm_time_step_rank": _typed(metadata, f"{arch}.ssm.time_step_rank", int),
+        "ssm_inner_size": _typed(metadata, f"{arch}.ssm.inner_size", int),
+        "rope_sections": tuple(int(v) for v in sections) if isinstance(sections, np.ndarray) else (),
+    }
+    if arch in MOE_ARCHITECTURES:
+        shared = _typed(metadata, f"{arch}.expert_shared_feed_forward_length", int, 0)
+        fields["shared_expert_intermediate_size"] = shared
+    return fields
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:
@@ -244,4 +340,9 @@ _KEYS = {
     "num_experts": "expert_count",
     "num_experts_used": "expert_used_count",
     "expert_intermediate_size": "expert_feed_forward_length",
+    "ssm_conv_kernel": "ssm.conv_kernel",
+    "ssm_state_size": "ssm.state_size",
+    "ssm_group_count": "ssm.group_count",
+    "ssm_time_step_rank": "ssm.time_step_rank",
+    "ssm_inner_size": "ssm.inner_size",
 }
