@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cpu.ops import CpuKVCache, CpuOps
+from infero.backends.cpu.ops import CpuHybridCache, CpuKVCache, CpuOps
 from infero.backends.cpu.threads import requested_threads, set_blas_threads
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, TokenFeed
@@ -25,7 +25,13 @@ class CpuBackend:
         self.threads: int | None = None  # BLAS threads, set by prepare
 
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:
-        return CpuKVCache.bytes_per_block(config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+        """A block's K and V of every layer that keeps them (a hybrid model's full-attention layers only)."""
+        layers = config.num_layers - config.num_recurrent_layers
+        return CpuKVCache.bytes_per_block(layers, block_size, config.num_kv_heads, config.head_dim)
+
+    def state_bytes_per_slot(self, config: ModelConfig) -> int:
+        """One sequence's recurrent state (a hybrid model's Gated DeltaNet layers); 0 for other models."""
+        return CpuHybridCache.bytes_per_slot(config) if config.is_hybrid else 0
 
     def prepare(self, config: ModelConfig, engine_config) -> None:
         """Set the BLAS thread count; nothing to preallocate (numpy allocates per op)."""
@@ -35,7 +41,11 @@ class CpuBackend:
     def kv_cache_bytes(self, engine_config) -> int:
         return engine_config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
 
-    def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CpuKVCache:
+    def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int,
+                          num_state_slots: int = 0) -> CpuKVCache:  # fmt: skip
+        """KV blocks, and for a hybrid model the recurrent state of num_state_slots sequences beside them."""
+        if config.is_hybrid:
+            return CpuHybridCache(config, num_blocks, block_size, num_state_slots)
         return CpuKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
     def sampler(self, seed: int | None) -> RowSampler:
@@ -62,6 +72,11 @@ class CpuBackend:
         src, dst = [s for s, _ in pairs], [d for _, d in pairs]
         for k, v in zip(cache.k, cache.v, strict=True):
             k[dst], v[dst] = k[src], v[src]
+
+    def copy_state(self, cache: CpuHybridCache, src_slot: int, dst_slot: int) -> None:
+        """Copy a slot's whole recurrent state (every recurrent layer) to another, for sequences that fork."""
+        cache.conv[dst_slot] = cache.conv[src_slot]
+        cache.delta[dst_slot] = cache.delta[src_slot]
 
     def forward(self, model, batch: Batch, cache: CpuKVCache, feed: TokenFeed | None = None) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab]; feed: input tokens still to come from the last

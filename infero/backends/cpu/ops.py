@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from infero.backends.cpu import delta_net
+from infero.checkpoint.config import ModelConfig
 from infero.checkpoint.dequantize import dequantize_tensor
 from infero.checkpoint.gguf import TensorInfo
 from infero.engine.batch import Batch
@@ -26,6 +28,27 @@ class CpuKVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * 4
+
+
+class CpuHybridCache(CpuKVCache):
+    """A hybrid model's cache: KV blocks for its full-attention layers only (in layer order), and per state slot the
+    recurrent state of its Gated DeltaNet layers (in layer order): conv float32 [slots, recurrent layers, conv
+    channels, kernel - 1] (the last inputs, oldest first) and delta float32 [slots, recurrent layers, value heads,
+    d_k, d_v] (the delta rule's S)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int):
+        attention_layers = config.num_layers - config.num_recurrent_layers
+        super().__init__(attention_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        layers = config.num_recurrent_layers
+        self.conv = np.zeros((num_state_slots, layers, config.conv_channels, config.ssm_conv_kernel - 1), np.float32)
+        self.delta = np.zeros((num_state_slots, layers, config.ssm_time_step_rank, config.ssm_state_size,
+                               config.linear_v_dim), np.float32)  # fmt: skip
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig) -> int:
+        per_layer = config.conv_channels * (config.ssm_conv_kernel - 1)
+        per_layer += config.ssm_time_step_rank * config.ssm_state_size * config.linear_v_dim
+        return 4 * config.num_recurrent_layers * per_layer
 
 
 class CpuOps:
@@ -147,6 +170,57 @@ class CpuOps:
 
     def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
+
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """x * sigmoid(gate) (gate broadcasts: one column gates a whole row)."""
+        return x / (1.0 + np.exp(-gate))
+
+    def reset_fresh_states(self, cache: CpuHybridCache, batch: Batch) -> None:
+        """Zero the recurrent state of every sequence whose step starts at position 0: a new sequence, or one
+        recomputed after preemption, never sees what its slot held before."""
+        if (batch.state_slots < 0).any():  # -1 would index the last slot: another sequence's state
+            raise ValueError("every sequence of a hybrid model's batch needs a recurrent-state slot")
+        fresh = batch.state_slots[batch.context_lens == batch.query_lens]
+        cache.conv[fresh] = 0.0
+        cache.delta[fresh] = 0.0
+
+    def causal_conv1d(self, x: np.ndarray, weight: np.ndarray, cache: CpuHybridCache, layer: int,
+                      batch: Batch) -> np.ndarray:  # fmt: skip
+        """SiLU of the causal depthwise conv1d of x [n, channels] (taps weight [channels, kernel]) over each
+        sequence's earlier inputs, kept in its slot's conv state for recurrent layer `layer`."""
+        out = np.empty_like(x)
+        starts = batch.query_starts
+        for s, slot in enumerate(batch.state_slots):
+            lo, hi = int(starts[s]), int(starts[s + 1])
+            out[lo:hi] = delta_net.causal_conv1d(x[lo:hi], weight, cache.conv[slot, layer])
+        return out
+
+    def delta_net_gates(self, alpha, beta, dt_bias, a) -> tuple[np.ndarray, np.ndarray]:
+        """The delta rule's log decay g = a * softplus(alpha + dt_bias) (a = -exp(A_log) < 0) and its write
+        strength sigmoid(beta), from the [n, value heads] projections."""
+        return a * np.logaddexp(np.float32(0.0), alpha + dt_bias), 1.0 / (1.0 + np.exp(-beta))
+
+    def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
+        return delta_net.l2_norm(x, eps)
+
+    def gated_delta_rule(self, q, k, v, g, beta, k_heads: np.ndarray, scale: float, cache: CpuHybridCache,
+                         layer: int, batch: Batch) -> np.ndarray:  # fmt: skip
+        """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads, d_k] (key head k_heads[h] serves
+        value head h; q scaled by `scale`), v [n, value heads, d_v], g and beta [n, value heads], run token by
+        token from each sequence's state in its slot (the recurrent form: any split of a prompt gives the same
+        bits)."""
+        q, k = q[:, k_heads] * np.float32(scale), k[:, k_heads]
+        out = np.empty(v.shape, np.float32)
+        starts = batch.query_starts
+        for s, slot in enumerate(batch.state_slots):
+            lo, hi = int(starts[s]), int(starts[s + 1])
+            state = cache.delta[slot, layer]
+            out[lo:hi] = delta_net.delta_rule_recurrent(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        return out
+
+    def gated_rms_norm(self, x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
+        """rms_norm(x) * weight * silu(gate) over the last axis (the delta net's output norm)."""
+        return self.rms_norm(x, weight, eps) * (gate / (1.0 + np.exp(-gate)))
 
     def attention(self, q: np.ndarray, cache: CpuKVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
         """Causal grouped-query attention of q [n, heads, head_dim] over each sequence's cached K/V."""
