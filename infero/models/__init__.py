@@ -11,7 +11,8 @@ from infero.errors import UnsupportedModelError
 # architecture name -> module.class, imported when first used; llama, mistral, qwen2 and qwen3 differ only in flags
 # of one decoder.
 _REGISTRY = {"llama": "llama.LlamaModel", "mistral": "llama.LlamaModel", "qwen2": "llama.LlamaModel",
-             "qwen3": "llama.LlamaModel", "qwen3moe": "qwen3moe.Qwen3MoeModel"}  # fmt: skip
+             "qwen3": "llama.LlamaModel", "qwen3moe": "qwen3moe.Qwen3MoeModel", "qwen35": "qwen35.Qwen35Model",
+             "qwen35moe": "qwen35.Qwen35Model", "qwen3next": "qwen35.Qwen35Model"}  # fmt: skip
 
 
 def load_model(checkpoint: Checkpoint, ops: Any, progress=None):

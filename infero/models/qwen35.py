@@ -1,0 +1,194 @@
+"""The Qwen3.5 / Qwen3-Next hybrid decoder (GGUF `qwen35`, `qwen35moe`, `qwen3next`): Gated DeltaNet layers with
+a gated full-attention layer between them (`recurrent_layers`, typically three of every four are delta nets).
+
+x = embed(tokens)
+for each layer:
+    h = rmsnorm(x)
+    if a Gated DeltaNet layer:                                         # one state (conv, S) per sequence
+        qkv, z = h Wqkv, h Wz
+        g, beta = a * softplus(h Walpha + dt_bias), sigmoid(h Wbeta)   # a = -exp(A_log) < 0
+        q, k, v = silu(causal_conv1d(qkv))                              # kernel 4: carries the last 3 inputs
+        q, k = l2norm(q) / sqrt(d_k), l2norm(k)                        # per key head, shared by value heads
+        for each token: S <- S exp(g); S <- S + beta k (v - S^T k)^T; o = S^T q
+        a = (rmsnorm(o) * w * silu(z)) Wout
+    else:                                                              # gated attention over the paged KV cache
+        q | gate = h Wq (per head); k, v = h Wk, h Wv
+        q, k = rotary(rmsnorm(q)), rotary(rmsnorm(k))                  # the first rope_dim dims, NEOX pairs
+        a = (attention(q, k, v) * sigmoid(gate)) Wo
+    x = x + a
+    h = rmsnorm(x)
+    x = x + SwiGLU(h)                                                  # qwen35
+          | sum_i w_i SwiGLU_e_i(h) + sigmoid(h w_shared) SwiGLU_shared(h)   # qwen35moe, qwen3next
+logits = rmsnorm(x) Wout
+
+The file's norms hold 1 + w already (the converter adds it), except the delta net's gated norm. Value heads: in
+qwen35/qwen35moe files the converter reorders them so value head j uses key head j mod (key heads) ("tiled");
+qwen3next files keep transformers' order, where value head j uses key head j // (value heads per key head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from infero.checkpoint import Checkpoint
+from infero.checkpoint.config import MOE_ARCHITECTURES
+from infero.engine.batch import Batch
+from infero.errors import UnsupportedModelError
+from infero.models.llama import LlamaModel, head_weights, weight_loader
+from infero.models.qwen3moe import check_expert_shapes
+
+CPU_ONLY = "Qwen3.5 hybrid models run on the CPU backend only (the GPU's delta-net kernels are not written yet): " \
+           "use --device cpu"  # fmt: skip
+
+
+@dataclass
+class DeltaNetWeights:
+    qkv: Any  # [conv channels, hidden]: q (key heads x d_k), k (same), v (value heads x d_v)
+    gate: Any  # z [value heads x d_v, hidden]
+    alpha: Any  # [value heads, hidden]; None in qwen3next files, whose beta holds both
+    beta: Any  # [value heads, hidden]; qwen3next: [2 value heads, hidden], per key head [its betas | its alphas]
+    conv: Any  # [conv channels, kernel]
+    dt_bias: Any  # [value heads]
+    a: Any  # [value heads]: -exp(A_log)
+    norm: Any  # [d_v]
+    out: Any  # [hidden, value heads x d_v]
+
+
+@dataclass
+class GatedAttentionWeights:
+    wq: Any  # [heads x 2 head_dim, hidden]: per head, its query then its output gate
+    wk: Any
+    wv: Any
+    q_norm: Any
+    k_norm: Any
+    out: Any  # [hidden, heads x head_dim]
+
+
+@dataclass
+class HybridLayer:
+    attn_norm: Any
+    mixer: DeltaNetWeights | GatedAttentionWeights
+    ffn_norm: Any
+    ffn: dict[str, Any]  # w_gate, w_up, w_down; MoE: router, *_exps, and the shared expert's *_shexp, shexp_gate
+
+
+class Qwen35Model(LlamaModel):
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> Qwen35Model:
+        if not hasattr(ops, "gated_delta_rule"):
+            raise UnsupportedModelError(CPU_ONLY)
+        c = checkpoint.config
+        if c.architecture in MOE_ARCHITECTURES:
+            check_expert_shapes(checkpoint)
+        weight = weight_loader(checkpoint, ops, progress)
+        layers = []
+        for i, recurrent in enumerate(c.recurrent_layers):
+            p = f"blk.{i}."
+            mixer = delta_net_weights(weight, p, c) if recurrent else gated_attention_weights(weight, p)
+            ffn = moe_weights(weight, p) if c.architecture in MOE_ARCHITECTURES else dense_weights(weight, p)
+            layers.append(HybridLayer(attn_norm=weight(p + "attn_norm.weight"), mixer=mixer,
+                                      ffn_norm=weight(p + "post_attention_norm.weight"), ffn=ffn))  # fmt: skip
+        return cls(c, ops, layers=layers, **head_weights(checkpoint, weight))
+
+    def __init__(self, config, ops, embedding, layers, output_norm, output, rotary):
+        super().__init__(config, ops, embedding, layers, output_norm, output, rotary)
+        v_heads, k_heads = config.ssm_time_step_rank, config.ssm_group_count
+        tiled = config.architecture != "qwen3next"
+        self.key_head_of = np.arange(v_heads) % k_heads if tiled else np.arange(v_heads) // (v_heads // k_heads)
+        # Layer i's index among the layers of its kind: the cache keeps KV blocks and states per kind.
+        kinds = config.recurrent_layers
+        self.cache_index = [sum(1 for k in kinds[:i] if k == kinds[i]) for i in range(len(kinds))]
+
+    def forward(self, batch: Batch, cache: Any) -> Any:
+        """Logits [len(batch.logits_indices), vocab]; writes K/V and each sequence's recurrent state."""
+        ops, c = self.ops, self.config
+        ops.reset_fresh_states(cache, batch)
+        x = ops.embedding(self.embedding, batch.token_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = ops.add_rms_norm(x, residual, layer.attn_norm, c.rms_norm_eps)
+            if isinstance(layer.mixer, DeltaNetWeights):
+                mixed = self.delta_net(self.cache_index[i], layer.mixer, h, batch, cache)
+            else:
+                mixed = self.gated_attention(self.cache_index[i], layer.mixer, h, batch, cache)
+            h, residual = ops.linear_add_rms_norm(mixed, layer.mixer.out, residual, layer.ffn_norm, c.rms_norm_eps)
+            x = self.feed_forward(layer.ffn, h)
+        return self.logits(x, residual, batch)
+
+    def delta_net(self, index: int, w: DeltaNetWeights, h: Any, batch: Batch, cache: Any) -> Any:
+        """Recurrent layer `index`'s Gated DeltaNet of the normed h: [n, value heads x d_v], before Wout."""
+        ops, c, n = self.ops, self.config, batch.num_tokens
+        k_heads, d_k, v_heads, d_v = c.ssm_group_count, c.ssm_state_size, c.ssm_time_step_rank, c.linear_v_dim
+        qkv, z = ops.linears(h, (w.qkv, w.gate))
+        if w.alpha is None:
+            ba = ops.linear(h, w.beta).reshape(n, k_heads, 2, v_heads // k_heads)
+            beta, alpha = ba[:, :, 0].reshape(n, v_heads), ba[:, :, 1].reshape(n, v_heads)
+        else:
+            alpha, beta = ops.linears(h, (w.alpha, w.beta))
+        g, beta = ops.delta_net_gates(alpha, beta, w.dt_bias, w.a)
+        qkv = ops.causal_conv1d(qkv, w.conv, cache, index, batch)
+        key_size = k_heads * d_k
+        q = ops.l2_norm(qkv[:, :key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
+        k = ops.l2_norm(qkv[:, key_size : 2 * key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
+        v = qkv[:, 2 * key_size :].reshape(n, v_heads, d_v)
+        o = ops.gated_delta_rule(q, k, v, g, beta, self.key_head_of, 1.0 / math.sqrt(d_k), cache, index, batch)
+        return ops.gated_rms_norm(o, w.norm, z.reshape(n, v_heads, d_v), c.rms_norm_eps).reshape(n, -1)
+
+    def gated_attention(self, index: int, w: GatedAttentionWeights, h: Any, batch: Batch, cache: Any) -> Any:
+        """Attention layer `index`'s gated attention of the normed h over the cache: [n, q_size], before Wo."""
+        ops, c, n = self.ops, self.config, batch.num_tokens
+        q_gate, k, v = ops.linears(h, (w.wq, w.wk, w.wv))
+        q_gate = q_gate.reshape(n, c.num_heads, 2 * c.head_dim)
+        q = ops.rms_norm(q_gate[..., : c.head_dim], w.q_norm, c.rms_norm_eps)
+        k = ops.rms_norm(k.reshape(n, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, index, batch.slot_mapping)
+        attn = ops.attention(q, cache, index, batch, self.scale)
+        return ops.sigmoid_gate(attn, q_gate[..., c.head_dim :]).reshape(n, c.q_size)
+
+    def feed_forward(self, w: dict[str, Any], h: Any) -> Any:
+        """The dense SwiGLU, or the routed experts plus the sigmoid-gated shared expert."""
+        ops, c = self.ops, self.config
+        if "router" not in w:
+            return ops.linear(ops.swiglu_gate_up(h, (w["w_gate"], w["w_up"])), w["w_down"])
+        experts, weights = ops.moe_route(h, w["router"], c.num_experts_used)
+        routed = ops.moe_experts(h, experts, weights, w["gate_exps"], w["up_exps"], w["down_exps"])
+        shared = ops.linear(ops.swiglu_gate_up(h, (w["gate_shexp"], w["up_shexp"])), w["down_shexp"])
+        return routed + ops.sigmoid_gate(shared, ops.linear(h, w["shexp_gate"]))
+
+
+def delta_net_weights(weight, p: str, config) -> DeltaNetWeights:
+    """Layer p's Gated DeltaNet tensors; qwen3next files hold beta and alpha in one projection (ssm_ba)."""
+    if config.architecture == "qwen3next":
+        alpha, beta = None, weight(p + "ssm_ba.weight")
+    else:
+        alpha, beta = weight(p + "ssm_alpha.weight"), weight(p + "ssm_beta.weight")
+    return DeltaNetWeights(qkv=weight(p + "attn_qkv.weight"), gate=weight(p + "attn_gate.weight"), alpha=alpha,
+                           beta=beta, conv=weight(p + "ssm_conv1d.weight"), dt_bias=weight(p + "ssm_dt.bias"),
+                           a=weight(p + "ssm_a"), norm=weight(p + "ssm_norm.weight"),
+                           out=weight(p + "ssm_out.weight"))  # fmt: skip
+
+
+def gated_attention_weights(weight, p: str) -> GatedAttentionWeights:
+    return GatedAttentionWeights(
+        wq=weight(p + "attn_q.weight"),
+        wk=weight(p + "attn_k.weight"),
+        wv=weight(p + "attn_v.weight"),
+        q_norm=weight(p + "attn_q_norm.weight"),
+        k_norm=weight(p + "attn_k_norm.weight"),
+        out=weight(p + "attn_output.weight"),
+    )
+
+
+def dense_weights(weight, p: str) -> dict[str, Any]:
+    return {name: weight(f"{p}ffn_{name[2:]}.weight") for name in ("w_gate", "w_up", "w_down")}
+
+
+def moe_weights(weight, p: str) -> dict[str, Any]:
+    names = ("gate_exps", "up_exps", "down_exps", "gate_shexp", "up_shexp", "down_shexp")
+    return {"router": weight(p + "ffn_gate_inp.weight"), "shexp_gate": weight(p + "ffn_gate_inp_shexp.weight"),
+            **{name: weight(f"{p}ffn_{name}.weight") for name in names}}  # fmt: skip
