@@ -215,6 +215,14 @@ def _inspect(args) -> int:
         expert_params = sum(t.num_elements for name, t in ckpt.tensors.items() if name.endswith("_exps.weight"))
         info["experts"] = {"count": c.num_experts, "used": c.num_experts_used, "width": c.expert_intermediate_size}
         info["active_parameters"] = params - expert_params * (c.num_experts - c.num_experts_used) // c.num_experts
+        if c.shared_expert_intermediate_size:
+            info["experts"]["shared_width"] = c.shared_expert_intermediate_size
+    if c.is_hybrid:
+        info["layer_kinds"] = {"gated_deltanet": c.num_recurrent_layers,
+                               "attention": c.num_layers - c.num_recurrent_layers}  # fmt: skip
+        info["delta_net"] = {"key_heads": c.ssm_group_count, "value_heads": c.ssm_time_step_rank,
+                             "key_dim": c.ssm_state_size, "value_dim": c.linear_v_dim,
+                             "conv_kernel": c.ssm_conv_kernel}  # fmt: skip
     if args.json:
         print(json.dumps(info, ensure_ascii=False, indent=2))
         return 0
@@ -226,6 +234,13 @@ def _inspect(args) -> int:
             value = f"{value:,} ({value / 1e6:,.1f} M)"
         elif key == "experts":
             value = f"{value['count']}, {value['used']} per token, width {value['width']}"
+            if "shared_width" in info["experts"]:
+                value += f", a shared expert of width {info['experts']['shared_width']}"
+        elif key == "layer_kinds":
+            value = f"{value['gated_deltanet']} Gated DeltaNet, {value['attention']} attention"
+        elif key == "delta_net":
+            value = (f"{value['key_heads']} key heads of {value['key_dim']}, {value['value_heads']} value heads of "
+                     f"{value['value_dim']}, conv kernel {value['conv_kernel']}")  # fmt: skip
         elif key == "file_size_bytes":
             value = f"{value:,} ({value / 2**20:,.1f} MiB)"
         print(f"{key.replace('_', ' '):<{width}}  {value}")

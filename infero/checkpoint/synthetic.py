@@ -75,6 +75,18 @@ class Shape:
     experts: int = 0  # qwen3moe: experts per layer (ffn is then only the file's feed_forward_length)
     experts_used: int = 0
     expert_ffn: int = 0
+    shared_ffn: int = 0  # the shared expert's width (qwen35moe)
+    # Hybrids (qwen35, qwen35moe): every interval-th layer is gated attention, the others Gated DeltaNet layers
+    # with these key/value heads and head dimensions; a quarter of each attention head rotates.
+    interval: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+
+    @property
+    def recurrent(self) -> list[bool]:
+        return [self.interval > 0 and (i + 1) % self.interval != 0 for i in range(self.layers)]
 
 
 SHAPES = {
@@ -87,6 +99,22 @@ SHAPES = {
                            experts=128, experts_used=8, expert_ffn=768),
     "qwen3moe-tiny": Shape("qwen3moe", 128, 2, 4, 2, 256, 2048, 1000000.0, 4096, False, head_dim=32, experts=8,
                            experts_used=2, expert_ffn=64),
+    # Qwen3.5-9B and Qwen3.5-35B-A3B as transformers 5.24's Qwen3_5TextConfig and Qwen3_5MoeTextConfig default to
+    # them (their docstrings name those checkpoints; Hugging Face was out of reach to read the published
+    # config.json): 3 of every 4 layers Gated DeltaNet (16 key heads, 32 value heads, both 128 wide), gated
+    # attention with heads of 256, theta 1e7 (llama.cpp's converter notes and the fixtures' configs), vocabulary
+    # 248,320; the MoE: 256 experts of 512, 8 active, a shared expert of 512. Contexts are transformers' 32,768.
+    "qwen3.5-9b": Shape("qwen35", 4096, 32, 16, 4, 12288, 248320, 1e7, 32768, False, head_dim=256, interval=4,
+                        linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128),
+    "qwen3.5-35b-a3b": Shape("qwen35moe", 2048, 40, 16, 2, 512, 248320, 1e7, 32768, False, head_dim=256,
+                             experts=256, experts_used=8, expert_ffn=512, shared_ffn=512, interval=4,
+                             linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128),
+    # A small hybrid for tests: key heads narrower than value heads, two value heads per key head.
+    "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=32, interval=4,
+                         linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
+    "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=32, experts=8,
+                            experts_used=2, expert_ffn=64, shared_ffn=128, interval=4, linear_k_heads=2,
+                            linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
 }  # fmt: skip
 
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
@@ -129,15 +157,20 @@ def write_synthetic(shape_name: str, quant: str, path: Path, seed: int = 0, prog
     w.add_feed_forward_length(s.ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(head_dim // 4 if s.interval else head_dim)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(1e-5 if s.arch == "llama" else 1e-6)
-    if s.experts:
+    if s.experts or s.interval:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if s.experts:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)
         w.add_expert_feed_forward_length(s.expert_ffn)
+    if s.shared_ffn:
+        w.add_expert_shared_feed_forward_length(s.shared_ffn)
+    if s.interval:
+        _add_delta_net_keys(w, s)
     _add_tokenizer(w, s)
 
     plan = tensor_plan(shape_name, quant)
@@ -160,6 +193,17 @@ def write_synthetic(shape_name: str, quant: str, path: Path, seed: int = 0, prog
     return path
 
 
+def _add_delta_net_keys(w, s: Shape) -> None:
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_state_size(s.linear_k_dim)
+    w.add_ssm_group_count(s.linear_k_heads)
+    w.add_ssm_time_step_rank(s.linear_v_heads)
+    w.add_ssm_inner_size(s.linear_v_heads * s.linear_v_dim)
+    w.add_full_attention_interval(s.interval)
+    w.add_array(f"{s.arch}.attention.recurrent_layers", s.recurrent)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+
+
 def tensor_plan(shape_name: str, quant: str) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, numpy shape, ggml type) of every tensor of the named shape, in file order."""
     s = SHAPES[shape_name]
@@ -172,6 +216,9 @@ def tensor_plan(shape_name: str, quant: str) -> list[tuple[str, tuple[int, ...],
         plan.append(("rope_freqs.weight", (head_dim // 2,), 0))
     for i in range(s.layers):
         p = f"blk.{i}."
+        if s.interval:
+            plan += _hybrid_layer_plan(s, i, quant, head_dim)
+            continue
         plan.append((p + "attn_norm.weight", (s.hidden,), 0))
         q, kv = s.heads * head_dim, s.kv_heads * head_dim
         matrices = [("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
@@ -199,12 +246,48 @@ def tensor_plan(shape_name: str, quant: str) -> list[tuple[str, tuple[int, ...],
     return plan
 
 
+def _hybrid_layer_plan(s: Shape, i: int, quant: str, head_dim: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """Layer i of a hybrid: a Gated DeltaNet or a gated attention mixer (q projection [q | gate] per head), then a
+    dense or routed + shared expert feed-forward. Vectors, the conv taps, the small gate projections and the
+    routers stay F32."""
+    p, d = f"blk.{i}.", s.hidden
+    q, kv, inner = s.heads * head_dim, s.kv_heads * head_dim, s.linear_v_heads * s.linear_v_dim
+    channels = 2 * s.linear_k_heads * s.linear_k_dim + inner
+    if s.recurrent[i]:
+        vectors = [("ssm_a", (s.linear_v_heads,)), ("ssm_dt.bias", (s.linear_v_heads,)),
+                   ("ssm_norm.weight", (s.linear_v_dim,)), ("ssm_conv1d.weight", (channels, 4)),
+                   ("ssm_alpha.weight", (s.linear_v_heads, d)), ("ssm_beta.weight", (s.linear_v_heads, d))]  # fmt: skip
+        matrices = [("attn_qkv", channels, d), ("attn_gate", inner, d), ("ssm_out", d, inner)]
+    else:
+        vectors = [("attn_q_norm.weight", (head_dim,)), ("attn_k_norm.weight", (head_dim,))]
+        matrices = [("attn_q", 2 * q, d), ("attn_k", kv, d), ("attn_v", kv, d), ("attn_output", d, q)]
+    vectors += [("attn_norm.weight", (d,)), ("post_attention_norm.weight", (d,))]
+    if s.experts:
+        vectors += [("ffn_gate_inp.weight", (s.experts, d)), ("ffn_gate_inp_shexp.weight", (1, d))]
+        matrices += [("ffn_gate_shexp", s.shared_ffn, d), ("ffn_up_shexp", s.shared_ffn, d),
+                     ("ffn_down_shexp", d, s.shared_ffn)]  # fmt: skip
+    else:
+        matrices += [("ffn_gate", s.ffn, d), ("ffn_up", s.ffn, d), ("ffn_down", d, s.ffn)]
+    plan = [(p + name, shape, 0) for name, shape in vectors]
+    plan += [(p + name + ".weight", (rows, cols), tensor_type(quant, p + name + ".weight", i, s.layers, cols))
+             for name, rows, cols in matrices]  # fmt: skip
+    if s.experts:
+        experts = [("ffn_gate_exps", s.expert_ffn, d), ("ffn_up_exps", s.expert_ffn, d),
+                   ("ffn_down_exps", d, s.expert_ffn)]  # fmt: skip
+        for name, rows, cols in experts:
+            t = tensor_type(quant, p + name + ".weight", i, s.layers, cols)
+            plan.append((p + name + ".weight", (s.experts, rows, cols), t))
+    return plan
+
+
 def _make_tensor(name: str, shape: tuple[int, ...], t: int, rng: np.random.Generator, s: Shape) -> np.ndarray:
     if len(shape) == 1:
         if name == "rope_freqs.weight":
             return _llama3_freq_factors(shape[0] * 2, s.rope_theta)
         if name.endswith(".bias"):
             return rng.normal(0, 0.02, size=shape).astype(np.float32)
+        if name.endswith("ssm_a"):  # -exp(A_log) < 0: each token decays the delta rule's state
+            return -rng.uniform(0.02, 1.0, size=shape).astype(np.float32)
         return (1.0 + rng.normal(0, 0.05, size=shape)).astype(np.float32)
     rows, cols = int(np.prod(shape[:-1])), shape[-1]  # an expert tensor: its experts' matrices one after another
     std = 1.0 if name == "token_embd.weight" else 0.5 / np.sqrt(cols)

@@ -89,3 +89,41 @@ def test_synthetic_moe_runs_and_inspect_shows_its_experts(tmp_path, capsys):
     llm = LLM(path, device="cpu")
     [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.completion_ids) == 4
+
+
+def test_qwen35_plans_have_the_published_parameter_counts():
+    from math import prod
+
+    from infero.checkpoint.synthetic import tensor_plan
+
+    moe = tensor_plan("qwen3.5-35b-a3b", "Q4_K_M")
+    total = sum(prod(shape) for _, shape, _ in moe)
+    experts = sum(prod(shape) for name, shape, _ in moe if "_exps." in name)
+    active = total - experts * (256 - 8) // 256
+    # the names say it: 35 B parameters, 3 B active (the text model: the vision encoder is not in the plan)
+    assert round(total / 1e9) == 35 and 3e9 <= active < 3.5e9
+    dense = tensor_plan("qwen3.5-9b", "Q4_K_M")
+    assert round(sum(prod(shape) for _, shape, _ in dense) / 1e9) == 9
+    shapes = {name: shape for name, shape, _ in moe}
+    # 3 of every 4 layers Gated DeltaNet: q, k (16 heads of 128) and v (32 of 128) through the conv
+    assert shapes["blk.0.attn_qkv.weight"] == (2 * 16 * 128 + 32 * 128, 2048)
+    assert shapes["blk.0.ssm_conv1d.weight"] == (8192, 4) and "blk.0.attn_q.weight" not in shapes
+    assert shapes["blk.3.attn_q.weight"] == (2 * 16 * 256, 2048) and "blk.3.attn_qkv.weight" not in shapes
+
+
+def test_synthetic_hybrid_runs_and_inspect_shows_its_layer_kinds(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "hybrid.gguf"
+    assert main(["synth", "qwen35moe-tiny", "--quant", "Q8_0", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--model", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "3 Gated DeltaNet, 1 attention" in text and "a shared expert of width 128" in text
+    assert main(["inspect", "--model", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layer_kinds"] == {"gated_deltanet": 3, "attention": 1}
+    assert info["delta_net"] == {"key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 32, "conv_kernel": 4}
+    llm = LLM(path, device="cpu")
+    [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.completion_ids) == 4
