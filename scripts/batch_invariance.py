@@ -46,6 +46,8 @@ def run(llm: LLM, cache: Cache, steps: list[SequenceStep]) -> np.ndarray:
     batch = build_batch(steps, BLOCK)
     result = llm.backend.forward(llm.model, batch, cache.kv)
     rows = len(batch.logits_indices)
+    if rows == 0:
+        return np.zeros((0, 0), np.float32)
     return result if isinstance(result, np.ndarray) else llm.backend.to_host(result, 0, rows)
 
 
