@@ -206,7 +206,7 @@ class ModelConfig:
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", int, *_dense_width_default(metadata, arch)),
-            num_layers=get("block_count", int),
+            num_layers=get("block_count", int) - _draft_layers(metadata, arch),
             num_heads=num_heads,
             num_kv_heads=_kv_heads(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
@@ -243,23 +243,37 @@ def _dense_width_default(metadata: dict[str, Any], arch: str) -> tuple[Any, ...]
     return ()
 
 
+def _draft_layers(metadata: dict[str, Any], arch: str) -> int:
+    """Layers after the text model's: a Qwen3.5 file converted with its multi-token-prediction block holds it as
+    the last of block_count layers (nextn_predict_layers says how many); llama.cpp's text model skips them, and
+    so does infero (nothing here drafts tokens)."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return 0
+    return _typed(metadata, f"{arch}.nextn_predict_layers", int, 0)
+
+
 def _delta_net(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The hybrid keys as ModelConfig fields. Layer kinds come from attention.recurrent_layers, or else (older
-    files) from full_attention_interval: every interval-th layer is full attention, as llama.cpp reads them."""
+    """The hybrid keys as ModelConfig fields. Layer kinds come from attention.recurrent_layers (an entry for each
+    of block_count layers, the text model's first), or else (older files) from full_attention_interval: every
+    interval-th layer is full attention, as llama.cpp reads them."""
     layers = metadata.get(f"{arch}.attention.recurrent_layers")
+    count = _typed(metadata, f"{arch}.block_count", int)
+    text_layers = count - _draft_layers(metadata, arch)
     if layers is None:
         interval = _typed(metadata, f"{arch}.full_attention_interval", int, 4)
         _require(interval > 0, f"{arch}.full_attention_interval", interval, "an integer > 0")
-        count = _typed(metadata, f"{arch}.block_count", int)
-        recurrent = tuple((i + 1) % interval != 0 for i in range(max(0, min(count, MAX_TOKENS))))
+        layer_kinds = tuple((i + 1) % interval != 0 for i in range(max(0, min(text_layers, MAX_TOKENS))))
     elif isinstance(layers, np.ndarray) and layers.ndim == 1 and layers.dtype.kind in "biu":
-        recurrent = tuple(bool(v) for v in layers)
+        if len(layers) != count:
+            raise ModelFileError(f"GGUF metadata {arch}.attention.recurrent_layers has {len(layers)} entries, but "
+                                 f"{arch}.block_count is {count}; {_BROKEN}")  # fmt: skip
+        layer_kinds = tuple(bool(v) for v in layers[: max(0, text_layers)])
     else:
         raise ModelFileError(f"GGUF metadata {arch}.attention.recurrent_layers must be an array of booleans; the "
                              f"file holds {excerpt(layers)} ({_BROKEN})")  # fmt: skip
     sections = metadata.get(f"{arch}.rope.dimension_sections", ())
     fields: dict[str, Any] = {
-        "recurrent_layers": recurrent,
+        "recurrent_layers": layer_kinds,
         "ssm_conv_kernel": _typed(metadata, f"{arch}.ssm.conv_kernel", int),
         "ssm_state_size": _typed(metadata, f"{arch}.ssm.state_size", int),
         "ssm_group_count": _typed(metadata, f"{arch}.ssm.group_count", int),

@@ -37,7 +37,7 @@ import numpy as np
 from infero.checkpoint import Checkpoint
 from infero.checkpoint.config import MOE_ARCHITECTURES
 from infero.engine.batch import Batch
-from infero.errors import UnsupportedModelError
+from infero.errors import ModelFileError, UnsupportedModelError
 from infero.models.llama import LlamaModel, head_weights, weight_loader
 from infero.models.qwen3moe import check_expert_shapes
 
@@ -82,6 +82,7 @@ class Qwen35Model(LlamaModel):
         if not hasattr(ops, "gated_delta_rule"):
             raise UnsupportedModelError(CPU_ONLY)
         c = checkpoint.config
+        check_layer_kinds(checkpoint)
         if c.architecture in MOE_ARCHITECTURES:
             check_expert_shapes(checkpoint)
         weight = weight_loader(checkpoint, ops, progress)
@@ -159,6 +160,21 @@ class Qwen35Model(LlamaModel):
         routed = ops.moe_experts(h, experts, weights, w["gate_exps"], w["up_exps"], w["down_exps"])
         shared = ops.linear(ops.swiglu_gate_up(h, (w["gate_shexp"], w["up_shexp"])), w["down_shexp"])
         return routed + ops.sigmoid_gate(shared, ops.linear(h, w["shexp_gate"]))
+
+
+def check_layer_kinds(checkpoint: Checkpoint) -> None:
+    """Refuse layer kinds that the file's tensors contradict (a delta-net layer holding attention tensors, or the
+    reverse): the metadata is what is wrong then, not a tensor that went missing."""
+    c = checkpoint.config
+    for i, recurrent in enumerate(c.recurrent_layers):
+        mine, theirs = ("ssm_a", "attn_q.weight") if recurrent else ("attn_q.weight", "ssm_a")
+        if f"blk.{i}.{mine}" not in checkpoint.tensors and f"blk.{i}.{theirs}" in checkpoint.tensors:
+            kind, other = ("a Gated DeltaNet", "attention") if recurrent else ("an attention", "Gated DeltaNet")
+            raise ModelFileError(
+                f"{checkpoint.path}: {c.architecture}.attention.recurrent_layers makes layer {i} {kind} layer, but "
+                f"the file holds {other} tensors there ('blk.{i}.{theirs}'); the file is corrupt or was converted "
+                "wrongly"
+            )
 
 
 def delta_net_weights(weight, p: str, config) -> DeltaNetWeights:
