@@ -10,6 +10,7 @@ from gguf_fields import ARRAY, BOOL, UINT32, Value
 from infero import LLM, SamplingParams
 from infero.checkpoint.synthetic import write_synthetic
 from infero.cli import main
+from infero.errors import ModelFileError
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,14 @@ def test_a_file_with_its_prediction_block_runs_as_the_text_model_alone(tmp_path,
     llm = LLM(with_mtp, device="cpu")
     [got] = llm.generate([[1, 5, 9, 200]], params)
     assert llm.config.num_layers == 4 and got.completion_ids == want.completion_ids
+
+
+def test_a_file_without_recurrent_layers_takes_the_layer_kinds_from_the_interval(tmp_path, hybrid_fields):
+    f = copy.copy(hybrid_fields)
+    f.metadata = {k: v for k, v in f.metadata.items() if k != "qwen35.attention.recurrent_layers"}
+    assert f.metadata["qwen35.full_attention_interval"].value == 4
+    llm = LLM(gguf_fields.write(f, tmp_path / "interval.gguf"), device="cpu")
+    assert llm.config.recurrent_layers == (True, True, True, False)
+    f.metadata["qwen35.full_attention_interval"] = Value(UINT32, 2)  # layers 1 and 3 attention: not this file's
+    with pytest.raises(ModelFileError, match="makes layer 1 an attention layer"):
+        LLM(gguf_fields.write(f, tmp_path / "interval2.gguf"), device="cpu")
