@@ -19,7 +19,7 @@ from infero.backends.cuda.ops import CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, SequenceStep, TokenFeed, build_batch
-from infero.errors import InferoError
+from infero.errors import InferoError, UnsupportedModelError
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -114,7 +114,11 @@ class CudaBackend:
         reserve = total * (1.0 - engine_config.gpu_memory_utilization)
         return max(0, int(free - reserve))
 
-    def allocate_kv_cache(self, config: ModelConfig, num_blocks: int, block_size: int) -> CudaKVCache:
+    def allocate_kv_cache(
+        self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int = 0
+    ) -> CudaKVCache:
+        if num_state_slots:  # select_backend keeps hybrid models on the CPU until the GPU has their kernels
+            raise UnsupportedModelError(f"{config.architecture}: the CUDA backend keeps no recurrent state yet")
         # One extra block at the end: padded rows of a graph-replayed decode step write there.
         shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         k = [empty(shape, np.float16) for _ in range(config.num_layers)]
