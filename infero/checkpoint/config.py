@@ -122,6 +122,11 @@ class ModelConfig:
                 f"GGUF metadata {self.architecture}.attention.recurrent_layers has {count}, but the model has "
                 f"{self.num_layers} layers ({self._key('num_layers')}); {_BROKEN}"
             )
+        if all(layers):  # the KV cache is sized in blocks of the attention layers' K/V: there would be none
+            raise UnsupportedModelError(
+                f"{self.architecture}.attention.recurrent_layers makes every layer a Gated DeltaNet layer; infero "
+                "runs hybrids with at least one attention layer"
+            )
         _require(0 < self.ssm_conv_kernel <= MAX_CONV_KERNEL, self._key("ssm_conv_kernel"), self.ssm_conv_kernel,
                  f"an integer from 1 to {MAX_CONV_KERNEL}")  # fmt: skip
         _require(0 < self.ssm_state_size <= MAX_HEAD_DIM, self._key("ssm_state_size"), self.ssm_state_size,

@@ -51,11 +51,26 @@ def test_recurrent_layers_of_the_wrong_length(capsys, tmp_path, hybrid_fields, r
     assert_one_line_error(capsys, path, f"recurrent_layers has {len(recurrent)} entries")
 
 
-@pytest.mark.parametrize("recurrent, layer, kind", [((True,) * 4, 3, "a Gated DeltaNet"),
-                                                    ((False, True, True, False), 0, "an attention")])  # fmt: skip
-def test_recurrent_layers_that_contradict_the_layers_tensors(capsys, tmp_path, hybrid_fields, recurrent, layer, kind):
+@pytest.mark.parametrize("recurrent, layer", [((False, True, True, False), 0), ((True, False, True, False), 1)])
+def test_recurrent_layers_that_call_a_delta_net_layer_attention(capsys, tmp_path, hybrid_fields, recurrent, layer):
     path = edited(hybrid_fields, tmp_path / "h.gguf", {"qwen35.attention.recurrent_layers": kinds(*recurrent)})
-    assert_one_line_error(capsys, path, f"recurrent_layers makes layer {layer} {kind} layer")
+    assert_one_line_error(capsys, path, f"recurrent_layers makes layer {layer} an attention layer")
+
+
+def test_recurrent_layers_that_call_an_attention_layer_a_delta_net(capsys, tmp_path, hybrid_fields):
+    f = copy.copy(hybrid_fields)
+    swap = {"blk.0.": "blk.3.", "blk.3.": "blk.0."}  # the attention layer first, the metadata unchanged
+    f.tensors = [copy.copy(t) for t in f.tensors]
+    for t in f.tensors:
+        if t.name[:6] in swap:
+            t.name = swap[t.name[:6]] + t.name[6:]
+    path = gguf_fields.write(f, tmp_path / "h.gguf")
+    assert_one_line_error(capsys, path, "recurrent_layers makes layer 0 a Gated DeltaNet layer")
+
+
+def test_a_hybrid_without_attention_layers_is_refused(capsys, tmp_path, hybrid_fields):
+    path = edited(hybrid_fields, tmp_path / "h.gguf", {"qwen35.attention.recurrent_layers": kinds(*[True] * 4)})
+    assert_one_line_error(capsys, path, "makes every layer a Gated DeltaNet layer")
 
 
 def test_value_heads_that_are_not_a_multiple_of_the_key_heads(capsys, tmp_path, hybrid_fields):
