@@ -53,13 +53,34 @@ def test_the_chunked_delta_rule_equals_the_recurrent_one(length):
     assert np.abs(chunked_state - state).max() < 1e-5 * np.abs(state).max()
 
 
+def run_chunked(args, state, splits):
+    """delta_rule_chunked over the parts of a sequence cut at `splits`, its state carried."""
+    bounds = [0, *splits, len(args[0])]
+    return np.concatenate([delta_rule_chunked(*(a[lo:hi] for a in args), state, start_position=lo)
+                           for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
+
+
 def test_the_chunked_delta_rule_carries_its_state_from_one_call_to_the_next():
-    q, k, v, g, beta, state = inputs(130, seed=7)
-    whole_state, split_state = state.copy(), state.copy()
-    whole = delta_rule_chunked(q, k, v, g, beta, whole_state)
-    first = delta_rule_chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], split_state)
-    rest = delta_rule_chunked(q[70:], k[70:], v[70:], g[70:], beta[70:], split_state)
-    assert np.abs(np.concatenate([first, rest]) - whole).max() < 1e-5 * np.abs(whole).max()
+    *args, state = inputs(130, seed=7)
+    whole = run_chunked(args, state.copy(), [])
+    split = run_chunked(args, state.copy(), [70])
+    assert np.abs(split - whole).max() < 1e-5 * np.abs(whole).max()
+
+
+def test_a_prompt_split_at_multiples_of_64_gives_the_chunked_bits_of_the_whole():
+    *args, state = inputs(150, seed=8)
+    assert np.array_equal(run_chunked(args, state.copy(), [64, 128]), run_chunked(args, state.copy(), []))
+
+
+def test_a_call_that_starts_mid_chunk_ends_its_first_chunk_at_the_next_multiple_of_64():
+    *args, state = inputs(150, seed=9)
+    aligned = run_chunked(args, state.copy(), [70, 128])  # chunks 0-64, 64-70 | 70-128 | 128-150
+    assert np.array_equal(run_chunked(args, state.copy(), [70]), aligned)
+    # The control: the same second part chunked from its own first token (70-134 | 134-150) differs in its bits.
+    carried = state.copy()
+    first = delta_rule_chunked(*(a[:70] for a in args), carried)
+    unaligned = delta_rule_chunked(*(a[70:] for a in args), carried, start_position=0)
+    assert not np.array_equal(np.concatenate([first, unaligned]), aligned)
 
 
 def test_the_recurrent_delta_rule_gives_the_same_bits_however_a_sequence_is_split():

@@ -44,8 +44,11 @@ def delta_rule_recurrent(q, k, v, g, beta, state: np.ndarray) -> np.ndarray:
     return out
 
 
-def delta_rule_chunked(q, k, v, g, beta, state: np.ndarray, chunk: int = DELTA_RULE_CHUNK) -> np.ndarray:
-    """delta_rule_recurrent's output and final state, chunk tokens at a time (the last chunk may be shorter).
+def delta_rule_chunked(q, k, v, g, beta, state: np.ndarray, start_position: int = 0,
+                       chunk: int = DELTA_RULE_CHUNK) -> np.ndarray:  # fmt: skip
+    """delta_rule_recurrent's output and final state, in chunks that end at multiples of `chunk` positions from
+    the sequence start (the tokens start at start_position): however a prompt is split at those multiples, its
+    chunks are the same, and so are their bits.
 
     Within a chunk, with G_t the cumulative log decay from its start and D[i, j] = exp(G_i - G_j) for j <= i, the
     chunk's corrections u (the delta rule's new values) satisfy (I + L) u = beta (v - exp(G) k S), L[i, j] =
@@ -53,8 +56,11 @@ def delta_rule_chunked(q, k, v, g, beta, state: np.ndarray, chunk: int = DELTA_R
     o = exp(G) q S + (q k^T * D) u and S <- exp(G_last) S + (exp(G_last - G) k)^T u.
     """
     out = np.empty(v.shape, np.float32)
-    for start in range(0, len(q), chunk):
-        c = slice(start, min(start + chunk, len(q)))
+    bounds = [0, *range(chunk - start_position % chunk, len(q), chunk), len(q)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if lo == hi:  # no tokens
+            continue
+        c = slice(lo, hi)
         qc, kc, vc = (a[c].transpose(1, 0, 2) for a in (q, k, v))  # [H, n, d]
         bc = beta[c].T[:, :, None]  # [H, n, 1]
         cum = np.cumsum(g[c].T, axis=1)  # [H, n]
