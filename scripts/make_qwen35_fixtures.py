@@ -16,10 +16,11 @@ full_attention_interval 4 makes them; delta net with 2 key heads of 16 and 4 val
 serves two value heads and the converter's V-head reordering matters; attention with 4 query / 2 KV heads of 32,
 a quarter of each rotated; dense FFN of width 64; MoE: 8 experts of width 16, 2 per token, and a shared expert of
 width 32) with the byte-level BPE of make_tiny_models.py (vocab 300), saved with save_pretrained and converted with
-`--outtype f32 --no-mtp` (these models have no multi-token-prediction layer, and without the flag the converter
-asserts it found one). Then transformers' teacher-forced logits of 3 seeded prompts (5, 17 and 70 tokens: the
-last spans two of the 64-token chunks of the chunked delta rule) at every position, and its greedy continuation
-of 2 of them (its decode steps run the token-by-token recurrence).
+`--outtype f32 --no-mtp` (transformers' models have no multi-token-prediction block). tiny-qwen35-mtp is
+tiny-qwen35 with a random MTP block added to the saved checkpoint, as published Qwen3.5 checkpoints carry one,
+converted without --no-mtp. Then transformers' teacher-forced logits of 3 seeded prompts (5, 17 and 70 tokens:
+the last spans two of the 64-token chunks of the chunked delta rule) at every position, and its greedy
+continuation of 2 of them (its decode steps run the token-by-token recurrence).
 """
 
 from __future__ import annotations
@@ -56,18 +57,22 @@ class HybridSpec:
     arch: str  # the GGUF general.architecture the converter writes
     seed: int
     description: str
+    mtp: bool = False  # add a random multi-token-prediction block to the checkpoint and convert it too
 
 
 SPECS = [
     HybridSpec("tiny-qwen35", "qwen35", 3101, "Qwen3_5ForCausalLM: dense SwiGLU FFN"),
+    HybridSpec("tiny-qwen35-mtp", "qwen35", 3101,
+               "tiny-qwen35's model plus a random MTP block (blk.4, nextn_predict_layers 1) that no forward runs",
+               mtp=True),
     HybridSpec("tiny-qwen35moe", "qwen35moe", 3102, "Qwen3_5MoeForCausalLM: 8 experts, 2 per token, shared expert"),
     HybridSpec("tiny-qwen3next", "qwen3next", 3103,
                "Qwen3NextForCausalLM: fused in_proj_qkvz / in_proj_ba, 8 experts, 2 per token, shared expert"),
 ]  # fmt: skip
 
-# As in the published configs (Qwen3.5-9B, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B): theta 1e7, a quarter of each
-# head rotated; Qwen3.5 interleaved M-RoPE, its sections scaled to the 4 rotated pairs of a 32-wide head
-# (the published [11, 11, 10] covers 32 pairs of a 256-wide head).
+# As the published Qwen3.5 and Qwen3-Next models have: theta 1e7, a quarter of each head rotated; Qwen3.5's
+# interleaved M-RoPE sections scaled to the 4 rotated pairs of a 32-wide head (the published [11, 11, 10] covers
+# the 32 pairs of a 256-wide head).
 ROPE_QWEN3NEXT = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
 ROPE_QWEN35 = {**ROPE_QWEN3NEXT, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
 
@@ -143,13 +148,36 @@ from conversion.base import TextModel
 # output on a test text) cannot know it; its pre-tokenizer is GPT-2's, llama.cpp's "default".
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {dst!r}, "--outtype", "f32", "--no-mtp"]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {dst!r}, "--outtype", "f32", *{flags!r}]
 convert_hf_to_gguf.main()
 """
 
 
-def convert(llama_cpp: Path, src: Path, dst: Path) -> None:
-    code = CONVERT.format(llama=str(llama_cpp.resolve()), src=str(src), dst=str(dst.resolve()))
+def add_mtp(spec: HybridSpec, hf_dir: Path) -> None:
+    """A multi-token-prediction block as the published Qwen3.5 checkpoints hold it (`mtp_num_hidden_layers` 1 and
+    `mtp.*` weights: fc over [embedding | hidden], its two input norms, one full-attention decoder layer, a final
+    norm), drawn at random: transformers has no MTP module (it drops `mtp.*` on load), so the block changes none
+    of the reference logits; it is there for the converter to write and for a loader to skip."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(hf_dir / "model.safetensors")
+    rng = np.random.default_rng(spec.seed + 200)
+    last = f"model.layers.{LAYERS - 1}."  # a full-attention layer: the MTP layer has the same tensors
+    shapes = {"mtp.layers.0." + k[len(last) :]: tuple(v.shape) for k, v in weights.items() if k.startswith(last)}
+    shapes |= {"mtp.fc.weight": (HIDDEN, 2 * HIDDEN), "mtp.norm.weight": (HIDDEN,)}
+    shapes |= {f"mtp.pre_fc_norm_{n}.weight": (HIDDEN,) for n in ("embedding", "hidden")}
+    for name, shape in sorted(shapes.items()):
+        weights[name] = torch.from_numpy(draw(name, shape, rng).astype(np.float32))
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def convert(llama_cpp: Path, src: Path, dst: Path, mtp: bool) -> None:
+    flags = [] if mtp else ["--no-mtp"]  # without an MTP block and without the flag, the converter asserts
+    code = CONVERT.format(llama=str(llama_cpp.resolve()), src=str(src), dst=str(dst.resolve()), flags=flags)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
 
 
@@ -205,9 +233,11 @@ def check_gguf(path: Path, spec: HybridSpec) -> None:
     field = reader.fields["general.architecture"]
     assert bytes(field.parts[field.data[0]]).decode() == spec.arch
     recurrent = reader.fields[f"{spec.arch}.attention.recurrent_layers"]
-    assert [bool(recurrent.parts[j][0]) for j in recurrent.data] == [True, True, True, False]
+    assert [bool(recurrent.parts[j][0]) for j in recurrent.data] == [True, True, True, False] + [False] * spec.mtp
     names = {t.name for t in reader.tensors}
     assert "blk.0.ssm_a" in names and "blk.3.attn_q.weight" in names and "blk.3.ssm_a" not in names
+    assert ("blk.4.nextn.eh_proj.weight" in names) == spec.mtp
+    assert (f"{spec.arch}.nextn_predict_layers" in reader.fields) == spec.mtp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as td:
             hf_dir = Path(td) / spec.name  # the converter names the model (general.name) after the directory
             save_hf(model, hf_dir)
-            convert(args.llama_cpp, hf_dir, gguf_path)
+            if spec.mtp:
+                add_mtp(spec, hf_dir)
+            convert(args.llama_cpp, hf_dir, gguf_path, spec.mtp)
         check_gguf(gguf_path, spec)
         arrays, facts = reference(model, spec)
         meta = {
@@ -239,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "reference": f"transformers {type(model).__name__}, float32, eager attention, one prompt per forward; "
             "teacher-forced logits without a cache (chunked delta rule), greedy with generate's cache",
             "converter": f"llama.cpp convert_hf_to_gguf.py from {args.llama_cpp.parent.parent.name}, "
-            "--outtype f32 --no-mtp",
+            f"--outtype f32{'' if spec.mtp else ' --no-mtp'}",
             "versions": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
