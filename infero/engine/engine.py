@@ -4,6 +4,11 @@ One step = schedule, run one batched forward, sample, then turn new tokens into 
 A request with n > 1 computes its prompt once: when the prompt's last chunk is done, the sequence forks
 into n choices that share the prompt's full KV blocks (the partly filled last block is copied).
 
+Hybrid models (ModelConfig.is_hybrid: Gated DeltaNet layers beside full attention) keep one recurrent-state slot
+per running sequence beside the KV blocks (state_pool.py), max_num_seqs of them, whose bytes come out of the KV
+budget. A fork takes a slot of its own and the backend copies the parent's state into it after the shared prefill.
+Prefix caching is off for them: a cached prefix's blocks hold its K/V, not the recurrent state after it.
+
 Asynchronous scheduling (on where the backend overlaps steps: CUDA). While step k runs on the GPU, the engine
 queues step k + 1 before it reads step k's tokens: each sequence that samples in step k gets a placeholder token
 (PENDING), the scheduler gives it its one-token decode as usual, and the backend feeds the placeholder from step
@@ -29,6 +34,7 @@ from infero.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from infero.engine.request import Request, RequestOutput, Status, TokenLogprob
 from infero.engine.sampling import NON_FINITE_LOGITS, SampledTokens, SamplingParams, raw_logprobs, top_logprobs
 from infero.engine.scheduler import ScheduledChunk, Scheduler
+from infero.engine.state_pool import StatePool
 from infero.engine.stop import StopChecker
 from infero.errors import InferoError, NonFiniteLogitsError, PromptTooLongError
 from infero.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,6 +69,9 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens found cached
     kv_blocks_referenced: int  # blocks some sequence holds (0 when nothing runs: a leak otherwise)
     kv_blocks_cached: int  # blocks holding a cached prefix, held or free
+    prefix_caching: bool  # on as configured, but never for a hybrid model
+    num_state_slots: int  # recurrent-state slots (hybrid models; 0 otherwise)
+    state_slots_used: int  # slots some sequence holds (0 when nothing runs: a leak otherwise)
 
 
 class Engine:
@@ -77,13 +86,22 @@ class Engine:
         limit = min(config.max_model_len or mc.context_length, mc.context_length)
         # Never more blocks than max_num_seqs sequences of the full context could hold: the rest would idle.
         useful = config.max_num_seqs * -(-limit // config.block_size)
-        num_blocks = min(useful, backend.kv_cache_bytes(config) // backend.kv_block_bytes(mc, config.block_size))
+        num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
+        self.state_bytes = num_state_slots * backend.state_bytes_per_slot(mc) if num_state_slots else 0
+        kv_bytes = backend.kv_cache_bytes(config) - self.state_bytes
+        num_blocks = min(useful, kv_bytes // backend.kv_block_bytes(mc, config.block_size))
         if num_blocks < 1:
-            raise InferoError("no memory is left for the KV cache: lower the model size or raise the memory budget")
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size)
+            raise InferoError(
+                "no memory is left for the KV cache: lower the model size or raise the memory budget"
+                + (f" (the recurrent state of --max-num-seqs {num_state_slots} sequences takes "
+                   f"{self.state_bytes / 2**20:,.0f} MiB of it)" if num_state_slots else "")
+            )  # fmt: skip
+        self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
+        self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
+        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size, num_state_slots)
         self.max_model_len = min(limit, num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.states)
         self._seqs: dict[tuple[str, int], _Sequence] = {}
         self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()
@@ -161,6 +179,9 @@ class Engine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             kv_blocks_referenced=self.pool.num_referenced,
             kv_blocks_cached=self.pool.num_cached,
+            prefix_caching=self.prefix_caching,
+            num_state_slots=self.states.num_slots if self.states else 0,
+            state_slots_used=self.states.num_used if self.states else 0,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -257,7 +278,7 @@ class Engine:
         ids = req.token_ids(start, start + chunk.num_tokens)
         wants_prompt_logprobs = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids)
         logits = "all" if wants_prompt_logprobs else "last" if chunk.completes_prompt else "none"
-        return SequenceStep(ids, start, req.blocks, logits)
+        return SequenceStep(ids, start, req.blocks, logits, req.state_slot)
 
     def _record_prompt_logprobs(self, req: Request, start: int, chunk_logits: np.ndarray) -> None:
         """Row i of a prompt chunk predicts the token at start + i + 1: that token's logprob and the top-N."""
@@ -287,17 +308,19 @@ class Engine:
             child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j,
                             cache_salt=req.cache_salt, block_hashes=list(req.block_hashes))  # fmt: skip
             child.prompt_logprobs, child.num_cached_tokens = req.prompt_logprobs, req.num_cached_tokens
-            if not partial or self.pool.num_free > 0:
+            if (not partial or self.pool.num_free > 0) and self.scheduler.take_state(child):
                 child.blocks = self.pool.share(req.blocks[:full])
                 if partial:
                     child.blocks += self.pool.allocate(1)
                     self.backend.copy_blocks(self.cache, [(req.blocks[full], child.blocks[-1])])
+                if child.state_slot >= 0:  # the forward that completed the prompt has run: its state is final
+                    self.backend.copy_state(self.cache, req.state_slot, child.state_slot)
                 child.num_computed_tokens = req.num_computed_tokens
                 child.num_registered_blocks = req.num_registered_blocks
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
                 seqs.append(child)
-            else:  # no block to copy the prompt's tail into: the sibling recomputes its prompt later
+            else:  # no block to copy the prompt's tail into, or no state slot: the sibling recomputes its prompt later
                 self.scheduler.waiting.append(child)
             self._track(child)
         self._choices[req.request_id] = n
