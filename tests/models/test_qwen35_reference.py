@@ -66,3 +66,16 @@ def test_the_longest_prompt_chunked_by_the_engine_matches_transformers(name):
     ids = [int(t) for t in z[f"ids_{i}"]]
     [out] = llm.generate([ids], params)
     assert out.completion_ids[0] == int(z[f"logits_{i}"][-1].argmax())
+
+
+@pytest.mark.parametrize("name, sections, shared", [("tiny-qwen35", (2, 1, 1, 0), 0),
+                                                    ("tiny-qwen35moe", (2, 1, 1, 0), 32),
+                                                    ("tiny-qwen3next", (), 32)])  # fmt: skip
+def test_the_fixtures_hyperparameters_read_as_the_converter_wrote_them(name, sections, shared):
+    """The values make_qwen35_fixtures.py's configs give the converter (2 key heads of 16, 4 value heads of 32)."""
+    c = load_checkpoint(FIXTURES / f"{name}.gguf").config
+    assert c.recurrent_layers == (True, True, True, False) and c.num_recurrent_layers == 3 and c.is_hybrid
+    assert (c.ssm_conv_kernel, c.ssm_state_size, c.ssm_group_count, c.ssm_time_step_rank) == (4, 16, 2, 4)
+    assert (c.ssm_inner_size, c.linear_v_dim, c.conv_channels) == (128, 32, 192)
+    assert (c.head_dim, c.rope_dim, c.rope_pairing, c.rope_sections) == (32, 8, "neox", sections)
+    assert c.shared_expert_intermediate_size == shared
