@@ -41,8 +41,10 @@ from infero.errors import ModelFileError, UnsupportedModelError
 from infero.models.llama import LlamaModel, head_weights, weight_loader
 from infero.models.qwen3moe import check_expert_shapes
 
-CPU_ONLY = "Qwen3.5 hybrid models run on the CPU backend only (the GPU's delta-net kernels are not written yet): " \
-           "use --device cpu"  # fmt: skip
+CPU_ONLY = (
+    "Qwen3.5 hybrid models run on the CPU backend only (the GPU's delta-net kernels are not written yet): "
+    "use --device cpu"
+)
 
 
 @dataclass
@@ -133,6 +135,8 @@ class Qwen35Model(LlamaModel):
         g, beta = ops.delta_net_gates(alpha, beta, w.dt_bias, w.a)
         qkv = ops.causal_conv1d(qkv, w.conv, cache, index, batch)
         key_size = k_heads * d_k
+        # The l2 norm's eps: the file's RMS eps, as llama.cpp reads it (transformers hard-codes 1e-6, which is the
+        # published models' RMS eps too).
         q = ops.l2_norm(qkv[:, :key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
         k = ops.l2_norm(qkv[:, key_size : 2 * key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
         v = qkv[:, 2 * key_size :].reshape(n, v_heads, d_v)
