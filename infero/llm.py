@@ -73,16 +73,25 @@ class LLM:
         self.ready_seconds = time.monotonic() - start
 
     def summary(self) -> str:
-        """One line: model, quantization, memory for weights and KV, KV tokens that fit, device."""
+        """One line: model, quantization, memory for weights and KV, KV tokens that fit (and a hybrid model's
+        recurrent-state slots), device."""
         c = self.config
         weights = self.checkpoint.file_size / 2**20
         kv = self.engine.pool.num_blocks * self.backend.kv_block_bytes(c, self.engine.pool.block_size) / 2**20
         return (
             f"ready: {c.name} ({c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}) "
             f"{self.checkpoint.quantization}, file {weights:,.0f} MiB, KV cache {kv:,.0f} MiB = "
-            f"{self.engine.kv_capacity_tokens:,} tokens, context {self.engine.max_model_len:,}, "
+            f"{self.engine.kv_capacity_tokens:,} tokens{self._state_note()}, context {self.engine.max_model_len:,}, "
             f"device {self.backend.name}{self._kernel_note()}, in {self._time_to_ready()}"
         )
+
+    def _state_note(self) -> str:
+        """A hybrid model's recurrent-state slots, and why its prompts skip the prefix cache."""
+        states = self.engine.states
+        if states is None:
+            return ""
+        return (f", recurrent state {self.engine.state_bytes / 2**20:,.0f} MiB = {states.num_slots} sequences "
+                "(prefix caching off: a cached prefix lacks its recurrent state)")  # fmt: skip
 
     def _time_to_ready(self) -> str:
         """Like "12.3 s (load 2.1, compile 8.0, graphs 2.2)": the GPU backend's own parts (compiling kernels,
