@@ -1,5 +1,8 @@
-"""The Qwen3.5 hybrid decoder on the CPU backend (synthetic tiny models): a prompt gives the same bits however it is
+"""The Qwen3.5 hybrid decoder on the CPU backend (synthetic tiny models, and the Qwen3-Next fixture for its fused
+beta/alpha projection and grouped value heads): a prompt gives the same bits however it is
 chunked, a sequence the same bits whatever shares its step, and its recurrent state lives in its slot alone."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,12 +14,17 @@ from infero.engine.batch import SequenceStep, build_batch
 from infero.models import load_model
 
 BLOCK = 16
-PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 2048, size=150)]
+VOCAB = 300  # the smallest of the models' vocabularies
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, VOCAB, size=150)]
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 
 
-@pytest.fixture(scope="module", params=["qwen35-tiny", "qwen35moe-tiny"])
+@pytest.fixture(scope="module", params=["qwen35-tiny", "qwen35moe-tiny", "tiny-qwen3next"])
 def hybrid(request, tmp_path_factory):
-    path = write_synthetic(request.param, "Q8_0", tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", seed=3)
+    if request.param.startswith("tiny-"):
+        path = FIXTURES / f"{request.param}.gguf"
+    else:
+        path = write_synthetic(request.param, "Q8_0", tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", seed=3)
     backend = CpuBackend()
     return load_model(load_checkpoint(path), backend.ops), backend
 
@@ -45,7 +53,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_bits_of_one_prefill(hybrid, chun
 def test_a_sequence_decoded_alone_gives_the_bits_it_gives_in_a_batch_of_8_mixed_sequences(hybrid):
     model, backend = hybrid
     rng = np.random.default_rng(9)
-    prompts = [[int(t) for t in rng.integers(3, 2048, size=n)] for n in (20, 33, 5, 17, 40, 9, 26, 12)]
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in (20, 33, 5, 17, 40, 9, 26, 12)]
     cache = backend.allocate_kv_cache(model.config, 40, BLOCK, 8)
     # Alone: sequence 0's prompt, then three decode steps of fixed tokens.
     alone = [prefill(model, backend, cache, prompts[0], 64)[-1]]
