@@ -76,6 +76,14 @@ class Metrics:
                    stats.prefix_cache_queries)  # fmt: skip
             metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
                    stats.prefix_cache_hits)  # fmt: skip
+            metric("prefix_caching_enabled", "gauge", "1 when prompts look up the prefix cache; 0 when turned off "
+                   "or for a hybrid model (a cached prefix lacks its recurrent state).",
+                   stats.prefix_caching)  # fmt: skip
+            if stats.num_state_slots:
+                metric("state_slots_total", "gauge", "Recurrent-state slots of a hybrid model (--max-num-seqs).",
+                       stats.num_state_slots)  # fmt: skip
+                metric("state_slots_usage_perc", "gauge", "Fraction of recurrent-state slots in use (1 = full).",
+                       stats.state_slots_used / stats.num_state_slots)  # fmt: skip
         name = f"{PREFIX}request_success_total"
         lines += [f"# HELP {name} Finished sequences by finish reason.", f"# TYPE {name} counter"]
         for reason, count in self.finished.items():
