@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -104,6 +105,12 @@ def test_chat_without_template(capsys, tmp_path):
 def test_cuda_device_without_a_cuda_backend_is_a_clear_error(capsys, tiny_model_path):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_path), "--device", "cuda", "x")
     assert_one_line_error(code, err, "cuda")
+
+
+def test_cuda_device_refuses_a_hybrid_model_in_one_line(capsys):
+    path = str(Path(__file__).parent / "fixtures" / "models" / "tiny-qwen35.gguf")
+    code, _, err = run_cli(capsys, "generate", "--model", path, "--device", "cuda", "x")
+    assert_one_line_error(code, err, "qwen35 runs on the CPU backend only for now: use --device cpu")
 
 
 def test_entry_point_runs_as_a_program(tiny_model_path):
