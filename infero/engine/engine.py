@@ -88,14 +88,16 @@ class Engine:
         useful = config.max_num_seqs * -(-limit // config.block_size)
         num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.state_bytes = num_state_slots * backend.state_bytes_per_slot(mc) if num_state_slots else 0
-        kv_bytes = backend.kv_cache_bytes(config) - self.state_bytes
-        num_blocks = min(useful, kv_bytes // backend.kv_block_bytes(mc, config.block_size))
-        if num_blocks < 1:
+        budget = backend.kv_cache_bytes(config)
+        num_blocks = min(useful, (budget - self.state_bytes) // backend.kv_block_bytes(mc, config.block_size))
+        if num_blocks < 1 and num_state_slots:
             raise InferoError(
-                "no memory is left for the KV cache: lower the model size or raise the memory budget"
-                + (f" (the recurrent state of --max-num-seqs {num_state_slots} sequences takes "
-                   f"{self.state_bytes / 2**20:,.0f} MiB of it)" if num_state_slots else "")
-            )  # fmt: skip
+                f"no memory is left for the KV cache: the recurrent state of --max-num-seqs {num_state_slots} "
+                f"sequences takes {self.state_bytes / 2**20:,.0f} MiB of the {budget / 2**20:,.0f} MiB budget; "
+                "lower --max-num-seqs or raise the memory budget (--kv-cache-memory)"
+            )
+        if num_blocks < 1:
+            raise InferoError("no memory is left for the KV cache: lower the model size or raise the memory budget")
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
         self.states = StatePool(num_state_slots) if num_state_slots else None

@@ -149,5 +149,5 @@ def test_the_state_slots_come_out_of_the_kv_budget(tokenizer):
     state = 64 * STATE * 8  # max_num_seqs slots
     engine = hybrid_engine(tokenizer, kv_cache_bytes=state + 10 * KV_BLOCK_BYTES)
     assert engine.pool.num_blocks == 10 and engine.states.num_slots == 64 and engine.state_bytes == state
-    with pytest.raises(InferoError, match="recurrent state of --max-num-seqs 64 sequences"):
+    with pytest.raises(InferoError, match="--max-num-seqs 64 sequences takes 0 MiB of the 0 MiB budget; lower"):
         hybrid_engine(tokenizer, kv_cache_bytes=state + KV_BLOCK_BYTES - 1)
