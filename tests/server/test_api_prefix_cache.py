@@ -49,6 +49,7 @@ def test_usage_reports_cached_prompt_tokens_and_metrics_count_them(fresh_server)
     text = http.get("/metrics").text
     assert metric(text, "prefix_cache_queries_total") == 5 * len(PREFIX + [5])
     assert metric(text, "prefix_cache_hits_total") == 4 * CACHED
+    assert metric(text, "prefix_caching_enabled") == 1
     live.wait_idle()
 
 
@@ -89,7 +90,8 @@ def test_caching_off_reports_no_cached_tokens(fresh_server):
     for _ in range(2):
         usage = http.post("/v1/completions", json=completion(PREFIX + [5])).json()["usage"]
         assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
-    assert metric(http.get("/metrics").text, "prefix_cache_hits_total") == 0
+    text = http.get("/metrics").text
+    assert metric(text, "prefix_cache_hits_total") == 0 and metric(text, "prefix_caching_enabled") == 0
     live.wait_idle()
 
 
