@@ -18,7 +18,8 @@ from infero.engine.engine import EngineConfig
 from infero.models import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
-MODELS = ["tiny-qwen35", "tiny-qwen35moe", "tiny-qwen3next"]
+# tiny-qwen35-mtp: tiny-qwen35 converted with a multi-token-prediction block (a fifth layer the text model skips)
+MODELS = ["tiny-qwen35", "tiny-qwen35moe", "tiny-qwen3next", "tiny-qwen35-mtp"]
 
 
 def fixture(name: str):
