@@ -99,7 +99,9 @@ def main() -> int:
     for o in others:
         tables.append(cache.table(len(o) + 1))
         run(llm, cache, [SequenceStep(o, 0, tables[-1], "none")])
-    decodes = [SequenceStep([int(rng.integers(0, vocab))], len(o), t, "last") for o, t in zip(others, tables, strict=True)]
+    decodes = [
+        SequenceStep([int(rng.integers(0, vocab))], len(o), t, "last") for o, t in zip(others, tables, strict=True)
+    ]
     for w in widths:
         ok &= compare(f"decode, {w} sequences", run(llm, cache, [last] + decodes[: w - 1])[:1], alone, table)
     fresh = cache.table(max(mixed))
