@@ -22,14 +22,25 @@ BLOCK_SIZE = 16  # the benchmarks' KV cache blocks
 
 
 def decode_step_bytes(model, backend, context_len: int) -> int:
-    """Bytes one decode step reads: every weight except the embedding table (one row), plus the KV prefix."""
-    total = 0
-    for layer in model.layers:
-        total += sum(w.nbytes for w in vars(layer).values() if w is not None)
+    """Bytes one decode step moves: every weight except the embedding table (one row), the KV prefix, and a hybrid
+    model's recurrent state (read and written)."""
+    total = sum(_weight_bytes(layer) for layer in model.layers)
     total += model.output.nbytes + model.output_norm.nbytes
     total += model.embedding.nbytes // model.config.vocab_size
     total += backend.kv_block_bytes(model.config, 16) // 16 * context_len
+    if model.config.is_hybrid:
+        total += 2 * backend.state_bytes_per_slot(model.config)
     return total
+
+
+def _weight_bytes(weights) -> int:
+    """A layer's weights: tensors, or groups of them (a hybrid's mixer, a feed-forward dict), None where absent."""
+    if weights is None:
+        return 0
+    if hasattr(weights, "nbytes"):
+        return weights.nbytes
+    group = weights if isinstance(weights, dict) else vars(weights)
+    return sum(_weight_bytes(w) for w in group.values())
 
 
 def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> dict:
@@ -37,19 +48,20 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, size=prompt_len).tolist()
     blocks = -(-(prompt_len + decode_tokens + 16) // block)
-    cache = backend.allocate_kv_cache(model.config, blocks, block)
-    table = list(range(blocks))
+    cache = backend.allocate_kv_cache(model.config, blocks, block, state_slots(model.config, 1))
+    table, slot = list(range(blocks)), state_slot(model.config, 0)
     params = [SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)]
     output: list[int] = []
 
     def forward(tokens: list[int], start: int) -> int:
-        logits = backend.forward(model, build_batch([SequenceStep(tokens, start, table)], block), cache)
+        step = SequenceStep(tokens, start, table, state_slot=slot)
+        logits = backend.forward(model, build_batch([step], block), cache)
         token = llm.engine.sampler.sample(logits, [0], params, [ids], [output])[0].token_id
         output.append(token)
         return token
 
-    def prefill() -> int:
-        last = prefill_chunks(llm, cache, table, ids)
+    def prefill() -> int:  # from position 0: a hybrid model's state starts afresh
+        last = prefill_chunks(llm, cache, table, ids, slot)
         return forward(ids[last:], last)
 
     forward(ids[:16], 0)  # warm-up: kernels compiled and loaded
@@ -83,13 +95,22 @@ def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> d
     }
 
 
-def prefill_chunks(llm, cache, table: list[int], ids: list[int]) -> int:
+def state_slots(config, num_seqs: int) -> int:
+    """Recurrent-state slots for num_seqs sequences: one each for a hybrid model, none for others."""
+    return num_seqs if config.is_hybrid else 0
+
+
+def state_slot(config, seq: int) -> int:
+    return seq if config.is_hybrid else -1
+
+
+def prefill_chunks(llm, cache, table: list[int], ids: list[int], slot: int = -1) -> int:
     """Run all but the last chunk of the prompt ids (chunks of the engine's max_num_batched_tokens, as the engine
     runs a long prompt; without logits); the start of the last chunk, which the caller runs."""
     chunk = llm.engine.config.max_num_batched_tokens
     last = (len(ids) - 1) // chunk * chunk
     for start in range(0, last, chunk):
-        step = SequenceStep(ids[start : start + chunk], start, table, logits="none")
+        step = SequenceStep(ids[start : start + chunk], start, table, logits="none", state_slot=slot)
         llm.backend.forward(llm.model, build_batch([step], BLOCK_SIZE), cache)
     return last
 
@@ -148,8 +169,9 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
         raise InferoError(f"bench decode --batch: {batch} sequences; this engine steps 1 to {limit} (--max-num-seqs)")
     rng = np.random.default_rng(seed)
     per_seq = -(-(prompt_len + steps + 16) // block)
-    cache = backend.allocate_kv_cache(model.config, per_seq * batch, block)
+    cache = backend.allocate_kv_cache(model.config, per_seq * batch, block, state_slots(model.config, batch))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    slots = [state_slot(model.config, i) for i in range(batch)]
     prompts = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len)).tolist()
     params = [SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)] * batch
     outputs: list[list[int]] = [[] for _ in range(batch)]
@@ -161,14 +183,16 @@ def batched(llm, batch: int, prompt_len: int = 512, steps: int = 16, seed: int =
         return [r.token_id for r in results]
 
     tokens = []
-    for prompt, table in zip(prompts, tables, strict=True):
-        last = prefill_chunks(llm, cache, table, prompt)
-        logits = backend.forward(model, build_batch([SequenceStep(prompt[last:], last, table)], block), cache)
+    for prompt, table, slot in zip(prompts, tables, slots, strict=True):
+        last = prefill_chunks(llm, cache, table, prompt, slot)
+        step = SequenceStep(prompt[last:], last, table, state_slot=slot)
+        logits = backend.forward(model, build_batch([step], block), cache)
         tokens.append(int(np.argmax(backend.to_host(logits, 0, 1)[0])))
     times = []
     for i in range(steps):
         t = time.perf_counter()
-        steps_ = [SequenceStep([tok], prompt_len + i, table) for tok, table in zip(tokens, tables, strict=True)]
+        steps_ = [SequenceStep([tok], prompt_len + i, table, state_slot=slot)
+                  for tok, table, slot in zip(tokens, tables, slots, strict=True)]  # fmt: skip
         tokens = sample(backend.forward(model, build_batch(steps_, block), cache))
         times.append(time.perf_counter() - t)
     return float(np.median(times[2:] or times))

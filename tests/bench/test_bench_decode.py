@@ -1,6 +1,8 @@
 """`infero bench decode --batch` on the CPU backend: steps of several sequences, and batch sizes the engine cannot
 step are refused with a clear error."""
 
+from pathlib import Path
+
 import pytest
 from gguf import GGMLQuantizationType as Q
 from tiny_gguf import write_tiny_model
@@ -57,3 +59,12 @@ def test_a_prompt_longer_than_a_step_is_prefilled_in_chunks(tmp_path):
     chunked, whole = (np.asarray(forward(llm.model, step, cache)) for cache in caches)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
     assert decode.run(llm, prompt_len=40, decode_tokens=4)["prefill_tokens"] == 40
+
+
+def test_a_hybrid_model_is_benchmarked_with_a_state_slot_per_sequence():
+    path = Path(__file__).parent.parent / "fixtures" / "models" / "tiny-qwen35.gguf"
+    hybrid = LLM(path, device="cpu")
+    r = decode.run(hybrid, prompt_len=40, decode_tokens=4)  # 40 tokens: prefilled in chunks of 16, one slot
+    assert r["prefill_tokens"] == 40 and r["decode_tok_s"] > 0
+    assert r["step_bytes"] > 2 * hybrid.backend.state_bytes_per_slot(hybrid.config)  # the state read and written
+    assert decode.batched(hybrid, 3, prompt_len=20, steps=4) > 0
