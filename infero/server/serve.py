@@ -80,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API route")
     flag("--served-model-name", metavar="NAME", help="the model's name in the API (default: the GGUF file's stem)")
     flag("--max-model-len", type=_int_at_least(2), metavar="N", help="context length (default: the model's)")
-    flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N", help="sequences per batch (default: 64)")
+    flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N",
+         help="sequences per batch, and a hybrid model's recurrent-state slots, taken from the KV cache's memory "
+              "(default: 64)")  # fmt: skip
     flag("--max-num-batched-tokens", type=_int_at_least(1), metavar="N",
          help="tokens per engine step: decodes first, prompt chunks take the rest (default: the backend's, 2048 "
               "on a GPU, 16 on the CPU to keep a step near 100 ms)")  # fmt: skip
