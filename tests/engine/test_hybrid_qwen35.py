@@ -73,6 +73,14 @@ def test_forks_continue_from_the_parents_state(llm):
     assert all_free(llm)
 
 
+def test_asynchronous_scheduling_gives_the_same_tokens(llm):
+    prompts = [prompt(40 + i, 10 + 7 * i) for i in range(4)]
+    params = SamplingParams(temperature=0.9, seed=2, max_tokens=10, ignore_eos=True, n=2)
+    overlapped = load(async_scheduling=True)
+    assert tokens(overlapped, prompts, params) == tokens(llm, prompts, params)
+    assert all_free(overlapped)
+
+
 def test_preemption_recomputes_from_a_fresh_slot(llm):
     prompts = [prompt(20 + i, 30) for i in range(4)]
     want = tokens(llm, prompts)
