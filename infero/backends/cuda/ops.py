@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, skinny_gemm, weight_layout
+from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, moe, skinny_gemm, weight_layout
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
@@ -136,7 +136,8 @@ class CudaOps:
 
     def weight(self, tensor: TensorInfo, gathered: bool = False):
         """Matrices stay in their stored encoding (Q4_K and Q6_K linear layers tiled: weight_layout.py; gathered, a
-        table whose rows are looked up by token id, in GGUF rows); vectors (norms, biases) become float32."""
+        table whose rows are looked up by token id, in GGUF rows), expert tensors [experts, rows, cols] too, as one
+        matrix of experts x rows GGUF rows (moe.ExpertWeights); vectors (norms, biases) become float32."""
         if tensor.ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
@@ -145,6 +146,9 @@ class CudaOps:
         if len(tensor.shape) == 2:
             rows, cols = tensor.shape
             return weight_layout.upload(tensor.data, tensor.ggml_type, rows, cols, arena, gathered)
+        if len(tensor.shape) == 3:
+            experts, rows, cols = tensor.shape
+            return moe.upload(tensor.data, tensor.ggml_type, experts, rows, cols, arena)
         from infero.checkpoint.dequantize import dequantize_tensor
 
         values = dequantize_tensor(tensor) if tensor.ggml_type != GGMLType.F32 else tensor.data.view(np.float32)
@@ -252,6 +256,61 @@ class CudaOps:
         aligned = out.ptr % 16 == 0 and gate.ptr % 16 == 0 and up.ptr % 16 == 0
         elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None)
         return out
+
+    def moe_route(self, h: DeviceTensor, router: QuantWeight, k: int) -> tuple[DeviceTensor, DeviceTensor]:
+        """Each row's k experts (int32 [n, k], most probable first; equal probabilities: the lower id first) and
+        their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device: the router's
+        linear, then moe.route."""
+        logits = self.linear(h, router)
+        ids = self.ws.empty((h.shape[0], k), np.int32)
+        weights = self.ws.empty((h.shape[0], k), np.float32)
+        moe.route(ids, weights, logits, self.stream)
+        return ids, weights
+
+    def moe_experts(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,
+                    down_exps) -> DeviceTensor:  # fmt: skip
+        """sum_r weights[:, r] * down_e(silu(gate_e h) * up_e h), e = experts[:, r] (see CpuOps.moe_experts): each
+        (token, rank) pair's expert mat-vecs (moe.expert_matvec), SwiGLU, then moe.combine. The pairs' buffers are
+        dead once the combine is queued: the workspace takes them back (a replayed graph sees the same addresses)."""
+        n, k = experts.shape
+        out = self.ws.empty((n, down_exps.rows), np.float32)
+        mark = self.ws.offset
+        pair_ids = experts.reshape(n * k)
+        gate = self.ws.empty((n * k, gate_exps.rows), np.float32)
+        up = self.ws.empty((n * k, up_exps.rows), np.float32)
+        if gate_exps.ggml_type in matvec.FLOAT_TYPES and up_exps.ggml_type in matvec.FLOAT_TYPES:
+            self._require_values(h)
+            quantized = None
+        else:
+            quantized = self._moe_quantized(h)
+        launches = [([gate, up], [gate_exps, up_exps])]
+        if (gate_exps.ggml_type, gate_exps.matrix.data.shape) != (up_exps.ggml_type, up_exps.matrix.data.shape):
+            launches = [([gate], [gate_exps]), ([up], [up_exps])]  # one launch takes one type and shape
+        for outs, mats in launches:
+            moe.expert_matvec(outs, mats, pair_ids, k, self.stream, h, quantized)
+        if down_exps.ggml_type in matvec.FLOAT_TYPES:
+            elementwise.swiglu(gate, gate, up, self.stream)
+            down_quantized = None
+        else:
+            q_shape, s_shape = matvec.activation_shapes(n * k, gate.shape[1])
+            down_quantized = (self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
+            elementwise.swiglu(gate, gate, up, self.stream, down_quantized)
+        y = self.ws.empty((n * k, down_exps.rows), np.float32)
+        moe.expert_matvec([y], [down_exps], pair_ids, 1, self.stream, gate, down_quantized)
+        moe.combine(out, y, weights, self.stream)
+        self.ws.offset = mark
+        return out
+
+    def _moe_quantized(self, h: DeviceTensor):
+        """h in the mat-vec's activation format: a decode step's from the buffer its norm wrote (no launch), more rows
+        quantized into the workspace."""
+        if self._quantizable(h):
+            return self._quantized(h)
+        q_shape, s_shape = matvec.activation_shapes(*h.shape)
+        quantized = (self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
+        self._require_values(h)
+        matvec.quantize(*quantized, h, self.stream)
+        return quantized
 
     def _inv_freq(self, rotary: Rotary) -> DeviceTensor:
         inv_freq = self._rotary_tables.get(id(rotary))

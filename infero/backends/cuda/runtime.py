@@ -78,15 +78,20 @@ def head_dim(dim: int) -> str:
     return f"head_dim {dim}"
 
 
-def model_needs(dim: int, matrix_types) -> frozenset[str]:
-    """What a model needs compiled: the types its matrices are stored as (on the GPU they stay so), its head dim."""
-    return frozenset([weight_type(t) for t in matrix_types] + [head_dim(dim)])
+# The need of a mixture-of-experts model's kernels (routing, the expert mat-vecs), which dense models never run.
+EXPERTS = "experts"
+
+
+def model_needs(dim: int, matrix_types, experts: bool = False) -> frozenset[str]:
+    """What a model needs compiled: the types its matrices are stored as (on the GPU they stay so), its head dim,
+    and for a mixture of experts the expert kernels."""
+    return frozenset([weight_type(t) for t in matrix_types] + [head_dim(dim)] + ([EXPERTS] if experts else []))
 
 
 def checkpoint_needs(checkpoint) -> frozenset[str]:
     """model_needs of a checkpoint, from its header (vectors become float32 on the host: no kernel reads their type)."""
     types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
-    return model_needs(checkpoint.config.head_dim, types)
+    return model_needs(checkpoint.config.head_dim, types, checkpoint.config.num_experts > 0)
 
 
 def declare(filename: str, expressions: list[str], needs: tuple[str, ...] = (), part: str = "") -> None:

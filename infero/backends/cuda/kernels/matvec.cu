@@ -18,7 +18,8 @@
 // F32 / F16 / BF16 weights take matvec_f: activations stay float32, products in fp32 FMA. Q4_K and Q6_K (rows of
 // a multiple of 2048) take matvec_mma (at the end of this file): the same activation format and exact integer dots,
 // on the tensor cores with the weights staged through shared memory; 2-33% faster than matvec_q on an 8B model's
-// decode shapes.
+// decode shapes. matvec_experts (mixture-of-experts layers) runs matvec_q's units per (token, expert) pair, the
+// expert's id read from device memory.
 //
 // Threads. One warp computes RPW (1, 2 or 4) consecutive rows of one segment for all N tokens; the warps cover
 // the segments one after another, each segment's rows rounded up to a whole warp. Blocks hold 1, 2 or 4 warps
@@ -951,6 +952,136 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
     mv::fma_unit<N, RPW>(acc, w, x, n, cols, 8 * u, false);
   }
   mv::reduce_store<N, RPW>(acc, out, bias, n, rows, row0, lane);
+}
+
+// ---- the experts of a mixture-of-experts layer ----------------------------------------------------------------
+// matvec_experts (block formats) and matvec_experts_f (float weights): for each (token, rank) pair p of a MoE
+// layer, the 1-token mat-vec of the expert the pair was routed to (moe.py). An expert tensor is one matrix of
+// experts x rows GGUF rows (never tiled; expert e's matrix from row e x rows); ids int32 [pairs] is moe_route's
+// output, read after the PDL wait. Pair p reads activation row p / per_token (gate and up: per_token = k, the
+// token's normed hidden state; down: 1, the pair's own SwiGLU output, of act_rows = pairs rows) and writes row p
+// of its segment's out [pairs, rows]. Segments as matvec_q's (gate and up share a launch; bias unused).
+// grid: (pairs, blocks over the segments' warps), block: 32 x warps (<= 128); each warp two rows of one segment.
+// A row's lanes walk its units in matvec_q's (matvec_f's) order with its prefetch ring at N = 1, and reduce_store
+// sums them by its butterfly: each pair's output is bitwise what matvec_q<T, 1, ...> (matvec_f<T, 1, ...>) gives
+// that token on the chosen expert's matrix alone, whatever the other pairs, their experts or their count.
+template <int T>
+__global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv::Segments seg,
+                                                      const int* __restrict__ ids, int per_token,
+                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                      int act_rows, int cols, long long row_bytes) {
+  using U = mv::Unit<T>;
+  constexpr int RPW = 2;
+  constexpr int AHEAD = 1;  // what matvec.plan gives a decode step's large matrices (fewer registers than 2)
+  const int lane = threadIdx.x & 31;
+  const int k = lane & 7;
+  const int pair = blockIdx.x;
+  const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
+  const int s = (warp >= end0) + (warp >= end1);
+  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  pdl_enter();  // the expert ids, and the activation, are earlier kernels' output
+  if (row0 >= rows) return;
+  const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
+  const uint8_t* wrow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  const int units = cols / U::ELEMS, halves = cols / 16;
+  const int a = pair / per_token;  // the activation row
+  const int8_t* x0 = xq + (long long)a * cols;
+  const int8_t* x1 = xq + ((long long)act_rows + a) * cols;  // plane 1
+  const ActScale* xsa = xs + (long long)a * halves;
+
+  float acc[RPW][1];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r][0] = 0.f;
+  typename U::Raw ring[AHEAD + 1][RPW];
+  if (lane < units) {
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
+  }
+  // Unrolled by the ring's length as matvec_q (Q5_1 so unrolled spilled 12 bytes in ptxas' allocation: not).
+  constexpr int UNROLL = T != GGML_Q5_1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
+#pragma unroll UNROLL
+  for (int u = lane; u < units; u += 32) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    typename U::W w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) ring[i][r] = ring[i + 1][r];
+    int g[U::RUNS], h[U::RUNS];
+    U::runs(u, k, g, h);
+    mv::Act<U::RUNS> av;
+    mv::load_act(av, x0, x1, xsa, g, h);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r][0] = __fadd_rn(acc[r][0], U::dot(w[r], av));
+  }
+  mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
+}
+
+// Float weights: x float32 [act_rows, cols]; vec as matvec_f's (x rows and weight rows 16-byte aligned).
+template <int T>
+__global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ mv::Segments seg,
+                                                        const int* __restrict__ ids, int per_token,
+                                                        const float* __restrict__ x, int cols, long long row_bytes,
+                                                        int vec) {
+  using U = mv::FloatUnit<T>;
+  constexpr int RPW = 2, AHEAD = 2;
+  const int lane = threadIdx.x & 31;
+  const int pair = blockIdx.x;
+  const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
+  const int s = (warp >= end0) + (warp >= end1);
+  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  pdl_enter();
+  if (row0 >= rows) return;
+  const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
+  const uint8_t* wrow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  const float* xa = x + (long long)(pair / per_token) * cols;
+  const int units = (cols + 7) / 8, vec_units = vec ? cols / 8 : 0;
+
+  float acc[RPW][1];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r][0] = 0.f;
+  int u = lane;
+  if (vec_units > 0) {
+    typename U::Raw ring[AHEAD + 1][RPW];
+    if (lane < vec_units) {
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, vec_units - 1));
+    }
+    for (; u < vec_units; u += 32) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, vec_units - 1));
+      float w[RPW][8];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::decode(ring[0][r], w[r]);
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) ring[i][r] = ring[i + 1][r];
+      mv::fma_unit<1, RPW>(acc, w, xa, 1, cols, 8 * u, true);
+    }
+  }
+  for (; u < units; u += 32) {
+    float w[RPW][8];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[r][i] = U::element(wrow[r], 8 * u + i, cols);
+    mv::fma_unit<1, RPW>(acc, w, xa, 1, cols, 8 * u, false);
+  }
+  mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
 }
 
 // ---- Q4_K and Q6_K through the tensor cores ---------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""Launchers for a mixture-of-experts layer on the GPU: routing (kernels/moe.cu's moe_route), the chosen experts'
+mat-vecs (matvec.cu's matvec_experts, matvec_experts_f) and the weighted sum of their outputs (moe_combine).
+
+Every step stays on the device (a decode step is one CUDA graph): the router's logits come from the linear layer,
+moe_route turns each row into k expert ids and weights, and each (token, rank) pair p = t k + r runs the 1-token
+mat-vec of its expert, reading only that expert's rows. A pair's output is bitwise the 1-token mat-vec of that
+expert (matvec_q's, or matvec_f's, arithmetic and reduction order), so a token's output never depends on which or
+how many other tokens chose its experts, nor on the batch (docs/kernels.md, "Batch invariance"). At prefill each
+pair re-reads its expert's matrix (from L2 where tokens share experts): correct, not yet fast (the grouped GEMM of
+issue 30 is not built).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from infero.backends.cuda import driver, matvec, runtime, weight_layout
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
+
+SOURCE = "moe.cu"
+THREADS = 256  # moe_combine's block
+MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
+
+runtime.declare(SOURCE, ["moe_route", "moe_combine"], needs=(runtime.EXPERTS,))
+for _t in matvec.QUANT_TYPES:
+    runtime.declare(matvec.SOURCE, [f"matvec_experts<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
+for _t in matvec.FLOAT_TYPES:
+    runtime.declare(matvec.SOURCE, [f"matvec_experts_f<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_ROUTE_ARGS = (_P, _P, _P, _I, _I)
+_COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
+_Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
+_F_ARGS = (None, _P, _I, _P, _I, _L, _I)
+_functions: dict[tuple[str, str], object] = {}
+runtime.on_reload(_functions.clear)
+
+
+def _kernel(filename: str, expression: str):
+    fn = _functions.get((filename, expression))
+    if fn is None:
+        fn = _functions[filename, expression] = runtime.kernel(filename, expression)
+    return fn
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """An expert tensor [experts, rows, cols] on the GPU: one matrix of experts x rows GGUF rows in its stored
+    encoding (never tiled), expert e's matrix from row e x rows."""
+
+    matrix: QuantWeight
+    experts: int
+
+    @property
+    def rows(self) -> int:
+        return self.matrix.rows // self.experts
+
+    @property
+    def cols(self) -> int:
+        return self.matrix.cols
+
+    @property
+    def ggml_type(self) -> int:
+        return self.matrix.ggml_type
+
+    def expert(self, e: int) -> QuantWeight:
+        """Expert e's matrix alone, as a view (tests compare a pair's output with its plain mat-vec)."""
+        data = self.matrix.data.rows(e * self.rows, (e + 1) * self.rows)
+        return QuantWeight(data, self.ggml_type, self.rows, self.cols)
+
+
+def upload(raw: np.ndarray, ggml_type: int, experts: int, rows: int, cols: int, arena=None) -> ExpertWeights:
+    """An expert tensor's GGUF bytes (expert-major) onto the GPU as it is stored."""
+    matrix = weight_layout.upload(raw, ggml_type, experts * rows, cols, arena, gathered=True)
+    return ExpertWeights(matrix, experts)
+
+
+def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream: driver.Stream) -> None:
+    """ids int32 [n, k] and weights float32 [n, k] from the router's logits float32 [n, experts]: per row the k
+    most probable experts of softmax(logits), most probable first (equal probabilities: the lower id first), their
+    probabilities divided by their sum."""
+    n, experts = logits.shape
+    k = ids.shape[1] if len(ids.shape) == 2 else -1
+    if logits.dtype != np.float32 or not 1 <= k <= experts:
+        raise ValueError(f"route: logits must be float32 [n, experts] and 1 <= k <= experts, got {logits.dtype} "
+                         f"{logits.shape} and ids {ids.shape}")  # fmt: skip
+    if (ids.dtype, ids.shape, weights.dtype, weights.shape) != (np.int32, (n, k), np.float32, (n, k)):
+        raise ValueError(f"route: ids must be int32 and weights float32 [{n}, {k}], got {ids.dtype} {ids.shape} "
+                         f"and {weights.dtype} {weights.shape}")  # fmt: skip
+    if n:
+        driver.launch(_kernel(SOURCE, "moe_route"), (n,), (32,), (ids.ptr, weights.ptr, logits.ptr, experts, k),
+                      _ROUTE_ARGS, stream, 4 * experts, pdl=True)  # fmt: skip
+
+
+def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: DeviceTensor, per_token: int,
+                  stream: driver.Stream, x: DeviceTensor | None = None, quantized=None) -> None:  # fmt: skip
+    """outs[i] [pairs, rows] float32: row p = activation row p // per_token @ dequant(expert ids[p] of mats[i])^T,
+    for one or two expert tensors of one type, shape and encoding (gate and up) in one launch. The activation:
+    quantized (matvec's format, for block formats) or x float32 (float weights), of pairs / per_token rows."""
+    first = mats[0]
+    t, rows, cols, row_bytes = first.ggml_type, first.rows, first.cols, first.matrix.data.shape[1]
+    pairs = ids.numel
+    if error := _check(outs, mats, ids, per_token, x, quantized):
+        raise ValueError(f"expert_matvec: {error}")
+    if pairs == 0:
+        return
+    seg = matvec.segments(outs, [m.matrix for m in mats], [None] * len(mats))
+    for i in range(len(mats)):
+        seg.rows[i] = rows
+    warps = len(mats) * -(-rows // 2)
+    per_block = min(MAX_WARPS, warps)
+    grid, block = (pairs, -(-warps // per_block)), (32 * per_block,)
+    if t in matvec.FLOAT_TYPES:
+        vec = int(x.ptr % 16 == 0 and first.matrix.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
+        args = (seg, ids.ptr, per_token, x.ptr, cols, row_bytes, vec)
+        driver.launch(_kernel(matvec.SOURCE, f"matvec_experts_f<{t}>"), grid, block, args, _F_ARGS, stream, pdl=True)
+    else:
+        xq, xs = quantized[0], quantized[1]
+        args = (seg, ids.ptr, per_token, xq.ptr, xs.ptr, xq.shape[1], cols, row_bytes)
+        driver.launch(_kernel(matvec.SOURCE, f"matvec_experts<{t}>"), grid, block, args, _Q_ARGS, stream, pdl=True)
+
+
+def _check(outs, mats, ids, per_token, x, quantized) -> str | None:
+    """What is wrong with expert_matvec's arguments, or None."""
+    if not 1 <= len(mats) <= 2 or len(outs) != len(mats):
+        return f"{len(mats)} expert tensors and {len(outs)} outs; one launch takes one or two of each"
+    first = mats[0]
+    shape = (first.ggml_type, first.rows, first.cols, first.matrix.data.shape[1], first.matrix.tiled)
+    if any((m.ggml_type, m.rows, m.cols, m.matrix.data.shape[1], m.matrix.tiled) != shape for m in mats):
+        return "the expert tensors of one launch must share type, shape and encoding"
+    if first.matrix.tiled or first.matrix.layout_error(matvec.FLOAT_TYPES + matvec.QUANT_TYPES) is not None:
+        return f"expert tensor: {first.matrix.layout_error(matvec.FLOAT_TYPES + matvec.QUANT_TYPES) or 'tiled'}"
+    pairs, rows = ids.numel, first.rows
+    if ids.dtype != np.int32 or per_token < 1 or pairs % per_token:
+        return f"ids must be int32 [pairs], pairs a multiple of per_token {per_token}: got {ids.dtype} {ids.shape}"
+    if -(-len(mats) * -(-rows // 2) // MAX_WARPS) > 65535:
+        return f"{rows} rows exceed the launch's grid"
+    for out in outs:
+        if out.dtype != np.float32 or out.shape != (pairs, rows):
+            return f"out must be float32 [{pairs}, {rows}], got {out.dtype} {out.shape}"
+    act_rows = pairs // per_token
+    if first.ggml_type in matvec.FLOAT_TYPES:
+        if x is None or x.dtype != np.float32 or x.shape != (act_rows, first.cols):
+            return f"float weights read x float32 [{act_rows}, {first.cols}]"
+        return None
+    if quantized is None:
+        return "block formats read the activation quantized"
+    try:
+        matvec.check_activation(quantized, act_rows, first.cols)
+    except ValueError as e:
+        return str(e)
+    if len(quantized) > 2 and quantized[2] is not None:
+        return "an activation with a deferred RMSNorm is read by the tensor-core mat-vecs only"
+    return None
+
+
+def combine(out: DeviceTensor, y: DeviceTensor, weights: DeviceTensor, stream: driver.Stream) -> None:
+    """out [n, cols] = sum over r in rank order of weights[t, r] * y[t k + r] (y float32 [n k, cols], weights
+    float32 [n, k]), each product rounded and added in turn as numpy does."""
+    n, cols = out.shape
+    k = weights.shape[1] if len(weights.shape) == 2 else 0
+    f32 = all(t.dtype == np.float32 for t in (out, y, weights))
+    if not f32 or k < 1 or weights.shape != (n, k) or y.shape != (n * k, cols):
+        raise ValueError(f"combine: out [n, cols], weights [n, k] and y [n k, cols] float32, got {out.shape}, "
+                         f"{weights.shape} and {y.shape}")  # fmt: skip
+    if n and cols:
+        driver.launch(_kernel(SOURCE, "moe_combine"), (-(-n * cols // THREADS),), (THREADS,),
+                      (out.ptr, y.ptr, weights.ptr, n, k, cols), _COMBINE_ARGS, stream, pdl=True)  # fmt: skip

@@ -1,0 +1,218 @@
+"""The mixture-of-experts ops on the GPU (CudaOps.moe_route, CudaOps.moe_experts: kernels/moe.cu and matvec.cu's
+matvec_experts) against the numpy ops, and what a MoE model compiles.
+
+moe_route: the same experts as numpy's except where two probabilities are within fp32 rounding of each other, and
+the weights to ~1e-6. moe_experts: within 1e-3 relative of numpy on the dequantized experts (the int8 activation
+planes, twice: the hidden state and the SwiGLU output; test_matvec.py bounds one mat-vec at 1e-3), and bitwise
+batch invariant: a token's output row is the same bits alone as among 8 or 64 tokens. Each pair's expert mat-vec is
+bitwise the plain 1-token mat-vec of that expert's matrix where both run the same arithmetic (matvec_q, matvec_f).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from helpers import relative_error as rel_err
+from tiny_gguf import encode_weight
+
+from infero.backends.cpu.ops import CpuOps
+
+HIDDEN, EXPERT_FFN = 512, 256
+# What llama-quantize writes for MoE files (Q4_K_M's Q4_K gate/up and Q6_K down, Q5_K_M, Q8_0), the 32-element
+# formats and the float types.
+TYPES = [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.IQ4_XS, Q.F16, Q.F32]
+TOKEN_COUNTS = (1, 8, 64)
+EXPERTS_BOUND = 1e-3
+
+
+@functools.cache
+def expert_case(qtype: Q, experts: int, rows: int, cols: int, seed: int):
+    """(raw GGUF bytes uint8 [experts x rows, row_bytes], float32 dequantized [experts, rows, cols])."""
+    rng = np.random.default_rng(seed)
+    data, _ = encode_weight(rng.normal(0, 0.05, size=(experts * rows, cols)).astype(np.float32), qtype, rng)
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(experts * rows, -1)
+    w = np.asarray(dequantize(raw, qtype), np.float32).reshape(experts, rows, cols)
+    return raw, w
+
+
+def gpu_ops(prepared: bool = True):
+    """CudaOps over a workspace of its own; prepared: with the decode activation buffers (as a model's)."""
+    from infero.backends.cuda import runtime
+    from infero.backends.cuda.ops import CudaOps
+    from infero.backends.cuda.tensor import Workspace
+
+    backend = SimpleNamespace(workspace=Workspace(256 << 20), stream=runtime.stream(), weights_arena=None)
+    ops = CudaOps(backend)
+    if prepared:
+        ops.prepare(SimpleNamespace(hidden_size=HIDDEN, q_size=HIDDEN, intermediate_size=EXPERT_FFN))
+    return ops
+
+
+def upload_experts(qtype: Q, experts: int, rows: int, cols: int, seed: int):
+    from infero.backends.cuda import moe
+
+    raw, w = expert_case(qtype, experts, rows, cols, seed)
+    return moe.upload(raw, int(qtype), experts, rows, cols), w
+
+
+def routed(n: int, experts: int, k: int, seed: int):
+    """h [n, HIDDEN] and numpy's routing of it through a random router: (h, router, ids int64, weights)."""
+    rng = np.random.default_rng(seed)
+    h = rng.normal(0, 1, size=(n, HIDDEN)).astype(np.float32)
+    router = rng.normal(0, 0.3, size=(experts, HIDDEN)).astype(np.float32)
+    ids, weights = CpuOps().moe_route(h, router, k)
+    return h, router, ids, weights
+
+
+def run_route(ops, h: np.ndarray, router: np.ndarray, k: int):
+    from infero.backends.cuda import weight_layout
+    from infero.backends.cuda.tensor import from_host
+
+    ops.ws.reset()
+    router_w = weight_layout.upload(router.view(np.uint8), int(Q.F32), *router.shape)
+    ids, weights = ops.moe_route(from_host(h), router_w, k)
+    return ids.to_host(ops.stream), weights.to_host(ops.stream)
+
+
+def run_experts(ops, h, ids, weights, mats) -> np.ndarray:
+    from infero.backends.cuda.tensor import from_host
+
+    ops.ws.reset()
+    h_dev = from_host(h)
+    out = ops.moe_experts(h_dev, from_host(ids.astype(np.int32)), from_host(weights.astype(np.float32)), *mats)
+    return out.to_host(ops.stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, k", [(8, 2), (128, 8), (8, 8), (512, 10)])
+@pytest.mark.parametrize("n", TOKEN_COUNTS)
+def test_route_picks_numpys_experts_and_weights(gpu, experts, k, n):
+    h, router, ref_ids, ref_weights = routed(n, experts, k, seed=experts + n)
+    ids, weights = run_route(gpu_ops(), h, router, k)
+    assert ids.dtype == np.int32 and ids.shape == (n, k) and weights.shape == (n, k)
+    probs = CpuOps().linear(h, router)
+    probs = np.exp(probs - probs.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for t in range(n):
+        assert len(set(ids[t])) == k and (0 <= ids[t]).all() and (ids[t] < experts).all()
+        if not np.array_equal(ids[t], ref_ids[t]):  # only where two probabilities are within rounding
+            gaps = np.abs(probs[t, ids[t]] - probs[t, ref_ids[t]])
+            assert gaps.max() < 1e-6, f"token {t}: {ids[t]} against numpy's {ref_ids[t]}"
+        else:
+            np.testing.assert_allclose(weights[t], ref_weights[t], rtol=1e-5, atol=1e-7)
+        assert abs(float(weights[t].sum()) - 1) < 1e-5
+
+
+@pytest.mark.gpu
+def test_route_breaks_ties_toward_the_lower_expert_id(gpu):
+    """Equal router rows give equal probabilities: the lower ids win, in id order, on every row."""
+    rng = np.random.default_rng(5)
+    router = np.repeat(rng.normal(0, 0.3, size=(4, HIDDEN)).astype(np.float32), 4, axis=0)  # 16 experts, 4 tied
+    h = rng.normal(0, 1, size=(8, HIDDEN)).astype(np.float32)
+    ids, _ = run_route(gpu_ops(), h, router, 6)
+    ref_ids, _ = CpuOps().moe_route(h, router, 6)
+    assert np.array_equal(ids, ref_ids)
+    for row in ids:  # within each group of 4 equal experts, the lower ids come first
+        for group in range(4):
+            members = [e for e in row if e // 4 == group]
+            assert members == sorted(members) and members == list(range(4 * group, 4 * group + len(members)))
+
+
+def expert_mats(gate_type: Q, down_type: Q, experts: int):
+    gate, wg = upload_experts(gate_type, experts, EXPERT_FFN, HIDDEN, 1)
+    up, wu = upload_experts(gate_type, experts, EXPERT_FFN, HIDDEN, 2)
+    down, wd = upload_experts(down_type, experts, HIDDEN, EXPERT_FFN, 3)
+    return (gate, up, down), (wg, wu, wd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_experts_match_numpy_and_are_batch_invariant(gpu, qtype):
+    experts, k = 8, 2
+    mats, ws = expert_mats(qtype, qtype, experts)
+    h, _, ids, weights = routed(max(TOKEN_COUNTS), experts, k, seed=int(qtype))
+    ids[3] = ids[4] = [5, 1]  # two tokens sharing both experts, in different ranks than a third
+    ids[5] = [1, 5]
+    ops = gpu_ops()
+    outs = {n: run_experts(ops, h[:n], ids[:n], weights[:n], mats) for n in TOKEN_COUNTS}
+    ref = CpuOps().moe_experts(h, ids, weights, *ws)
+    err = rel_err(outs[64], ref)
+    print(f"{qtype.name}: rel err {err:.2e}")
+    assert np.isfinite(outs[64]).all() and err < EXPERTS_BOUND
+    for n in TOKEN_COUNTS[:-1]:
+        assert np.array_equal(outs[n], outs[64][:n]), f"{n} tokens: not the bits of the same rows among 64"
+    alone = np.concatenate([run_experts(ops, h[t : t + 1], ids[t : t + 1], weights[t : t + 1], mats) for t in range(8)])
+    assert np.array_equal(alone, outs[8])
+
+
+@pytest.mark.gpu
+def test_mixed_expert_types_and_one_expert_for_every_token(gpu):
+    """Q4_K_M's layers of Q4_K gate / up and Q6_K down; every token routed to expert 7 first, experts 0-5 to none;
+    k = 1 and k = all experts."""
+    experts = 8
+    mats, ws = expert_mats(Q.Q4_K, Q.Q6_K, experts)
+    ops = gpu_ops(prepared=False)  # every activation quantized into the workspace
+    for k in (1, 2, experts):
+        h, _, ids, weights = routed(16, experts, k, seed=40 + k)
+        if k == 2:
+            ids[:] = [7, 6]
+        out = run_experts(ops, h, ids, weights, mats)
+        err = rel_err(out, CpuOps().moe_experts(h, ids, weights, *ws))
+        print(f"k = {k}: rel err {err:.2e}")
+        assert err < EXPERTS_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.F32, Q.BF16], ids=lambda q: q.name)
+def test_each_pair_is_bitwise_the_plain_mat_vec_of_its_expert(gpu, qtype):
+    """expert_matvec's row p is the 1-token mat-vec of expert ids[p] on activation row p // per_token: bitwise
+    matvec's (these types and widths run matvec_q, or matvec_f, there), NaN-poisoned outputs all written."""
+    from infero.backends.cuda import driver, matvec, moe, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    experts, k, rows, cols = 6, 3, 300, 512
+    mat, _ = upload_experts(qtype, experts, rows, cols, 9)
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 1, size=(5, cols)).astype(np.float32)
+    ids = rng.integers(0, experts, size=5 * k).astype(np.int32)
+    stream, ws = runtime.stream(), Workspace(1 << 24)
+    xd = from_host(x)
+    out = empty((5 * k, rows), np.float32)
+    driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)
+    quantized = None
+    if qtype not in (Q.F32, Q.F16, Q.BF16):
+        quantized = (ws.empty(matvec.activation_shapes(5, cols)[0], np.int8),
+                     ws.empty(matvec.activation_shapes(5, cols)[1], np.int32))  # fmt: skip
+        matvec.quantize(*quantized, xd, stream)
+    moe.expert_matvec([out], [mat], from_host(ids), k, stream, xd, quantized)
+    got = out.to_host(stream)
+    for p, e in enumerate(ids):
+        plain = empty((1, rows), np.float32)
+        matvec.matvec(plain, mat.expert(int(e)), xd.rows(p // k, p // k + 1), None, stream, ws)
+        assert np.array_equal(got[p], plain.to_host(stream)[0]), f"pair {p} (expert {e})"
+
+
+def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
+    import importlib
+    import pkgutil
+
+    import infero.backends.cuda as cuda_pkg
+    from infero.backends.cuda import runtime
+
+    for module in pkgutil.iter_modules(cuda_pkg.__path__):
+        importlib.import_module(f"infero.backends.cuda.{module.name}")
+
+    def names(experts: bool) -> set[str]:
+        units = runtime.needed_units(runtime.model_needs(128, [Q.Q4_K, Q.Q6_K, Q.F32], experts))
+        return {f"{u.filename}: {name}" for u, ns in units.items() for name in ns}
+
+    moe_names, dense_names = names(True), names(False)
+    assert {"moe.cu: moe_route", "moe.cu: moe_combine", "matvec.cu: matvec_experts<12>",
+            "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
+    assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]
+    assert not [n for n in dense_names if "moe.cu" in n or "experts" in n]
