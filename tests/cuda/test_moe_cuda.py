@@ -216,3 +216,82 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
             "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
     assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]
     assert not [n for n in dense_names if "moe.cu" in n or "experts" in n]
+
+
+class _Tensor:
+    def __init__(self, ptr: int, shape, dtype):
+        self.ptr, self.shape, self.dtype = ptr, tuple(shape), np.dtype(dtype)
+
+    def reshape(self, *shape):
+        return _Tensor(self.ptr, shape, self.dtype)
+
+
+class _Workspace:
+    """Hands out distinct addresses; offset counts allocations (ops.moe_experts must hand its pairs' buffers back)."""
+
+    generation = 0
+
+    def __init__(self):
+        self.offset = 0
+
+    def empty(self, shape, dtype):
+        self.offset += 1
+        return _Tensor(self.offset << 20, shape, dtype)
+
+
+def _experts(t: Q, experts: int, rows: int, cols: int):
+    from infero.backends.cuda import moe
+
+    matrix = SimpleNamespace(
+        ggml_type=int(t), rows=experts * rows, cols=cols, data=SimpleNamespace(shape=(experts * rows, cols))
+    )
+    return moe.ExpertWeights(matrix, experts)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(ops over a fake workspace, the launches moe_experts queues, in order). No GPU: launchers are recorders."""
+    from infero.backends.cuda import elementwise, matvec, moe
+    from infero.backends.cuda.ops import CudaOps
+
+    calls = []
+    monkeypatch.setattr(matvec, "quantize", lambda q, s, x, stream: calls.append(("quantize", x.ptr, q.shape)))
+    monkeypatch.setattr(elementwise, "swiglu", lambda out, gate, up, stream, quantized=None: calls.append(
+        ("swiglu", out.ptr, gate.ptr, up.ptr, quantized)))  # fmt: skip
+    monkeypatch.setattr(moe, "expert_matvec", lambda outs, mats, ids, per_token, stream, x, quantized: calls.append(
+        ("experts", [o.ptr for o in outs], [m.ggml_type for m in mats], per_token, x.ptr, quantized)))  # fmt: skip
+    monkeypatch.setattr(moe, "combine", lambda out, y, w, stream: calls.append(("combine", out.ptr, y.ptr, w.ptr)))
+    return CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None)), calls
+
+
+def test_moe_experts_queues_gate_up_swiglu_down_combine_and_hands_back_its_scratch(launches):
+    """32 tokens (more than the decode buffers hold): h quantized once into the workspace; Q4_K gate and up in one
+    launch reading it; SwiGLU into gate, quantized for the Q6_K down; the combine reads down's output; every buffer
+    but the output handed back."""
+    ops, calls = launches
+    n, k = 32, 4
+    h, ids, weights = _Tensor(1, (n, 256), np.float32), _Tensor(2, (n, k), np.int32), _Tensor(3, (n, k), np.float32)
+    mats = (_experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q6_K, 8, 256, 128))
+    out = ops.moe_experts(h, ids, weights, *mats)
+    assert out.shape == (n, 256) and ops.ws.offset == 1  # the output alone stays
+    quantize, gate_up, swiglu, down, combine = calls
+    assert quantize[:2] == ("quantize", h.ptr) and quantize[2] == (2, n, 256)
+    (gate, up), h_quantized = gate_up[1], gate_up[5]
+    assert gate_up[2:5] == ([12, 12], k, h.ptr) and h_quantized[0].shape == (2, n, 256)
+    assert swiglu[1:4] == (gate, gate, up) and swiglu[4][0].shape == (2, n * k, 128)
+    assert down[1:4] == ([down[1][0]], [14], 1) and down[4] == gate and down[5] is swiglu[4]
+    assert combine[1:] == (out.ptr, down[1][0], weights.ptr)
+
+
+def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unquantized(launches):
+    ops, calls = launches
+    h, ids, weights = _Tensor(1, (2, 256), np.float32), _Tensor(2, (2, 2), np.int32), _Tensor(3, (2, 2), np.float32)
+    ops.moe_experts(h, ids, weights, _experts(Q.Q4_K, 4, 64, 256), _experts(Q.Q5_K, 4, 64, 256),
+                    _experts(Q.F16, 4, 256, 64))  # fmt: skip
+    kinds = [(c[0], c[2]) if c[0] == "experts" else (c[0],) for c in calls]
+    assert kinds == [("quantize",), ("experts", [12]), ("experts", [13]), ("swiglu",), ("experts", [1]), ("combine",)]
+    assert calls[3][4] is None and calls[4][5] is None  # SwiGLU's output read as float32 by the F16 down
+    calls.clear()
+    ops.moe_experts(h, ids, weights, *(_experts(Q.F32, 4, r, c) for r, c in ((64, 256), (64, 256), (256, 64))))
+    assert [c[0] for c in calls] == ["experts", "swiglu", "experts", "combine"]
+    assert calls[0][4] == h.ptr and calls[0][5] is None
