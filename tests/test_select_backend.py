@@ -21,3 +21,10 @@ def test_cuda_refuses_a_hybrid_architecture_in_one_line(architecture):
         UnsupportedModelError, match=f"^{architecture} runs on the CPU backend only for now: use --device cpu$"
     ):
         select_backend("cuda", architecture)
+
+
+def test_auto_does_not_steer_qwen3moe_to_the_cpu(capsys):
+    """qwen3moe runs on the GPU backend: auto takes the GPU where there is one (here, without one, the CPU with the
+    no-GPU note, never the CPU-only one)."""
+    select_backend("auto", "qwen3moe")
+    assert "runs on the CPU backend only" not in capsys.readouterr().err

@@ -7,9 +7,9 @@ import sys
 from infero.errors import InferoError, UnsupportedModelError
 
 DEVICES = ("auto", "cpu", "cuda")
-# Architectures whose ops only the CPU backend implements (qwen3moe: the GPU's expert kernels are not written yet;
-# the Qwen3.5 hybrids: nor are its Gated DeltaNet kernels and recurrent-state cache).
-CPU_ONLY_ARCHITECTURES = ("qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+# Architectures whose ops only the CPU backend implements (the Qwen3.5 hybrids: the GPU's Gated DeltaNet kernels and
+# recurrent-state cache are not written yet).
+CPU_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
 
 def select_backend(device: str = "auto", architecture: str | None = None):

@@ -18,11 +18,8 @@ from typing import Any
 
 from infero.checkpoint import Checkpoint
 from infero.engine.batch import Batch
-from infero.errors import ModelFileError, UnsupportedModelError
+from infero.errors import ModelFileError
 from infero.models.llama import LlamaModel
-
-# The GPU backend has no expert kernels yet (select_backend steers --device auto to the CPU for this architecture).
-CPU_ONLY = "qwen3moe runs on the CPU backend only (the GPU's expert kernels are not written yet): use --device cpu"
 
 
 @dataclass
@@ -48,8 +45,6 @@ class Qwen3MoeModel(LlamaModel):
     @classmethod
     def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> Qwen3MoeModel:
         """Check the expert tensors' shapes against the file's expert keys, then hand every tensor to the backend."""
-        if not hasattr(ops, "moe_experts"):
-            raise UnsupportedModelError(CPU_ONLY)
         check_expert_shapes(checkpoint)
         return super().load(checkpoint, ops, progress)
 

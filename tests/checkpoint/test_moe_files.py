@@ -34,10 +34,3 @@ def test_expert_used_count_outside_one_to_expert_count(capsys, tmp_path, used):
 def test_a_missing_expert_tensor(capsys, tmp_path, name):
     path = write_tiny_moe(tmp_path / "moe.gguf", drop=(name,))
     assert_one_line_error(capsys, generate(path), f"missing tensor {name!r}")
-
-
-def test_the_gpu_backend_refuses_a_moe_model(capsys, tmp_path):
-    path = write_tiny_moe(tmp_path / "moe.gguf")
-    argv = generate(path)
-    argv[argv.index("cpu")] = "cuda"
-    assert_one_line_error(capsys, argv, "use --device cpu")

@@ -6,11 +6,14 @@ the weights to ~1e-6. moe_experts: within 1e-3 relative of numpy on the dequanti
 planes, twice: the hidden state and the SwiGLU output; test_matvec.py bounds one mat-vec at 1e-3), and bitwise
 batch invariant: a token's output row is the same bits alone as among 8 or 64 tokens. Each pair's expert mat-vec is
 bitwise the plain 1-token mat-vec of that expert's matrix where both run the same arithmetic (matvec_q, matvec_f).
+A tiny qwen3moe model tracks the CPU backend whole, in chunks and decoding; a sequence decoding beside seven others
+gets the bits it gets alone; graph replay gives eager's bits.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -295,3 +298,96 @@ def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unq
     ops.moe_experts(h, ids, weights, *(_experts(Q.F32, 4, r, c) for r, c in ((64, 256), (64, 256), (256, 64))))
     assert [c[0] for c in calls] == ["experts", "swiglu", "experts", "combine"]
     assert calls[0][4] == h.ptr and calls[0][5] is None
+
+
+# ---- a tiny qwen3moe model against the CPU backend ---------------------------------------------------------------
+
+MOE_PROMPT = [(17 * i + 5) % 250 for i in range(64)]
+NEAR_TIE = 1e-3  # top-1 may differ only where the reference's top two logits are closer than this
+
+
+def model_logits(llm, ids, steps):
+    """Teacher-forced logits at every position of ids, computed in the given (start, stop) chunks."""
+    from infero.engine.batch import SequenceStep, build_batch
+
+    backend, model = llm.backend, llm.model
+    cache = backend.allocate_kv_cache(model.config, 8, 16)
+    out = []
+    for a, b in steps:
+        batch = build_batch([SequenceStep(ids[a:b], a, list(range(8)), "all")], 16)
+        result = backend.forward(model, batch, cache)
+        out.append(result if isinstance(result, np.ndarray) else backend.to_host(result, 0, b - a))
+    return np.concatenate(out)
+
+
+def agrees_on_top1(out, ref) -> bool:
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    return bool(np.all((out.argmax(-1) == ref.argmax(-1)) | (top2[:, 1] - top2[:, 0] < NEAR_TIE)))
+
+
+def moe_file(tmp_path, qtype: Q, **kwargs):
+    from tiny_moe import write_tiny_moe
+
+    return write_tiny_moe(tmp_path / f"moe-{qtype.name}.gguf", qtype=qtype, seed=int(qtype) + 3, **kwargs)
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
+STEPS = {
+    "prefill 64": [(0, 64)],
+    "prefill 8 a step": [(a, a + 8) for a in range(0, 64, 8)],
+    "chunks of 7": [(a, min(a + 7, 64)) for a in range(0, 64, 7)],
+    "decode": [(i, i + 1) for i in range(64)],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["F32", "Q8_0", "Q4_0", "tiny-qwen3moe", "tiny-qwen3moe-k8"])
+def test_a_tiny_qwen3moe_tracks_the_cpu_backend_at_every_step_shape(gpu, tmp_path, source):
+    from infero import LLM
+
+    path = FIXTURES / f"{source}.gguf" if source.startswith("tiny") else moe_file(tmp_path, Q[source])
+    cpu, cuda = LLM(path, device="cpu"), LLM(path, device="cuda")
+    ref = model_logits(cpu, MOE_PROMPT, STEPS["prefill 64"])
+    for name, steps in STEPS.items():
+        out = model_logits(cuda, MOE_PROMPT, steps)
+        err = rel_err(out, ref)
+        print(f"{source}, {name}: rel err {err:.2e}")
+        assert np.isfinite(out).all() and err < 2e-2 and agrees_on_top1(out, ref), name
+
+
+@pytest.mark.gpu
+def test_decode_beside_seven_others_is_bitwise_decode_alone(gpu, tmp_path):
+    """Q4_0 (every linear of 1-16 tokens on matvec_q, the router on matvec_f, the experts per pair): a sequence's
+    decode logits are the same bits whichever and however many sequences share its step."""
+    from infero import LLM
+    from infero.engine.batch import SequenceStep, build_batch
+
+    llm = LLM(moe_file(tmp_path, Q.Q4_0), device="cuda")
+    backend, model = llm.backend, llm.model
+    cache = backend.allocate_kv_cache(model.config, 64, 16)
+    prompts = [[(7 * i + 13 * j + 1) % 250 for j in range(5 + i)] for i in range(8)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(8)]
+    for p, table in zip(prompts, tables, strict=True):
+        backend.forward(model, build_batch([SequenceStep(p, 0, table)], 16), cache)
+    steps = [SequenceStep([(3 * i) % 250], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    together = backend.to_host(backend.forward(model, build_batch(steps, 16), cache), 0, 8)
+    for i, step in enumerate(steps):
+        alone = backend.to_host(backend.forward(model, build_batch([step], 16), cache), 0, 1)
+        assert np.array_equal(alone[0], together[i]), f"sequence {i}"
+
+
+@pytest.mark.gpu
+def test_moe_graph_replay_is_bit_identical_to_eager(gpu, tmp_path):
+    from infero import LLM, SamplingParams
+
+    path = moe_file(tmp_path, Q.Q8_0)
+    prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    graphs = LLM(path, device="cuda")
+    eager = LLM(path, device="cuda")
+    eager.backend.use_graphs = False
+    a = graphs.generate(prompts, params)
+    b = eager.generate(prompts, params)
+    assert graphs.backend._graphs, "no graph was captured"
+    assert [o.completion_ids for o in a] == [o.completion_ids for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]
