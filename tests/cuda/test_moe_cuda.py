@@ -300,6 +300,19 @@ def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unq
     assert calls[0][4] == h.ptr and calls[0][5] is None
 
 
+def test_bench_decode_counts_every_experts_bytes_as_on_the_cpu():
+    """bench decode's byte count walks a layer's weights: expert tensors count their GGUF bytes (all experts, as the
+    CPU backend's arrays do), not a traceback."""
+    from infero.backends.cuda import moe
+    from infero.backends.cuda.tensor import QuantWeight
+    from infero.bench.decode import _weight_bytes
+
+    gate = moe.ExpertWeights(QuantWeight(None, int(Q.Q4_K), 8 * 768, 2048), 8)
+    down = moe.ExpertWeights(QuantWeight(None, int(Q.Q6_K), 8 * 2048, 768), 8)
+    layer = SimpleNamespace(gate_exps=gate, down_exps=down, router=None)
+    assert _weight_bytes(layer) == 8 * 768 * 8 * 144 + 8 * 2048 * 3 * 210
+
+
 # ---- a tiny qwen3moe model against the CPU backend ---------------------------------------------------------------
 
 MOE_PROMPT = [(17 * i + 5) % 250 for i in range(64)]

@@ -66,6 +66,11 @@ class ExpertWeights:
     def ggml_type(self) -> int:
         return self.matrix.ggml_type
 
+    @property
+    def nbytes(self) -> int:
+        """Every expert's encoded bytes (as the CPU backend's array of them reports)."""
+        return self.matrix.nbytes
+
     def expert(self, e: int) -> QuantWeight:
         """Expert e's matrix alone, as a view (tests compare a pair's output with its plain mat-vec)."""
         data = self.matrix.data.rows(e * self.rows, (e + 1) * self.rows)
