@@ -221,6 +221,19 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
     assert not [n for n in dense_names if "moe.cu" in n or "experts" in n]
 
 
+def test_bench_decode_counts_every_experts_bytes_as_on_the_cpu():
+    """bench decode's byte count walks a layer's weights: expert tensors count their GGUF bytes (all experts, as the
+    CPU backend's arrays do), not a traceback."""
+    from infero.backends.cuda import moe
+    from infero.backends.cuda.tensor import QuantWeight
+    from infero.bench.decode import _weight_bytes
+
+    gate = moe.ExpertWeights(QuantWeight(None, int(Q.Q4_K), 8 * 768, 2048), 8)
+    down = moe.ExpertWeights(QuantWeight(None, int(Q.Q6_K), 8 * 2048, 768), 8)
+    layer = SimpleNamespace(gate_exps=gate, down_exps=down, router=None)
+    assert _weight_bytes(layer) == 8 * 768 * 8 * 144 + 8 * 2048 * 3 * 210
+
+
 class _Tensor:
     def __init__(self, ptr: int, shape, dtype):
         self.ptr, self.shape, self.dtype = ptr, tuple(shape), np.dtype(dtype)
@@ -298,19 +311,6 @@ def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unq
     ops.moe_experts(h, ids, weights, *(_experts(Q.F32, 4, r, c) for r, c in ((64, 256), (64, 256), (256, 64))))
     assert [c[0] for c in calls] == ["experts", "swiglu", "experts", "combine"]
     assert calls[0][4] == h.ptr and calls[0][5] is None
-
-
-def test_bench_decode_counts_every_experts_bytes_as_on_the_cpu():
-    """bench decode's byte count walks a layer's weights: expert tensors count their GGUF bytes (all experts, as the
-    CPU backend's arrays do), not a traceback."""
-    from infero.backends.cuda import moe
-    from infero.backends.cuda.tensor import QuantWeight
-    from infero.bench.decode import _weight_bytes
-
-    gate = moe.ExpertWeights(QuantWeight(None, int(Q.Q4_K), 8 * 768, 2048), 8)
-    down = moe.ExpertWeights(QuantWeight(None, int(Q.Q6_K), 8 * 2048, 768), 8)
-    layer = SimpleNamespace(gate_exps=gate, down_exps=down, router=None)
-    assert _weight_bytes(layer) == 8 * 768 * 8 * 144 + 8 * 2048 * 3 * 210
 
 
 # ---- a tiny qwen3moe model against the CPU backend ---------------------------------------------------------------
