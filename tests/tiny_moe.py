@@ -21,10 +21,11 @@ def write_tiny_moe(
     seed: int = 0,
     expert_count_key: int | None = None,
     drop: tuple[str, ...] = (),
+    head_dim: int = HEAD_DIM,
 ) -> Path:
     """A 2-layer qwen3moe with `experts` experts of width expert_ffn, `used` of them per token; matrices in qtype
     (expert tensors 3-D, one matrix per expert). expert_count_key writes another expert_count than the tensors
-    hold; tensors named in drop are left out."""
+    hold; tensors named in drop are left out; head_dim 64 for the GPU backend, whose attention takes 64 and 128."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = byte_level_vocab(["hello", " world", " the", "ing", " and", "tion", "12"])
     w = gguf.GGUFWriter(str(path), "qwen3moe")
@@ -34,9 +35,9 @@ def write_tiny_moe(
     w.add_feed_forward_length(4 * expert_ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(experts if expert_count_key is None else expert_count_key)
@@ -61,12 +62,12 @@ def write_tiny_moe(
     for i in range(LAYERS):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", HIDDEN)
-        matrix(p + "attn_q.weight", HEADS * HEAD_DIM, HIDDEN)
-        matrix(p + "attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        matrix(p + "attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        vector(p + "attn_q_norm.weight", HEAD_DIM)
-        vector(p + "attn_k_norm.weight", HEAD_DIM)
-        matrix(p + "attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+        matrix(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
+        matrix(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        matrix(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        vector(p + "attn_q_norm.weight", head_dim)
+        vector(p + "attn_k_norm.weight", head_dim)
+        matrix(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
         vector(p + "ffn_norm.weight", HIDDEN)
         add(p + "ffn_gate_inp.weight", rng.normal(0, 0.3, size=(experts, HIDDEN)).astype(np.float32))
         matrix(p + "ffn_gate_exps.weight", experts, expert_ffn, HIDDEN)
