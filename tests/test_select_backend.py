@@ -1,4 +1,5 @@
-"""Which backend runs a model: the hybrid architectures, which the GPU does not run yet, stay on the CPU."""
+"""Which backend runs a model: the hybrid architectures, which the GPU does not run yet, and head dims its attention
+kernels are not built for stay on the CPU."""
 
 import pytest
 
@@ -28,3 +29,19 @@ def test_auto_does_not_steer_qwen3moe_to_the_cpu(capsys):
     no-GPU note, never the CPU-only one)."""
     select_backend("auto", "qwen3moe")
     assert "runs on the CPU backend only" not in capsys.readouterr().err
+
+
+def test_a_head_dim_the_gpu_attention_lacks_runs_on_the_cpu_with_auto_and_is_refused_with_cuda(capsys):
+    assert isinstance(select_backend("auto", "qwen3moe", 16), CpuBackend)
+    note = "infero: attention heads of 16 run on the CPU backend only (the GPU's take 64 or 128); running on the CPU\n"
+    assert capsys.readouterr().err == note
+    refusal = "^attention heads of 96 run on the CPU backend only .*: use --device cpu$"
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        select_backend("cuda", "llama", 96)
+
+
+def test_the_gpu_head_dims_are_the_attention_kernels():
+    from infero.backends import GPU_HEAD_DIMS
+    from infero.backends.cuda import attention
+
+    assert GPU_HEAD_DIMS == attention.HEAD_DIMS

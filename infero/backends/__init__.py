@@ -10,18 +10,26 @@ DEVICES = ("auto", "cpu", "cuda")
 # Architectures whose ops only the CPU backend implements (the Qwen3.5 hybrids: the GPU's Gated DeltaNet kernels and
 # recurrent-state cache are not written yet).
 CPU_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+# The head dims the GPU's attention kernels are built for (cuda/attention.py HEAD_DIMS; a test keeps the two equal).
+GPU_HEAD_DIMS = (64, 128)
 
 
-def select_backend(device: str = "auto", architecture: str | None = None):
-    """The backend for --device; `auto` takes the GPU when infero can drive one and runs the architecture, else the
-    CPU (with a note)."""
+def select_backend(device: str = "auto", architecture: str | None = None, head_dim: int | None = None):
+    """The backend for --device; `auto` takes the GPU when infero can drive one and runs the model (its architecture
+    and its head dim), else the CPU (with a note)."""
     if device not in DEVICES:
         raise InferoError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    reason = None
     if architecture in CPU_ONLY_ARCHITECTURES:
+        reason = f"{architecture} runs on the CPU backend only for now"
+    elif head_dim is not None and head_dim not in GPU_HEAD_DIMS:
+        dims = " or ".join(str(d) for d in GPU_HEAD_DIMS)
+        reason = f"attention heads of {head_dim} run on the CPU backend only (the GPU's take {dims})"
+    if reason is not None:
         if device == "cuda":
-            raise UnsupportedModelError(f"{architecture} runs on the CPU backend only for now: use --device cpu")
+            raise UnsupportedModelError(f"{reason}: use --device cpu")
         if device == "auto":
-            print(f"infero: {architecture} runs on the CPU backend only for now; running on the CPU", file=sys.stderr)
+            print(f"infero: {reason}; running on the CPU", file=sys.stderr)
             device = "cpu"
     if device in ("auto", "cuda"):
         try:
