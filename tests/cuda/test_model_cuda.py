@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from helpers import relative_error as rel_err
+from helpers import teacher_forced_logits
 from tiny_gguf import ALL_TYPES, TinyShape, write_tiny_model
 
 from infero import LLM, SamplingParams
@@ -16,19 +17,6 @@ from infero.engine.batch import SequenceStep, build_batch
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 40, 75, 3, 200, 17, 99, 150, 42, 7, 260, 5, 9, 11, 13, 15, 17, 19, 21, 23, 25]
 NEAR_TIE = 1e-3  # top-1 may differ only where the reference's top two logits are closer than this
-
-
-def logits_of(llm, ids, steps=None):
-    """Teacher-forced logits at every position, computed in the given chunks (default: one prefill)."""
-    backend, model = llm.backend, llm.model
-    cache = backend.allocate_kv_cache(model.config, 8, 16)
-    steps = steps or [(0, len(ids))]
-    out = []
-    for a, b in steps:
-        batch = build_batch([SequenceStep(ids[a:b], a, list(range(8)), "all")], 16)
-        result = backend.forward(model, batch, cache)
-        out.append(result if isinstance(result, np.ndarray) else backend.to_host(result, 0, b - a))
-    return np.concatenate(out)
 
 
 def top1_agreement(out, ref):
@@ -46,8 +34,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_every_tensor_type_matches_numpy(gpu, models, qtype):
     path = write_tiny_model(models / f"t-{qtype.name}.gguf", qtype, seed=int(qtype))
-    ref = logits_of(LLM(path, device="cpu"), PROMPT)
-    out = logits_of(LLM(path, device="cuda"), PROMPT)
+    ref = teacher_forced_logits(LLM(path, device="cpu"), PROMPT)
+    out = teacher_forced_logits(LLM(path, device="cuda"), PROMPT)
     ok, agreement = top1_agreement(out, ref)
     err = rel_err(out, ref)
     print(f"{qtype.name}: rel err {err:.2e}, top-1 agreement {agreement:.3f}")
@@ -58,8 +46,8 @@ def test_every_tensor_type_matches_numpy(gpu, models, qtype):
 def test_every_architecture_matches_numpy(gpu, models, arch):
     shape = TinyShape(arch=arch, tied=arch == "qwen3", head_dim=128 if arch == "qwen3" else 64)
     path = write_tiny_model(models / f"a-{arch}.gguf", Q.Q8_0, shape, seed=7)
-    ref = logits_of(LLM(path, device="cpu"), PROMPT)
-    out = logits_of(LLM(path, device="cuda"), PROMPT)
+    ref = teacher_forced_logits(LLM(path, device="cpu"), PROMPT)
+    out = teacher_forced_logits(LLM(path, device="cuda"), PROMPT)
     ok, agreement = top1_agreement(out, ref)
     print(f"{arch}: rel err {rel_err(out, ref):.2e}, top-1 agreement {agreement:.3f}")
     assert rel_err(out, ref) < 2e-2 and ok
@@ -68,9 +56,9 @@ def test_every_architecture_matches_numpy(gpu, models, arch):
 def test_decode_after_prefill_and_chunked_prefill_match_whole_prefill(gpu, models):
     path = write_tiny_model(models / "chunks.gguf", Q.Q4_K, seed=9)
     llm = LLM(path, device="cuda")
-    whole = logits_of(llm, PROMPT)
-    decode = logits_of(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
-    chunked = logits_of(llm, PROMPT, [(0, 7), (7, 16), (16, len(PROMPT))])
+    whole = teacher_forced_logits(llm, PROMPT)
+    decode = teacher_forced_logits(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
+    chunked = teacher_forced_logits(llm, PROMPT, [(0, 7), (7, 16), (16, len(PROMPT))])
     print(f"decode-after-prefill {rel_err(decode, whole):.2e}, chunked {rel_err(chunked, whole):.2e}")
     assert rel_err(decode, whole) < 5e-3 and rel_err(chunked, whole) < 5e-3
 
@@ -89,9 +77,9 @@ def test_decode_steps_fold_the_norms_into_the_projections_before_them(gpu, model
     calls.clear()  # the decode graphs captured before the LLM is ready ran their steps through it too
     llm.backend.use_graphs = False  # every step's launches go through Python, so they can be counted
     steps = [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))]
-    decode = logits_of(llm, PROMPT, steps)
-    whole = logits_of(llm, PROMPT)
-    ref = logits_of(LLM(path, device="cpu"), PROMPT)
+    decode = teacher_forced_logits(llm, PROMPT, steps)
+    whole = teacher_forced_logits(llm, PROMPT)
+    ref = teacher_forced_logits(LLM(path, device="cpu"), PROMPT)
     assert len(calls) == (2 * llm.model.config.num_layers - 1) * (len(steps) - 1)
     ok, agreement = top1_agreement(decode, ref)
     print(f"decode with folded norms: rel err {rel_err(decode, ref):.2e} against numpy, "
@@ -119,9 +107,9 @@ def test_linear_layers_are_stored_tiled_and_track_numpy(gpu, models, qtype, shap
     layer = model.layers[0]
     assert all(w.tiled for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
     assert not model.embedding.tiled and (model.output is model.embedding) == tied
-    ref = logits_of(LLM(path, device="cpu"), PROMPT)
-    whole = logits_of(llm, PROMPT)
-    decode = logits_of(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
+    ref = teacher_forced_logits(LLM(path, device="cpu"), PROMPT)
+    whole = teacher_forced_logits(llm, PROMPT)
+    decode = teacher_forced_logits(llm, PROMPT, [(0, 10)] + [(i, i + 1) for i in range(10, len(PROMPT))])
     ok, agreement = top1_agreement(decode, ref)
     print(f"tiled {qtype.name} (tied head: {tied}): prefill {rel_err(whole, ref):.2e}, decode "
           f"{rel_err(decode, ref):.2e} against numpy; top-1 agreement {agreement:.3f}")  # fmt: skip
@@ -165,7 +153,7 @@ def test_batched_greedy_outputs_track_solo_runs(gpu, models):
     tracked = [next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
                for a, b in zip(together, alone, strict=True)]  # fmt: skip
     print(f"batch of 8 (48-token prefill) vs solo (6 tokens): tokens tracked {tracked}")
-    solo_logits = [logits_of(llm, p) for p in prompts]
+    solo_logits = [teacher_forced_logits(llm, p) for p in prompts]
     batch = build_batch([SequenceStep(p, 0, [2 * i, 2 * i + 1], "all") for i, p in enumerate(prompts)], 16)
     cache = llm.backend.allocate_kv_cache(llm.model.config, 16, 16)
     batched = llm.backend.to_host(llm.backend.forward(llm.model, batch, cache), 0, 48)
@@ -203,7 +191,7 @@ def test_smollm2_greedy_generation_matches_cpu(gpu):
             print(f"{prompt!r}: identical")
             continue
         k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        ref = logits_of(cpu, cpu.tokenizer.encode(prompt) + a[:k])[-1]
+        ref = teacher_forced_logits(cpu, cpu.tokenizer.encode(prompt) + a[:k])[-1]
         gap = float(np.sort(ref)[-1] - ref[b[k]])
         print(f"{prompt!r}: diverges at token {k}, reference logit gap {gap:.2e}")
         assert gap < NEAR_TIE, f"divergence at {k} is not a near-tie ({gap})"

@@ -20,6 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from helpers import relative_error as rel_err
+from helpers import teacher_forced_logits
 from tiny_gguf import encode_weight
 
 from infero.backends.cpu.ops import CpuOps
@@ -318,20 +319,6 @@ MOE_PROMPT = [(17 * i + 5) % 250 for i in range(64)]
 NEAR_TIE = 1e-3  # top-1 may differ only where the reference's top two logits are closer than this
 
 
-def model_logits(llm, ids, steps):
-    """Teacher-forced logits at every position of ids, computed in the given (start, stop) chunks."""
-    from infero.engine.batch import SequenceStep, build_batch
-
-    backend, model = llm.backend, llm.model
-    cache = backend.allocate_kv_cache(model.config, 8, 16)
-    out = []
-    for a, b in steps:
-        batch = build_batch([SequenceStep(ids[a:b], a, list(range(8)), "all")], 16)
-        result = backend.forward(model, batch, cache)
-        out.append(result if isinstance(result, np.ndarray) else backend.to_host(result, 0, b - a))
-    return np.concatenate(out)
-
-
 def agrees_on_top1(out, ref) -> bool:
     top2 = np.sort(ref, axis=-1)[:, -2:]
     return bool(np.all((out.argmax(-1) == ref.argmax(-1)) | (top2[:, 1] - top2[:, 0] < NEAR_TIE)))
@@ -358,9 +345,9 @@ def test_a_tiny_qwen3moe_tracks_the_cpu_backend_at_every_step_shape(gpu, tmp_pat
 
     path = moe_file(tmp_path, Q[source])
     cpu, cuda = LLM(path, device="cpu"), LLM(path, device="cuda")
-    ref = model_logits(cpu, MOE_PROMPT, STEPS["prefill 64"])
+    ref = teacher_forced_logits(cpu, MOE_PROMPT, STEPS["prefill 64"])
     for name, steps in STEPS.items():
-        out = model_logits(cuda, MOE_PROMPT, steps)
+        out = teacher_forced_logits(cuda, MOE_PROMPT, steps)
         err = rel_err(out, ref)
         print(f"{source}, {name}: rel err {err:.2e}")
         assert np.isfinite(out).all() and err < 2e-2 and agrees_on_top1(out, ref), name
