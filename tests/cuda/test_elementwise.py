@@ -8,6 +8,8 @@ fp32 add per element: bitwise equal. Gathers and fp16 cache writes are copies: b
 import numpy as np
 import pytest
 
+from infero.models.rotary import Rotary
+
 pytestmark = pytest.mark.gpu
 
 RTOL = 1e-5
@@ -195,3 +197,89 @@ def test_rotary_store_kv_matches_numpy(gpu, pairing, heads, kv_heads, head_dim, 
     assert np.array_equal(flat_v[written], v[:-1].astype(np.float16))
     untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
     assert np.isnan(flat_k[untouched]).all() and np.isnan(flat_v[untouched]).all()
+
+
+class _Float32Angles(Rotary):
+    """Rotary with the kernels' angles, fp32(position * inv_freq) (inv_freq holding fp32 values), for CpuOps."""
+
+    def cos_sin(self, positions):
+        angles = (positions.astype(np.float32)[:, None] * self.inv_freq.astype(np.float32)[None, :]).astype(np.float64)
+        return np.cos(angles) * self.mscale, np.sin(angles) * self.mscale
+
+
+# Qwen3's per-head q/k norms fused into rotary_store_kv: bitwise rms_norm on q, on k, then rotary_store_kv (the
+# launches it replaces), for head dims 64 and 128 (the GPU attention's) and 256 (two float4 a lane), both pairings,
+# partial rotary, 1 to 64 tokens with padding tokens (slot -1); and the numpy op within the rotary test's bounds.
+QK_NORM_SHAPES = [(32, 4, 128, 128), (16, 8, 128, 64), (12, 3, 64, 64), (14, 2, 64, 32), (4, 2, 256, 256)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+@pytest.mark.parametrize("pairing", ["interleaved", "neox"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rope_dim", QK_NORM_SHAPES)
+def test_qk_norm_rotary_store_kv_is_bitwise_rms_norms_then_rotary_store_kv(gpu, n, pairing, heads, kv_heads,
+                                                                          head_dim, rope_dim):  # fmt: skip
+    from infero.backends.cpu.ops import CpuKVCache, CpuOps
+    from infero.backends.cuda import elementwise, runtime
+
+    rng = np.random.default_rng(n * 100 + heads + head_dim + rope_dim + (pairing == "neox"))
+    block_size, num_blocks, eps = 16, 9, 1e-6
+    q = (rng.standard_normal((n, heads, head_dim)) * 3).astype(np.float32)
+    k = (rng.standard_normal((n, kv_heads, head_dim)) * 5).astype(np.float32)
+    v = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+    q_norm = (1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)
+    k_norm = (1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)
+    positions = rng.integers(0, 32768, n).astype(np.int32)
+    positions[0] = 32767
+    inv_freq = (1e6 ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)).astype(np.float32)
+    mscale = 1.0 if rope_dim == head_dim else 1.1
+    slots = rng.permutation(num_blocks * block_size)[:n].astype(np.int64)
+    slots[(n + 1) // 2 :: 2] = -1  # padding tokens (none at n = 1): normed and rotated in q, nothing in the cache
+    stream, poison = runtime.stream(), np.full((num_blocks, block_size, kv_heads, head_dim), np.nan, np.float16)
+    positions_d, inv_freq_d, slots_d, v_d = _dev(positions), _dev(inv_freq), _dev(slots), _dev(v)
+    q_norm_d, k_norm_d = _dev(q_norm), _dev(k_norm)
+
+    # The unfused sequence: rms_norm on q and on k (rms_norm_rows), then rotary_store_kv.
+    q_ref, k_ref = _poisoned(q.shape), _poisoned(k.shape)
+    kc_ref, vc_ref = _dev(poison), _dev(poison)
+    elementwise.rms_norm(q_ref, _dev(q), q_norm_d, eps, stream)
+    elementwise.rms_norm(k_ref, _dev(k), k_norm_d, eps, stream)
+    elementwise.rotary_store_kv(q_ref, k_ref, v_d, positions_d, inv_freq_d, mscale, pairing, rope_dim, kc_ref,
+                                vc_ref, slots_d, stream)  # fmt: skip
+    # Fused: q normed and rotated in place, k left as it came.
+    q_d, k_d, kc_d, vc_d = _dev(q), _dev(k), _dev(poison), _dev(poison)
+    elementwise.qk_norm_rotary_store_kv(q_d, k_d, v_d, q_norm_d, k_norm_d, eps, positions_d, inv_freq_d, mscale,
+                                        pairing, rope_dim, kc_d, vc_d, slots_d, stream)  # fmt: skip
+    _sync()
+    q_out, kc, vc = q_d.to_host(), kc_d.to_host(), vc_d.to_host()
+    for name, got, want in [("q", q_out, q_ref.to_host()), ("k cache", kc, kc_ref.to_host()),
+                            ("v cache", vc, vc_ref.to_host())]:  # fmt: skip
+        bits = np.uint32 if got.dtype == np.float32 else np.uint16
+        differ = np.argwhere(got.view(bits) != want.view(bits))
+        assert not len(differ), f"{name}: {len(differ)} elements differ from the unfused, first {differ[0].tolist()}"
+    assert np.isfinite(q_out).all()
+    assert np.array_equal(k_d.to_host(), k)
+    flat_k, flat_v = kc.reshape(-1, kv_heads, head_dim), vc.reshape(-1, kv_heads, head_dim)
+    written = slots[slots >= 0]
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    assert np.isfinite(flat_k[written]).all() and np.isfinite(flat_v[written]).all()
+    assert np.isnan(flat_k[untouched]).all() and np.isnan(flat_v[untouched]).all()
+
+    # Against numpy's op (CpuOps: float32 norms, float64 cos/sin). Its cache has a block more: a slot of -1 lands
+    # in its last one, which the GPU skips.
+    errors = {}
+    for angles, rotary in [("fp32", _Float32Angles(inv_freq.astype(np.float64), pairing, rope_dim, mscale)),
+                           ("float64", Rotary(inv_freq.astype(np.float64), pairing, rope_dim, mscale))]:  # fmt: skip
+        cache = CpuKVCache(1, num_blocks + 1, block_size, kv_heads, head_dim)
+        q_np = CpuOps().qk_norm_rotary_store_kv(q, k, v, q_norm, k_norm, eps, positions, rotary, cache, 0, slots)
+        k_np, v_np = (c[0].reshape(-1, kv_heads, head_dim)[written] for c in (cache.k, cache.v))
+        assert np.array_equal(flat_v[written], v_np.astype(np.float16))
+        errors[angles] = (rel_err(q_out, q_np), rel_err(flat_k[written], k_np),
+                          float(np.abs(q_out - q_np).max() / np.abs(q_np).max()))  # fmt: skip
+    # Against float64 angles: |angle error| <= pos * inv_freq * 2^-23 per pair (kernels/elementwise.cu).
+    bound = np.float64(positions.max()) * float(inv_freq.max()) * 2.0**-23 * mscale
+    print(f"qk_norm_rotary_store_kv {pairing} n={n} H={heads} Hkv={kv_heads} D={head_dim} rope={rope_dim}: bitwise "
+          f"the unfused launches; vs numpy, fp32 angles: q {errors['fp32'][0]:.2e}, k cache {errors['fp32'][1]:.2e}; "
+          f"float64 angles: q max {errors['float64'][2]:.2e} (bound {2 * bound:.2e})")  # fmt: skip
+    assert errors["fp32"][0] < RTOL
+    assert errors["fp32"][1] < 2.0**-11 + RTOL  # the fp16 cache: half an fp16 ulp, relative
+    assert errors["float64"][2] < 2 * bound + 1e-5

@@ -161,6 +161,12 @@ class CpuOps:
         cache.v[layer][slot_mapping // bs, slot_mapping % bs] = v
         return self.rotary(q, positions, rotary)
 
+    def qk_norm_rotary_store_kv(self, q, k, v, q_norm, k_norm, eps: float, positions, rotary: Rotary,
+                                cache: CpuKVCache, layer: int, slot_mapping):  # fmt: skip
+        """rotary_store_kv of q and k after each head's rms_norm (weights q_norm, k_norm: Qwen3's q/k norms)."""
+        q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        return self.rotary_store_kv(q, k, v, positions, rotary, cache, layer, slot_mapping)
+
     def qkv_rotary_store(self, x, weights, biases, head_dim: int, positions, rotary: Rotary, cache: CpuKVCache,
                          layer: int, slot_mapping) -> np.ndarray:  # fmt: skip
         """The attention inputs of x: its q, k and v projections (weights and biases in that order) as heads of

@@ -1,4 +1,5 @@
-"""Launchers for kernels/elementwise.cu: add + RMSNorm, RMSNorm, fused rotary + KV-cache write, SwiGLU, row gather.
+"""Launchers for kernels/elementwise.cu: add + RMSNorm, RMSNorm, fused rotary + KV-cache write (alone or after the
+per-head q/k RMSNorm), SwiGLU, row gather.
 
 Each launcher checks shapes and dtypes, allocates nothing and launches one kernel on `stream`. The kernel variant
 is chosen from the row length alone (never from the number of rows), so results are batch invariant.
@@ -29,6 +30,7 @@ runtime.declare(
     [f"add_rms_norm<{v}, {_b(add)}, {_b(quant)}>" for v in NORM_VPT for add in (False, True) for quant in (False, True)]
     + [f"rms_norm_rows<{v}>" for v in ROW_VPT]
     + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false, false>", "swiglu<true, false>"]
+    + [f"qk_norm_rotary_store_kv<{v}, {_b(neox)}>" for v in ROW_VPT for neox in (False, True)]
     + ["swiglu<true, true>"]
     + [f"gather_rows<{w}>" for w in _WORDS.values()],
 )
@@ -125,6 +127,49 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
                     v_cache: DeviceTensor, slot_mapping: DeviceTensor, stream: driver.Stream) -> None:  # fmt: skip
     """Rotate q [n, heads, head_dim] and k [n, kv_heads, head_dim] in place by position (fp32 angles), and
     write k and v as fp16 into their cache slots (negative slots are skipped)."""
+    _check_rotary(q, k, v, positions, inv_freq, pairing, rope_dim, k_cache, v_cache, slot_mapping)
+    n, heads, head_dim = q.shape
+    if n == 0:
+        return
+    fn = _kernel(f"rotary_store_kv<{'true' if pairing == 'neox' else 'false'}>")
+    args = (q.ptr, k.ptr, v.ptr, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2, heads, k.shape[1], head_dim,
+            k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
+    driver.launch(fn, (n,), (256,), args, types, stream, pdl=True)
+
+
+def qk_norm_rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, q_norm: DeviceTensor,
+                            k_norm: DeviceTensor, eps: float, positions: DeviceTensor, inv_freq: DeviceTensor,
+                            mscale: float, pairing: str, rope_dim: int, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                            slot_mapping: DeviceTensor, stream: driver.Stream) -> None:  # fmt: skip
+    """rms_norm of each q head (weight q_norm) and k head (k_norm), then rotary_store_kv, in one launch: bitwise
+    the three launches. q is written in place; k keeps its input values (its normed, rotated values go only to
+    the cache)."""
+    _check_rotary(q, k, v, positions, inv_freq, pairing, rope_dim, k_cache, v_cache, slot_mapping)
+    n, heads, head_dim = q.shape
+    limit = MAX_ROW_PER_WARP_DIM
+    _require(head_dim % 4 == 0 and head_dim <= limit,
+             lambda: f"the q/k norm needs head_dim divisible by 4 and <= {limit}, got {head_dim}")  # fmt: skip
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _f32(name, w)
+        if w.numel != head_dim:
+            raise ValueError(f"{name} has {w.numel} elements, heads have {head_dim}")
+    _require(all(t.ptr % 16 == 0 for t in (q, k, q_norm, k_norm)),
+             lambda: "q, k, q_norm and k_norm must be 16-byte aligned (rows are read as float4)")  # fmt: skip
+    if n == 0:
+        return
+    vpt = next(v for v in ROW_VPT if head_dim <= 128 * v)  # rms_norm's row-per-warp choice: the same sum order
+    fn = _kernel(f"qk_norm_rotary_store_kv<{vpt}, {_b(pairing == 'neox')}>")
+    kv_heads = k.shape[1]
+    args = (q.ptr, k.ptr, v.ptr, q_norm.ptr, k_norm.ptr, eps, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2,
+            heads, kv_heads, head_dim, k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _F, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
+    driver.launch(fn, (n, -(-(heads + kv_heads) // 8)), (256,), args, types, stream, pdl=True)
+
+
+def _check_rotary(q, k, v, positions, inv_freq, pairing, rope_dim, k_cache, v_cache, slot_mapping) -> None:
+    """The shapes and dtypes rotary_store_kv's kernels take (q [n, heads, head_dim], k and v [n, kv_heads,
+    head_dim], the fp16 caches of kv_heads x head_dim slots)."""
     _require(
         len(q.shape) == 3 and len(k.shape) == 3, lambda: f"q {q.shape} and k {k.shape} must be [n, heads, head_dim]"
     )
@@ -133,7 +178,7 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
     for name, t in (("q", q), ("k", k), ("v", v), ("inv_freq", inv_freq)):
         _f32(name, t)
     _require(k.shape == (n, kv_heads, head_dim) and v.shape == k.shape,
-             f"k {k.shape} and v {v.shape} must be [{n}, kv_heads, {head_dim}]")  # fmt: skip
+             lambda: f"k {k.shape} and v {v.shape} must be [{n}, kv_heads, {head_dim}]")  # fmt: skip
     _require(pairing in ("interleaved", "neox"), lambda: f"pairing must be 'interleaved' or 'neox', got {pairing!r}")
     _require(head_dim % 2 == 0 and head_dim <= 512, lambda: f"head_dim must be even and <= 512, got {head_dim}")
     _require(
@@ -148,13 +193,6 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
         if not (cache.dtype == np.float16 and len(cache.shape) == 4 and cache.shape[2:] == (kv_heads, head_dim)):
             raise ValueError(f"{name} must be fp16 [blocks, block_size, {kv_heads}, {head_dim}], got {cache.dtype} "
                              f"{cache.shape}")  # fmt: skip
-    if n == 0:
-        return
-    fn = _kernel(f"rotary_store_kv<{'true' if pairing == 'neox' else 'false'}>")
-    args = (q.ptr, k.ptr, v.ptr, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2, heads, kv_heads, head_dim,
-            k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
-    types = (_P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
-    driver.launch(fn, (n,), (256,), args, types, stream, pdl=True)
 
 
 def swiglu(out: DeviceTensor, gate: DeviceTensor, up: DeviceTensor, stream: driver.Stream,

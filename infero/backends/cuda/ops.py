@@ -336,6 +336,16 @@ class CudaOps:
         )  # fmt: skip
         return q
 
+    def qk_norm_rotary_store_kv(self, q, k, v, q_norm, k_norm, eps: float, positions, rotary: Rotary,
+                                cache: CudaKVCache, layer: int, slot_mapping):  # fmt: skip
+        """rms_norm of q and k per head, then rotary_store_kv, as one launch (bitwise the three); q is normed and
+        rotated in place and returned."""
+        elementwise.qk_norm_rotary_store_kv(
+            q, k, v, q_norm, k_norm, eps, positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing,
+            rotary.rope_dim, cache.k[layer], cache.v[layer], slot_mapping, self.stream,
+        )  # fmt: skip
+        return q
+
     def qkv_rotary_store(self, x, weights, biases, head_dim: int, positions, rotary: Rotary, cache: CudaKVCache,
                          layer: int, slot_mapping) -> DeviceTensor:  # fmt: skip
         """q of [n, heads, head_dim]; k and v into the cache (see CpuOps.qkv_rotary_store). Decode steps of one or

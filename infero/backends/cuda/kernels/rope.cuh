@@ -1,6 +1,6 @@
-// Rotary position embedding of one element pair, shared by rotary_store_kv (elementwise.cu) and the q/k/v
-// mat-vec's epilogue (matvec.cu): both give the same bits, every operation an explicit _rn one (no FMA
-// contraction can differ between the two kernels).
+// Rotary position embedding of one element pair, shared by rotary_store_kv and qk_norm_rotary_store_kv
+// (elementwise.cu) and the q/k/v mat-vec's epilogue (matvec.cu): all give the same bits, every operation an
+// explicit _rn one (no FMA contraction can differ between the kernels).
 #pragma once
 
 namespace rope {
