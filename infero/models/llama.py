@@ -99,11 +99,10 @@ class LlamaModel:
         if layer.q_norm is None:  # one op: the GPU folds the rotation and the cache write into the projection
             q = ops.qkv_rotary_store(h, qkv, biases, c.head_dim, batch.positions, self.rotary, cache, i,
                                      batch.slot_mapping)  # fmt: skip
-        else:
+        else:  # Qwen3: per-head q/k norms, then the rotation and the cache write (one op: one GPU launch)
             q, k, v = (y.reshape(n, -1, c.head_dim) for y in ops.linears(h, qkv, biases))
-            q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, i, batch.slot_mapping)
+            q = ops.qk_norm_rotary_store_kv(q, k, v, layer.q_norm, layer.k_norm, c.rms_norm_eps, batch.positions,
+                                            self.rotary, cache, i, batch.slot_mapping)  # fmt: skip
         return ops.attention(q, cache, i, batch, self.scale).reshape(n, c.q_size)
 
     def logits(self, x: Any, residual: Any, batch: Batch) -> Any:

@@ -148,10 +148,9 @@ class Qwen35Model(LlamaModel):
         ops, c, n = self.ops, self.config, batch.num_tokens
         q_gate, k, v = ops.linears(h, (w.wq, w.wk, w.wv))
         q_gate = q_gate.reshape(n, c.num_heads, 2 * c.head_dim)
-        q = ops.rms_norm(q_gate[..., : c.head_dim], w.q_norm, c.rms_norm_eps)
-        k = ops.rms_norm(k.reshape(n, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
-        v = v.reshape(n, c.num_kv_heads, c.head_dim)
-        q = ops.rotary_store_kv(q, k, v, batch.positions, self.rotary, cache, index, batch.slot_mapping)
+        k, v = (y.reshape(n, c.num_kv_heads, c.head_dim) for y in (k, v))
+        q = ops.qk_norm_rotary_store_kv(q_gate[..., : c.head_dim], k, v, w.q_norm, w.k_norm, c.rms_norm_eps,
+                                        batch.positions, self.rotary, cache, index, batch.slot_mapping)  # fmt: skip
         attn = ops.attention(q, cache, index, batch, self.scale)
         return ops.sigmoid_gate(attn, q_gate[..., c.head_dim :]).reshape(n, c.q_size)
 

@@ -145,6 +145,7 @@ MODELS = {
     "q6_k": (Q.Q6_K, None, TinyShape(hidden=2048, ffn=2048, heads=16, kv_heads=4, head_dim=128)),
     "q4_1, q8_0 embedding": (Q.Q4_1, Q.Q8_0, TinyShape(tied=True)),
     "f16": (Q.F16, None, TinyShape()),
+    "qwen3 q8_0": (Q.Q8_0, None, TinyShape(arch="qwen3", heads=8, kv_heads=2, head_dim=128)),  # per-head q/k norms
 }
 
 
