@@ -200,6 +200,75 @@ def test_each_pair_is_bitwise_the_plain_mat_vec_of_its_expert(gpu, qtype):
         assert np.array_equal(got[p], plain.to_host(stream)[0]), f"pair {p} (expert {e})"
 
 
+def _sorted_pairs(ids: np.ndarray, experts: int):
+    """moe.sort of ids on the GPU: (grouping on the device, order, groups [num_groups, 4]) on the host."""
+    from infero.backends.cuda import moe, runtime
+    from infero.backends.cuda.tensor import empty, from_host
+
+    stream, pairs = runtime.stream(), ids.size
+    grouping = moe.Grouping(empty((pairs,), np.int32), empty((moe.max_groups(pairs, experts), 4), np.int32),
+                            empty((1,), np.int32))  # fmt: skip
+    moe.sort(grouping, from_host(ids.reshape(-1).astype(np.int32)), experts, stream)
+    count = int(grouping.num_groups.to_host(stream)[0])
+    return grouping, grouping.order.to_host(stream), grouping.groups.to_host(stream)[:count]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", ["uniform", "one expert for all"])
+def test_sort_lists_every_pair_once_in_runs_of_its_expert(gpu, skew):
+    from infero.backends.cuda import moe
+
+    rng = np.random.default_rng(3)
+    experts, pairs = 128, 64 * 8
+    ids = rng.integers(0, experts, size=pairs) if skew == "uniform" else np.full(pairs, 77)
+    _, order, groups = _sorted_pairs(ids, experts)
+    assert sorted(order) == list(range(pairs))
+    counts = np.bincount(ids, minlength=experts)
+    want = [(e, c) for e in range(experts) for c in [min(moe.GROUP_TOKENS, counts[e] - a)
+                                                    for a in range(0, counts[e], moe.GROUP_TOKENS)]]  # fmt: skip
+    assert [(g[0], g[2]) for g in groups] == want
+    covered = np.concatenate([order[g[1] : g[1] + g[2]] for g in groups])
+    assert sorted(covered) == list(range(pairs)) and all((ids[order[g[1] : g[1] + g[2]]] == g[0]).all() for g in groups)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_grouped_pairs_are_bitwise_each_pairs_own_mat_vec(gpu, qtype):
+    """grouped_matvec's row p is expert_matvec's, bit for bit: pairs of one expert in full and short groups (one
+    expert taken by 40 of 50 tokens), experts nobody chose, gate + up in one launch and down (per_token 1);
+    NaN-poisoned outputs all written."""
+    from infero.backends.cuda import driver, matvec, moe, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    experts, k, rows, cols, n = 12, 3, 300, 512, 50
+    gate, _ = upload_experts(qtype, experts, rows, cols, 9)
+    up, _ = upload_experts(qtype, experts, rows, cols, 10)
+    rng = np.random.default_rng(12)
+    x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
+    ids = rng.integers(0, 9, size=(n, k)).astype(np.int32)  # experts 9-11: nobody's
+    ids[:40, 0] = 4
+    stream, ws = runtime.stream(), Workspace(1 << 26)
+    grouping, _, _ = _sorted_pairs(ids, experts)
+    xd = from_host(x)
+    for per_token, mats in ((k, [gate, up]), (1, [gate])):
+        act_rows = n * k // per_token
+        quantized = (ws.empty(matvec.activation_shapes(act_rows, cols)[0], np.int8),
+                     ws.empty(matvec.activation_shapes(act_rows, cols)[1], np.int32))  # fmt: skip
+        matvec.quantize(*quantized, xd.rows(0, act_rows), stream)
+        outs = {}
+        for how in ("pairs", "grouped"):
+            outs[how] = [empty((n * k, rows), np.float32) for _ in mats]
+            for o in outs[how]:
+                driver.memset_d8(o.ptr, 0xFF, o.nbytes, stream)
+            if how == "pairs":
+                moe.expert_matvec(outs[how], mats, from_host(ids.reshape(-1)), per_token, stream, None, quantized)
+            else:
+                moe.grouped_matvec(outs[how], mats, grouping, per_token, stream, quantized)
+        for a, b in zip(outs["pairs"], outs["grouped"], strict=True):
+            a, b = a.to_host(stream), b.to_host(stream)
+            assert np.isfinite(b).all() and np.array_equal(a, b), f"per_token {per_token}"
+
+
 def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
     import importlib
     import pkgutil
@@ -215,23 +284,27 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
         return {f"{u.filename}: {name}" for u, ns in units.items() for name in ns}
 
     moe_names, dense_names = names(True), names(False)
-    assert {"moe.cu: moe_route", "moe.cu: moe_combine", "matvec.cu: matvec_experts<12>",
+    assert {"moe.cu: moe_route", "moe.cu: moe_combine", "moe.cu: moe_sort", "matvec.cu: matvec_experts<12>",
+            "matvec.cu: matvec_experts_grouped<14, 8, 4>",
             "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
     assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]
     assert not [n for n in dense_names if "moe.cu" in n or "experts" in n]
 
 
-def test_bench_decode_counts_every_experts_bytes_as_on_the_cpu():
-    """bench decode's byte count walks a layer's weights: expert tensors count their GGUF bytes (all experts, as the
-    CPU backend's arrays do), not a traceback."""
+def test_bench_decode_counts_the_bytes_of_the_experts_a_token_reads():
+    """bench decode's byte count walks a layer's weights: expert tensors count their GGUF bytes times k / experts
+    (what one token's step reads of them), the router and every other tensor whole."""
     from infero.backends.cuda import moe
     from infero.backends.cuda.tensor import QuantWeight
     from infero.bench.decode import _weight_bytes
 
     gate = moe.ExpertWeights(QuantWeight(None, int(Q.Q4_K), 8 * 768, 2048), 8)
     down = moe.ExpertWeights(QuantWeight(None, int(Q.Q6_K), 8 * 2048, 768), 8)
-    layer = SimpleNamespace(gate_exps=gate, down_exps=down, router=None)
-    assert _weight_bytes(layer) == 8 * 768 * 8 * 144 + 8 * 2048 * 3 * 210
+    router = QuantWeight(None, int(Q.F32), 8, 2048)
+    layer = SimpleNamespace(gate_exps=gate, down_exps=down, router=router)
+    every = 8 * 768 * 8 * 144 + 8 * 2048 * 3 * 210
+    assert _weight_bytes(layer) == every + 8 * 2048 * 4
+    assert _weight_bytes(layer, 2 / 8) == every // 4 + 8 * 2048 * 4
 
 
 class _Tensor:
@@ -276,37 +349,58 @@ def launches(monkeypatch):
         ("swiglu", out.ptr, gate.ptr, up.ptr, quantized)))  # fmt: skip
     monkeypatch.setattr(moe, "expert_matvec", lambda outs, mats, ids, per_token, stream, x, quantized: calls.append(
         ("experts", [o.ptr for o in outs], [m.ggml_type for m in mats], per_token, x.ptr, quantized)))  # fmt: skip
+    monkeypatch.setattr(moe, "sort", lambda grouping, ids, experts, stream: calls.append(
+        ("sort", grouping, ids.ptr, experts)))  # fmt: skip
+    monkeypatch.setattr(moe, "grouped_matvec", lambda outs, mats, grouping, per_token, stream, quantized: calls.append(
+        ("grouped", [o.ptr for o in outs], [m.ggml_type for m in mats], per_token, grouping, quantized)))  # fmt: skip
     monkeypatch.setattr(moe, "combine", lambda out, y, w, stream: calls.append(("combine", out.ptr, y.ptr, w.ptr)))
     return CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None)), calls
 
 
-def test_moe_experts_queues_gate_up_swiglu_down_combine_and_hands_back_its_scratch(launches):
-    """32 tokens (more than the decode buffers hold): h quantized once into the workspace; Q4_K gate and up in one
-    launch reading it; SwiGLU into gate, quantized for the Q6_K down; the combine reads down's output; every buffer
+def test_moe_experts_sorts_pairs_once_and_runs_grouped_gate_up_swiglu_down_combine(launches):
+    """32 tokens (more than the decode buffers hold): h quantized once into the workspace; the pairs sorted by
+    expert once (groups sized for 32 x 4 pairs of 8 experts); Q4_K gate and up in one grouped launch reading h; SwiGLU
+    into gate, quantized for the Q6_K down, grouped by the same sort; the combine reads down's output; every buffer
     but the output handed back."""
+    from infero.backends.cuda import moe
+
     ops, calls = launches
     n, k = 32, 4
     h, ids, weights = _Tensor(1, (n, 256), np.float32), _Tensor(2, (n, k), np.int32), _Tensor(3, (n, k), np.float32)
     mats = (_experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q6_K, 8, 256, 128))
     out = ops.moe_experts(h, ids, weights, *mats)
     assert out.shape == (n, 256) and ops.ws.offset == 1  # the output alone stays
-    quantize, gate_up, swiglu, down, combine = calls
+    sort, quantize, gate_up, swiglu, down, combine = calls
+    grouping = sort[1]
+    assert sort[2:] == (ids.ptr, 8) and grouping.order.shape == (n * k,)
+    assert grouping.groups.shape == (moe.max_groups(n * k, 8), 4) == (16 + 8, 4)
     assert quantize[:2] == ("quantize", h.ptr) and quantize[2] == (2, n, 256)
     (gate, up), h_quantized = gate_up[1], gate_up[5]
-    assert gate_up[2:5] == ([12, 12], k, h.ptr) and h_quantized[0].shape == (2, n, 256)
+    assert gate_up[0] == "grouped" and gate_up[2:5] == ([12, 12], k, grouping) and h_quantized[0].shape == (2, n, 256)
     assert swiglu[1:4] == (gate, gate, up) and swiglu[4][0].shape == (2, n * k, 128)
-    assert down[1:4] == ([down[1][0]], [14], 1) and down[4] == gate and down[5] is swiglu[4]
+    assert down[0] == "grouped" and down[2:5] == ([14], 1, grouping) and down[5] is swiglu[4]
     assert combine[1:] == (out.ptr, down[1][0], weights.ptr)
 
 
+def test_one_token_runs_each_pair_on_its_own_expert_without_a_sort(launches):
+    ops, calls = launches
+    h, ids, weights = _Tensor(1, (1, 256), np.float32), _Tensor(2, (1, 8), np.int32), _Tensor(3, (1, 8), np.float32)
+    ops.moe_experts(h, ids, weights, *(_experts(t, 16, r, c) for t, r, c in
+                                       ((Q.Q4_K, 128, 256), (Q.Q4_K, 128, 256), (Q.Q6_K, 256, 128))))  # fmt: skip
+    assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", "experts", "combine"]
+
+
 def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unquantized(launches):
+    """Gate and up of two block formats: two grouped launches; an F16 down reads SwiGLU's float32 output pair by
+    pair (the grouped kernel is for block formats); all-float experts need no sort."""
     ops, calls = launches
     h, ids, weights = _Tensor(1, (2, 256), np.float32), _Tensor(2, (2, 2), np.int32), _Tensor(3, (2, 2), np.float32)
     ops.moe_experts(h, ids, weights, _experts(Q.Q4_K, 4, 64, 256), _experts(Q.Q5_K, 4, 64, 256),
                     _experts(Q.F16, 4, 256, 64))  # fmt: skip
-    kinds = [(c[0], c[2]) if c[0] == "experts" else (c[0],) for c in calls]
-    assert kinds == [("quantize",), ("experts", [12]), ("experts", [13]), ("swiglu",), ("experts", [1]), ("combine",)]
-    assert calls[3][4] is None and calls[4][5] is None  # SwiGLU's output read as float32 by the F16 down
+    kinds = [(c[0], c[2]) if c[0] in ("experts", "grouped") else (c[0],) for c in calls]
+    assert kinds == [("sort",), ("quantize",), ("grouped", [12]), ("grouped", [13]), ("swiglu",), ("experts", [1]),
+                     ("combine",)]  # fmt: skip
+    assert calls[4][4] is None and calls[5][5] is None  # SwiGLU's output read as float32 by the F16 down
     calls.clear()
     ops.moe_experts(h, ids, weights, *(_experts(Q.F32, 4, r, c) for r, c in ((64, 256), (64, 256), (256, 64))))
     assert [c[0] for c in calls] == ["experts", "swiglu", "experts", "combine"]

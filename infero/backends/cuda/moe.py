@@ -1,19 +1,21 @@
 """Launchers for a mixture-of-experts layer on the GPU: routing (kernels/moe.cu's moe_route), the chosen experts'
-mat-vecs (matvec.cu's matvec_experts, matvec_experts_f) and the weighted sum of their outputs (moe_combine).
+mat-vecs (matvec.cu's matvec_experts, matvec_experts_grouped, matvec_experts_f) and the weighted sum of their outputs
+(moe_combine).
 
 Every step stays on the device (a decode step is one CUDA graph): the router's logits come from the linear layer,
 moe_route turns each row into k expert ids and weights, and each (token, rank) pair p = t k + r runs the 1-token
 mat-vec of its expert, reading only that expert's rows. A pair's output is bitwise the 1-token mat-vec of that
 expert (matvec_q's, or matvec_f's, arithmetic and reduction order), so a token's output never depends on which or
-how many other tokens chose its experts, nor on the batch (docs/kernels.md, "Batch invariance"). At prefill each
-pair re-reads its expert's matrix (from L2 where tokens share experts): correct, not yet fast (the grouped GEMM of
-issue 30 is not built).
+how many other tokens chose its experts, nor on the batch (docs/kernels.md, "Batch invariance"). Where tokens share
+experts (prefill, batched steps), moe_sort groups the pairs by expert and matvec_experts_grouped reads each chosen
+expert's rows once per GROUP_TOKENS of its pairs, every pair's row still bitwise its 1-token mat-vec.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,10 +25,15 @@ from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
 SOURCE = "moe.cu"
 THREADS = 256  # moe_combine's block
 MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
+GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
+GROUP_RPW = 4  # rows a warp of it computes: halves the re-reads of each pair's activation against two
+SORT_THREADS = 1024
+MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)
 
-runtime.declare(SOURCE, ["moe_route", "moe_combine"], needs=(runtime.EXPERTS,))
+runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
 for _t in matvec.QUANT_TYPES:
-    runtime.declare(matvec.SOURCE, [f"matvec_experts<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
+    _names = [f"matvec_experts<{_t}>", f"matvec_experts_grouped<{_t}, {GROUP_TOKENS}, {GROUP_RPW}>"]
+    runtime.declare(matvec.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 for _t in matvec.FLOAT_TYPES:
     runtime.declare(matvec.SOURCE, [f"matvec_experts_f<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
 
@@ -34,6 +41,8 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ROUTE_ARGS = (_P, _P, _P, _I, _I)
 _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
 _Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
+_GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
+_SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _functions: dict[tuple[str, str], object] = {}
 runtime.on_reload(_functions.clear)
@@ -126,6 +135,61 @@ def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: Devi
         xq, xs = quantized[0], quantized[1]
         args = (seg, ids.ptr, per_token, xq.ptr, xs.ptr, xq.shape[1], cols, row_bytes)
         driver.launch(_kernel(matvec.SOURCE, f"matvec_experts<{t}>"), grid, block, args, _Q_ARGS, stream, pdl=True)
+
+
+class Grouping(NamedTuple):
+    """moe_sort's output: the pairs by expert (order int32 [pairs]), runs of at most GROUP_TOKENS pairs of one
+    expert (groups int32 [max_groups(pairs, experts), 4]: expert, first index into order, count, 0) and their
+    number (num_groups int32 [1])."""
+
+    order: DeviceTensor
+    groups: DeviceTensor
+    num_groups: DeviceTensor
+
+
+def max_groups(pairs: int, experts: int) -> int:
+    """The most groups moe_sort can make: each chosen expert's pairs in runs of GROUP_TOKENS, the last one short."""
+    return -(-pairs // GROUP_TOKENS) + min(experts, pairs)
+
+
+def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Stream) -> None:
+    """Group the (token, rank) pairs of ids (int32 [n, k] or [pairs], expert ids < experts) by expert."""
+    pairs = ids.numel
+    order, groups, num_groups = grouping
+    if not 1 <= experts <= MAX_EXPERTS or ids.dtype != np.int32:
+        raise ValueError(f"sort: int32 ids of 1..{MAX_EXPERTS} experts, got {ids.dtype} and {experts} experts")
+    shapes = (order.shape, groups.shape, num_groups.shape)
+    if shapes != ((pairs,), (max_groups(pairs, experts), 4), (1,)) or {order.dtype, groups.dtype} != {np.int32}:
+        raise ValueError(f"sort: order int32 [{pairs}], groups int32 [{max_groups(pairs, experts)}, 4] and "
+                         f"num_groups int32 [1], got {shapes}")  # fmt: skip
+    args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, GROUP_TOKENS)
+    driver.launch(_kernel(SOURCE, "moe_sort"), (1,), (SORT_THREADS,), args, _SORT_ARGS, stream, 16 * experts,
+                  pdl=True)  # fmt: skip
+
+
+def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping: Grouping, per_token: int,
+                   stream: driver.Stream, quantized) -> None:  # fmt: skip
+    """expert_matvec's outputs (block formats only), from the pairs grouped by sort: each chosen expert's rows are
+    read once per GROUP_TOKENS of its pairs. Bitwise what expert_matvec gives every pair."""
+    first = mats[0]
+    if first.ggml_type not in matvec.QUANT_TYPES:
+        raise ValueError(f"grouped_matvec: block formats only, got type {first.ggml_type}")
+    if error := _check(outs, mats, grouping.order, per_token, None, quantized):
+        raise ValueError(f"grouped_matvec: {error}")
+    pairs = grouping.order.numel
+    if pairs == 0:
+        return
+    seg = matvec.segments(outs, [m.matrix for m in mats], [None] * len(mats))
+    for i in range(len(mats)):
+        seg.rows[i] = first.rows
+    warps = len(mats) * -(-first.rows // GROUP_RPW)
+    per_block = min(MAX_WARPS, warps)
+    grid = (grouping.groups.shape[0], -(-warps // per_block))
+    xq, xs = quantized[0], quantized[1]
+    args = (seg, grouping.order.ptr, grouping.groups.ptr, grouping.num_groups.ptr, per_token, xq.ptr, xs.ptr,
+            xq.shape[1], first.cols, first.matrix.data.shape[1])  # fmt: skip
+    fn = _kernel(matvec.SOURCE, f"matvec_experts_grouped<{first.ggml_type}, {GROUP_TOKENS}, {GROUP_RPW}>")
+    driver.launch(fn, grid, (32 * per_block,), args, _GROUPED_ARGS, stream, pdl=True)
 
 
 def _check(outs, mats, ids, per_token, x, quantized) -> str | None:

@@ -25,6 +25,10 @@ MATVEC_MAX_TOKENS = 16
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
+# From this many tokens a mixture-of-experts layer sorts its (token, expert) pairs by expert and reads each chosen
+# expert once per moe.GROUP_TOKENS of its pairs; below it each pair reads its expert's rows (no sort launch): at
+# one token every pair has an expert of its own.
+MOE_GROUPED_MIN_TOKENS = 2
 
 
 class CudaKVCache:
@@ -280,12 +284,28 @@ class CudaOps:
     def moe_experts(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,
                     down_exps) -> DeviceTensor:  # fmt: skip
         """sum_r weights[:, r] * down_e(silu(gate_e h) * up_e h), e = experts[:, r] (see CpuOps.moe_experts): each
-        (token, rank) pair's expert mat-vecs (moe.expert_matvec), SwiGLU, then moe.combine. The pairs' buffers are
-        dead once the combine is queued: the workspace takes them back (a replayed graph sees the same addresses)."""
+        (token, rank) pair's expert mat-vecs, SwiGLU, then moe.combine. From MOE_GROUPED_MIN_TOKENS tokens on, the
+        pairs are first sorted by expert so that each chosen expert's rows are read once per moe.GROUP_TOKENS of
+        its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec): the same bits either way.
+        The pairs' buffers are dead once the combine is queued: the workspace takes them back (a replayed graph
+        sees the same addresses)."""
         n, k = experts.shape
         out = self.ws.empty((n, down_exps.rows), np.float32)
         mark = self.ws.offset
         pair_ids = experts.reshape(n * k)
+        grouping = None
+        if n >= MOE_GROUPED_MIN_TOKENS and any(m.ggml_type in matvec.QUANT_TYPES for m in (gate_exps, down_exps)):
+            grouping = moe.Grouping(self.ws.empty((n * k,), np.int32),
+                                    self.ws.empty((moe.max_groups(n * k, gate_exps.experts), 4), np.int32),
+                                    self.ws.empty((1,), np.int32))  # fmt: skip
+            moe.sort(grouping, pair_ids, gate_exps.experts, self.stream)
+
+        def expert_matvec(outs, mats, per_token, x, quantized):
+            if grouping is not None and mats[0].ggml_type in matvec.QUANT_TYPES:
+                moe.grouped_matvec(outs, mats, grouping, per_token, self.stream, quantized)
+            else:
+                moe.expert_matvec(outs, mats, pair_ids, per_token, self.stream, x, quantized)
+
         gate = self.ws.empty((n * k, gate_exps.rows), np.float32)
         up = self.ws.empty((n * k, up_exps.rows), np.float32)
         if gate_exps.ggml_type in matvec.FLOAT_TYPES and up_exps.ggml_type in matvec.FLOAT_TYPES:
@@ -297,7 +317,7 @@ class CudaOps:
         if (gate_exps.ggml_type, gate_exps.matrix.data.shape) != (up_exps.ggml_type, up_exps.matrix.data.shape):
             launches = [([gate], [gate_exps]), ([up], [up_exps])]  # one launch takes one type and shape
         for outs, mats in launches:
-            moe.expert_matvec(outs, mats, pair_ids, k, self.stream, h, quantized)
+            expert_matvec(outs, mats, k, h, quantized)
         if down_exps.ggml_type in matvec.FLOAT_TYPES:
             elementwise.swiglu(gate, gate, up, self.stream)
             down_quantized = None
@@ -306,7 +326,7 @@ class CudaOps:
             down_quantized = (self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
             elementwise.swiglu(gate, gate, up, self.stream, down_quantized)
         y = self.ws.empty((n * k, down_exps.rows), np.float32)
-        moe.expert_matvec([y], [down_exps], pair_ids, 1, self.stream, gate, down_quantized)
+        expert_matvec([y], [down_exps], 1, gate, down_quantized)
         moe.combine(out, y, weights, self.stream)
         self.ws.offset = mark
         return out

@@ -1025,6 +1025,91 @@ __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv
   mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
 }
 
+// matvec_experts_grouped: the same outputs as matvec_experts, with each expert's rows read once for up to N of
+// its pairs instead of once per pair (prefill and batched steps, where tokens share experts). moe_sort (moe.cu)
+// lists the pairs by expert in order and cuts each expert's run into groups of at most N: groups[g] = (expert,
+// first, count). grid: (an upper bound of the number of groups, blocks over the segments' warps); a block past
+// num_groups, or of an expert nobody chose, does nothing. A warp computes RPW rows for the group's pairs as
+// matvec_q<T, N> computes them for N tokens: each (row, pair) is the same lanes' units in the same order, the
+// same unit expression and the same butterfly as matvec_experts (matvec_q at one token), so every pair's row is
+// bitwise what matvec_experts gives it, whatever the group, the pair's place in it or N.
+template <int T, int N, int RPW>
+__global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_constant__ mv::Segments seg,
+                                                              const int* __restrict__ order,
+                                                              const int4* __restrict__ groups,
+                                                              const int* __restrict__ num_groups, int per_token,
+                                                              const int8_t* __restrict__ xq,
+                                                              const ActScale* __restrict__ xs, int act_rows, int cols,
+                                                              long long row_bytes) {
+  using U = mv::Unit<T>;
+  constexpr int AHEAD = N <= 4 ? 1 : 0;  // matvec_q's depth at this N
+  const int lane = threadIdx.x & 31;
+  const int k = lane & 7;
+  const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
+  const int s = (warp >= end0) + (warp >= end1);
+  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  pdl_enter();  // the groups and the activation are earlier kernels' output
+  if (row0 >= rows || (int)blockIdx.x >= *num_groups) return;
+  const int4 group = groups[blockIdx.x];
+  const int n = group.z;
+  const uint8_t* weight = mv::pick(seg.weight, s) + (long long)group.x * rows * row_bytes;
+  const uint8_t* wrow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+  const int units = cols / U::ELEMS, halves = cols / 16;
+  const int8_t* xq1 = xq + (long long)act_rows * cols;  // plane 1
+  int pair[N], arow[N];
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    pair[t] = order[group.y + min(t, n - 1)];
+    arow[t] = pair[t] / per_token;
+  }
+
+  float acc[RPW][N];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+  typename U::Raw ring[AHEAD + 1][RPW];
+  if (lane < units) {
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
+  }
+  for (int u = lane; u < units; u += 32) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    typename U::W w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) ring[i][r] = ring[i + 1][r];
+    int g[U::RUNS], h[U::RUNS];
+    U::runs(u, k, g, h);
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t == 0 || t < n) {
+        const long long at = (long long)arow[t] * cols;
+        mv::Act<U::RUNS> a;
+        mv::load_act(a, xq + at, xq1 + at, xs + (long long)arow[t] * halves, g, h);
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
+      }
+    }
+  }
+  mv::warp_sums<N, RPW>(acc);
+  float* out = mv::pick(seg.out, s);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+      if (lane == ((r * N + t) & 31) && t < n && row0 + r < rows) out[(long long)pair[t] * rows + row0 + r] = acc[r][t];
+}
+
 // Float weights: x float32 [act_rows, cols]; vec as matvec_f's (x rows and weight rows 16-byte aligned).
 template <int T>
 __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ mv::Segments seg,

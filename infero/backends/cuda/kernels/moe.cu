@@ -12,6 +12,14 @@
 // [n, cols] = weights[t, 0] y[t k] + weights[t, 1] y[t k + 1] + ..., each product rounded, then added in rank
 // order (__fmul_rn, __fadd_rn): numpy's out = w0 * y0; out += w1 * y1; ... One thread an element.
 //
+// moe_sort. ids int32 [pairs] (moe_route's, flattened: pair t k + r) -> the pairs grouped by expert for
+// matvec_experts_grouped: order int32 [pairs] lists expert 0's pairs, then expert 1's, ...; groups int4 [...]
+// holds (expert, first index into order, count <= group_tokens, 0) for each run of at most group_tokens pairs of
+// one expert, experts in increasing order; num_groups[0] their number. An expert no pair chose has no group (its
+// matrices are never read). One block; shared memory 4 ints an expert. The order of pairs inside an expert's run
+// comes from shared-memory atomics and may differ from launch to launch: nothing depends on it, since each pair's
+// output is computed alone (matvec_experts_grouped) and lands in its own row.
+//
 // Nothing reduces across rows: a token's ids, weights and output are functions of its own row (batch invariance).
 #include "pdl.cuh"
 
@@ -95,4 +103,63 @@ extern "C" __global__ void moe_combine(float* __restrict__ out, const float* __r
   float acc = __fmul_rn(w[0], yt[0]);
   for (int r = 1; r < k; ++r) acc = __fadd_rn(acc, __fmul_rn(w[r], yt[(long long)r * cols]));
   out[i] = acc;
+}
+
+// Exclusive prefix sums of v[0..n) and of w[0..n) in place, by warp 0 (32 entries a round, Kogge-Stone in shuffles).
+namespace moe {
+__device__ __forceinline__ void scan2(int* v, int* w, int n, int& total_v, int& total_w) {
+  const int lane = threadIdx.x & 31;
+  int base_v = 0, base_w = 0;
+  for (int at = 0; at < n; at += 32) {
+    const int i = at + lane;
+    const int a = i < n ? v[i] : 0, b = i < n ? w[i] : 0;
+    int sa = a, sb = b;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int ua = __shfl_up_sync(0xFFFFFFFFu, sa, off), ub = __shfl_up_sync(0xFFFFFFFFu, sb, off);
+      if (lane >= off) {
+        sa += ua;
+        sb += ub;
+      }
+    }
+    if (i < n) {
+      v[i] = base_v + sa - a;
+      w[i] = base_w + sb - b;
+    }
+    base_v += __shfl_sync(0xFFFFFFFFu, sa, 31);
+    base_w += __shfl_sync(0xFFFFFFFFu, sb, 31);
+  }
+  total_v = base_v;
+  total_w = base_w;
+}
+}  // namespace moe
+
+extern "C" __global__ void __launch_bounds__(1024) moe_sort(int* __restrict__ order, int4* __restrict__ groups,
+                                                            int* __restrict__ num_groups, const int* __restrict__ ids,
+                                                            int pairs, int experts, int group_tokens) {
+  extern __shared__ int sh[];  // count, first, first group, cursor: [experts] each
+  int *count = sh, *first = sh + experts, *first_group = sh + 2 * experts, *cursor = sh + 3 * experts;
+  pdl_enter();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    first[e] = count[e];
+    first_group[e] = (count[e] + group_tokens - 1) / group_tokens;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    int total_pairs, total_groups;
+    moe::scan2(first, first_group, experts, total_pairs, total_groups);
+    if (threadIdx.x == 0) *num_groups = total_groups;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    cursor[e] = first[e];
+    for (int g = 0, at = 0; at < count[e]; ++g, at += group_tokens)
+      groups[first_group[e] + g] = make_int4(e, first[e] + at, min(group_tokens, count[e] - at), 0);
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) order[atomicAdd(&cursor[ids[p]], 1)] = p;
 }
