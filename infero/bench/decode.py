@@ -21,10 +21,16 @@ from infero.errors import InferoError
 BLOCK_SIZE = 16  # the benchmarks' KV cache blocks
 
 
+EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")  # a MoE layer's routed experts, [experts, rows, cols]
+
+
 def decode_step_bytes(model, backend, context_len: int) -> int:
-    """Bytes one decode step moves: every weight except the embedding table (one row), the KV prefix, and a hybrid
-    model's recurrent state (read and written)."""
-    total = sum(_weight_bytes(layer) for layer in model.layers)
+    """Bytes one decode step of one sequence moves: every weight except the embedding table (one row) and the experts
+    its token was not routed to (of a MoE layer's expert tensors, the k of E experts it reads), the KV prefix, and a
+    hybrid model's recurrent state (read and written)."""
+    c = model.config
+    active = c.num_experts_used / c.num_experts if c.num_experts else 1.0
+    total = sum(_weight_bytes(layer, active) for layer in model.layers)
     total += model.output.nbytes + model.output_norm.nbytes
     total += model.embedding.nbytes // model.config.vocab_size
     total += backend.kv_block_bytes(model.config, 16) // 16 * context_len
@@ -33,14 +39,16 @@ def decode_step_bytes(model, backend, context_len: int) -> int:
     return total
 
 
-def _weight_bytes(weights) -> int:
-    """A layer's weights: tensors, or groups of them (a hybrid's mixer, a feed-forward dict), None where absent."""
+def _weight_bytes(weights, active: float = 1.0) -> int:
+    """A layer's weights: tensors, or groups of them (a hybrid's mixer, a feed-forward dict), None where absent; expert
+    tensors count `active` of their bytes (the experts one token reads)."""
     if weights is None:
         return 0
     if hasattr(weights, "nbytes"):
         return weights.nbytes
     group = weights if isinstance(weights, dict) else vars(weights)
-    return sum(_weight_bytes(w) for w in group.values())
+    return sum(round(_weight_bytes(w) * active) if name in EXPERT_TENSORS else _weight_bytes(w, active)
+               for name, w in group.items())  # fmt: skip
 
 
 def run(llm, prompt_len: int = 512, decode_tokens: int = 64, seed: int = 0) -> dict:

@@ -68,3 +68,20 @@ def test_a_hybrid_model_is_benchmarked_with_a_state_slot_per_sequence():
     assert r["prefill_tokens"] == 40 and r["decode_tok_s"] > 0
     assert r["step_bytes"] > 2 * hybrid.backend.state_bytes_per_slot(hybrid.config)  # the state read and written
     assert decode.batched(hybrid, 3, prompt_len=20, steps=4) > 0
+
+
+def test_a_moe_step_counts_the_chosen_experts_bytes_not_all_of_them(tmp_path):
+    """A token reads k of a layer's E experts: the step's bytes are the dense weights plus k / E of the expert
+    tensors (2 of 8 here), counted from the model's own arrays."""
+    from tiny_moe import write_tiny_moe
+
+    llm = LLM(write_tiny_moe(tmp_path / "moe.gguf", experts=8, used=2), device="cpu")
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    model = llm.model
+    experts = sum(getattr(layer, f).nbytes for layer in model.layers for f in decode.EXPERT_TENSORS)
+    chosen = decode.decode_step_bytes(model, llm.backend, 32)
+    every = SimpleNamespace(**{k: getattr(model, k) for k in ("layers", "output", "output_norm", "embedding")},
+                            config=replace(model.config, num_experts_used=8))  # fmt: skip
+    assert chosen == decode.decode_step_bytes(every, llm.backend, 32) - experts + experts // 4
