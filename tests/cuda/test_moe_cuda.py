@@ -269,6 +269,33 @@ def test_grouped_pairs_are_bitwise_each_pairs_own_mat_vec(gpu, qtype):
             assert np.isfinite(b).all() and np.array_equal(a, b), f"per_token {per_token}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+def test_down_and_combine_in_one_launch_are_bitwise_the_two_launches(gpu, qtype, k):
+    from infero.backends.cuda import driver, matvec, moe, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    experts, rows, cols, n = 10, 300, 256, 3
+    down, _ = upload_experts(qtype, experts, rows, cols, 21)
+    rng = np.random.default_rng(k)
+    x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:k] for _ in range(n)]).astype(np.int32)
+    weights = rng.dirichlet(np.ones(k), size=n).astype(np.float32)
+    stream, ws = runtime.stream(), Workspace(1 << 24)
+    quantized = (ws.empty(matvec.activation_shapes(n * k, cols)[0], np.int8),
+                 ws.empty(matvec.activation_shapes(n * k, cols)[1], np.int32))  # fmt: skip
+    matvec.quantize(*quantized, from_host(x), stream)
+    ids_d, weights_d = from_host(ids), from_host(weights)
+    y, apart, fused = empty((n * k, rows), np.float32), empty((n, rows), np.float32), empty((n, rows), np.float32)
+    driver.memset_d8(fused.ptr, 0xFF, fused.nbytes, stream)
+    moe.expert_matvec([y], [down], ids_d.reshape(n * k), 1, stream, None, quantized)
+    moe.combine(apart, y, weights_d, stream)
+    moe.down_combine(fused, down, ids_d, weights_d, quantized, stream)
+    got = fused.to_host(stream)
+    assert np.isfinite(got).all() and np.array_equal(got, apart.to_host(stream))
+
+
 def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
     import importlib
     import pkgutil
@@ -285,7 +312,7 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
 
     moe_names, dense_names = names(True), names(False)
     assert {"moe.cu: moe_route", "moe.cu: moe_combine", "moe.cu: moe_sort", "matvec.cu: matvec_experts<12>",
-            "matvec.cu: matvec_experts_grouped<14, 8, 4>",
+            "matvec.cu: matvec_experts_grouped<14, 8, 2>", "matvec.cu: matvec_experts_combine<14>",
             "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
     assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]
     assert not [n for n in dense_names if "moe.cu" in n or "experts" in n]
@@ -354,6 +381,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(moe, "grouped_matvec", lambda outs, mats, grouping, per_token, stream, quantized: calls.append(
         ("grouped", [o.ptr for o in outs], [m.ggml_type for m in mats], per_token, grouping, quantized)))  # fmt: skip
     monkeypatch.setattr(moe, "combine", lambda out, y, w, stream: calls.append(("combine", out.ptr, y.ptr, w.ptr)))
+    monkeypatch.setattr(moe, "down_combine", lambda out, down, ids, w, quantized, stream: calls.append(
+        ("down_combine", out.ptr, down.ggml_type, ids.ptr, w.ptr, quantized)))  # fmt: skip
     return CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None)), calls
 
 
@@ -382,11 +411,18 @@ def test_moe_experts_sorts_pairs_once_and_runs_grouped_gate_up_swiglu_down_combi
     assert combine[1:] == (out.ptr, down[1][0], weights.ptr)
 
 
-def test_one_token_runs_each_pair_on_its_own_expert_without_a_sort(launches):
+def test_one_token_runs_each_pair_on_its_own_expert_and_down_with_the_combine(launches):
+    """A decode step of one token: no sort; gate + up pair by pair; SwiGLU quantized for down; down and the combine
+    in one launch (k = 8); a k past COMBINE_MAX_K keeps them apart."""
     ops, calls = launches
     h, ids, weights = _Tensor(1, (1, 256), np.float32), _Tensor(2, (1, 8), np.int32), _Tensor(3, (1, 8), np.float32)
-    ops.moe_experts(h, ids, weights, *(_experts(t, 16, r, c) for t, r, c in
-                                       ((Q.Q4_K, 128, 256), (Q.Q4_K, 128, 256), (Q.Q6_K, 256, 128))))  # fmt: skip
+    mats = [_experts(t, 16, r, c) for t, r, c in ((Q.Q4_K, 128, 256), (Q.Q4_K, 128, 256), (Q.Q6_K, 256, 128))]
+    out = ops.moe_experts(h, ids, weights, *mats)
+    assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", "down_combine"]
+    assert calls[3][1:5] == (out.ptr, 14, ids.ptr, weights.ptr) and calls[3][5] is calls[2][4]
+    calls.clear()
+    ids, weights = _Tensor(2, (1, 9), np.int32), _Tensor(3, (1, 9), np.float32)
+    ops.moe_experts(h, ids, weights, *mats)
     assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", "experts", "combine"]
 
 

@@ -26,13 +26,18 @@ SOURCE = "moe.cu"
 THREADS = 256  # moe_combine's block
 MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
 GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
-GROUP_RPW = 4  # rows a warp of it computes: halves the re-reads of each pair's activation against two
+GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 152, Q3_K to 255)
+COMBINE_MAX_K = 8  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
 SORT_THREADS = 1024
 MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)
 
 runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
 for _t in matvec.QUANT_TYPES:
-    _names = [f"matvec_experts<{_t}>", f"matvec_experts_grouped<{_t}, {GROUP_TOKENS}, {GROUP_RPW}>"]
+    _names = [
+        f"matvec_experts<{_t}>",
+        f"matvec_experts_grouped<{_t}, {GROUP_TOKENS}, {GROUP_RPW}>",
+        f"matvec_experts_combine<{_t}>",
+    ]
     runtime.declare(matvec.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 for _t in matvec.FLOAT_TYPES:
     runtime.declare(matvec.SOURCE, [f"matvec_experts_f<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
@@ -43,6 +48,7 @@ _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
 _Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
 _GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
 _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
+_DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _functions: dict[tuple[str, str], object] = {}
 runtime.on_reload(_functions.clear)
@@ -224,6 +230,29 @@ def _check(outs, mats, ids, per_token, x, quantized) -> str | None:
     if len(quantized) > 2 and quantized[2] is not None:
         return "an activation with a deferred RMSNorm is read by the tensor-core mat-vecs only"
     return None
+
+
+def down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor, weights: DeviceTensor, quantized,
+                 stream: driver.Stream) -> None:  # fmt: skip
+    """combine(out, y, weights) of y = expert_matvec([down], ids, per_token 1) in one launch, bitwise: each token's
+    k pairs' rows computed side by side (a warp a pair) and added in rank order. quantized: the pairs' activations
+    (n k rows, matvec's format); block formats and k <= COMBINE_MAX_K."""
+    n, k = ids.shape if len(ids.shape) == 2 else (0, 0)
+    if down.ggml_type not in matvec.QUANT_TYPES or not 1 <= k <= COMBINE_MAX_K:
+        raise ValueError(f"down_combine: block formats and 1..{COMBINE_MAX_K} experts a token, got type "
+                         f"{down.ggml_type} and ids {ids.shape}")  # fmt: skip
+    if ids.dtype != np.int32 or down.matrix.tiled or down.matrix.layout_error(matvec.QUANT_TYPES) is not None:
+        raise ValueError(f"down_combine: int32 ids and an untiled expert tensor, got {ids.dtype}")
+    if (out.dtype, out.shape, weights.dtype, weights.shape) != (np.float32, (n, down.rows), np.float32, (n, k)):
+        raise ValueError(f"down_combine: out float32 [{n}, {down.rows}] and weights float32 [{n}, {k}], got "
+                         f"{out.dtype} {out.shape} and {weights.dtype} {weights.shape}")  # fmt: skip
+    matvec.check_activation(quantized, n * k, down.cols)
+    if n:
+        xq, xs = quantized[0], quantized[1]
+        args = (out.ptr, down.matrix.data.ptr, ids.ptr, weights.ptr, k, xq.ptr, xs.ptr, n * k, down.rows, down.cols,
+                down.matrix.data.shape[1])  # fmt: skip
+        fn = _kernel(matvec.SOURCE, f"matvec_experts_combine<{down.ggml_type}>")
+        driver.launch(fn, (n, -(-down.rows // 2)), (32 * k,), args, _DOWN_COMBINE_ARGS, stream, pdl=True)
 
 
 def combine(out: DeviceTensor, y: DeviceTensor, weights: DeviceTensor, stream: driver.Stream) -> None:

@@ -286,7 +286,8 @@ class CudaOps:
         """sum_r weights[:, r] * down_e(silu(gate_e h) * up_e h), e = experts[:, r] (see CpuOps.moe_experts): each
         (token, rank) pair's expert mat-vecs, SwiGLU, then moe.combine. From MOE_GROUPED_MIN_TOKENS tokens on, the
         pairs are first sorted by expert so that each chosen expert's rows are read once per moe.GROUP_TOKENS of
-        its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec): the same bits either way.
+        its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec), and down and the combine
+        are one launch (moe.down_combine): the same bits every way.
         The pairs' buffers are dead once the combine is queued: the workspace takes them back (a replayed graph
         sees the same addresses)."""
         n, k = experts.shape
@@ -325,9 +326,12 @@ class CudaOps:
             q_shape, s_shape = matvec.activation_shapes(n * k, gate.shape[1])
             down_quantized = (self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
             elementwise.swiglu(gate, gate, up, self.stream, down_quantized)
-        y = self.ws.empty((n * k, down_exps.rows), np.float32)
-        expert_matvec([y], [down_exps], 1, gate, down_quantized)
-        moe.combine(out, y, weights, self.stream)
+        if grouping is None and down_quantized is not None and k <= moe.COMBINE_MAX_K:
+            moe.down_combine(out, down_exps, experts, weights, down_quantized, self.stream)
+        else:
+            y = self.ws.empty((n * k, down_exps.rows), np.float32)
+            expert_matvec([y], [down_exps], 1, gate, down_quantized)
+            moe.combine(out, y, weights, self.stream)
         self.ws.offset = mark
         return out
 

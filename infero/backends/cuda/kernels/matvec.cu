@@ -965,34 +965,23 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 // A row's lanes walk its units in matvec_q's (matvec_f's) order with its prefetch ring at N = 1, and reduce_store
 // sums them by its butterfly: each pair's output is bitwise what matvec_q<T, 1, ...> (matvec_f<T, 1, ...>) gives
 // that token on the chosen expert's matrix alone, whatever the other pairs, their experts or their count.
+namespace mv {
+// The two rows row0, row0 + 1 of one expert matrix against one token's activation (x0, x1: its planes, xsa: its
+// scales), as matvec_q<T, 1, 2> computes them with its prefetch ring: acc[r][0] = each row's lane partial, before
+// the butterfly.
 template <int T>
-__global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv::Segments seg,
-                                                      const int* __restrict__ ids, int per_token,
-                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                      int act_rows, int cols, long long row_bytes) {
-  using U = mv::Unit<T>;
+__device__ __forceinline__ void expert_pair_rows(float (&acc)[2][1], const uint8_t* weight, int rows, int row0,
+                                                 long long row_bytes, const int8_t* __restrict__ x0,
+                                                 const int8_t* __restrict__ x1, const ActScale* __restrict__ xsa,
+                                                 int cols, int lane) {
+  using U = Unit<T>;
   constexpr int RPW = 2;
   constexpr int AHEAD = 1;  // what matvec.plan gives a decode step's large matrices (fewer registers than 2)
-  const int lane = threadIdx.x & 31;
   const int k = lane & 7;
-  const int pair = blockIdx.x;
-  const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
-  const int s = (warp >= end0) + (warp >= end1);
-  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
-  pdl_enter();  // the expert ids, and the activation, are earlier kernels' output
-  if (row0 >= rows) return;
-  const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
-  const int units = cols / U::ELEMS, halves = cols / 16;
-  const int a = pair / per_token;  // the activation row
-  const int8_t* x0 = xq + (long long)a * cols;
-  const int8_t* x1 = xq + ((long long)act_rows + a) * cols;  // plane 1
-  const ActScale* xsa = xs + (long long)a * halves;
-
-  float acc[RPW][1];
+  const int units = cols / U::ELEMS;
 #pragma unroll
   for (int r = 0; r < RPW; ++r) acc[r][0] = 0.f;
   typename U::Raw ring[AHEAD + 1][RPW];
@@ -1017,12 +1006,64 @@ __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv
       for (int r = 0; r < RPW; ++r) ring[i][r] = ring[i + 1][r];
     int g[U::RUNS], h[U::RUNS];
     U::runs(u, k, g, h);
-    mv::Act<U::RUNS> av;
-    mv::load_act(av, x0, x1, xsa, g, h);
+    Act<U::RUNS> av;
+    load_act(av, x0, x1, xsa, g, h);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r][0] = __fadd_rn(acc[r][0], U::dot(w[r], av));
   }
+}
+}  // namespace mv
+
+template <int T>
+__global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv::Segments seg,
+                                                      const int* __restrict__ ids, int per_token,
+                                                      const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                      int act_rows, int cols, long long row_bytes) {
+  constexpr int RPW = 2;
+  const int lane = threadIdx.x & 31;
+  const int pair = blockIdx.x;
+  const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
+  const int s = (warp >= end0) + (warp >= end1);
+  const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  pdl_enter();  // the expert ids, and the activation, are earlier kernels' output
+  if (row0 >= rows) return;
+  const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
+  const int a = pair / per_token;  // the activation row
+  float acc[RPW][1];
+  mv::expert_pair_rows<T>(acc, weight, rows, row0, row_bytes, xq + (long long)a * cols,
+                          xq + ((long long)act_rows + a) * cols, xs + (long long)a * (cols / 16), cols, lane);
   mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
+}
+
+// matvec_experts_combine: a decode step's down projection and moe_combine in one launch. grid: (tokens,
+// ceil(rows / 2)), block: 32 x k (k <= COMBINE_MAX_K); warp r computes rows row0, row0 + 1 of pair t k + r on its
+// expert as matvec_experts does (the pair's y bitwise), then two threads add the k ranks' products in rank order as
+// moe_combine does: out[t, row] = w0 y0 + w1 y1 + ..., each product rounded, so out is bitwise down + moe_combine.
+// Activation: the pairs' quantized SwiGLU outputs, row p for pair p (act_rows = pairs).
+constexpr int COMBINE_MAX_K = 8;
+template <int T>
+__global__ void __launch_bounds__(32 * COMBINE_MAX_K) matvec_experts_combine(
+    float* __restrict__ out, const uint8_t* __restrict__ weight, const int* __restrict__ ids,
+    const float* __restrict__ weights, int k, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+    int act_rows, int rows, int cols, long long row_bytes) {
+  __shared__ float y[COMBINE_MAX_K][2];
+  const int lane = threadIdx.x & 31, rank = threadIdx.x >> 5;
+  const int t = blockIdx.x, row0 = 2 * blockIdx.y, pair = t * k + rank;
+  pdl_enter();
+  float acc[2][1];
+  mv::expert_pair_rows<T>(acc, weight + (long long)ids[pair] * rows * row_bytes, rows, row0, row_bytes,
+                          xq + (long long)pair * cols, xq + ((long long)act_rows + pair) * cols,
+                          xs + (long long)pair * (cols / 16), cols, lane);
+  mv::warp_sums<1, 2>(acc);
+  if (lane < 2) y[rank][lane] = lane == 0 ? acc[0][0] : acc[1][0];
+  __syncthreads();
+  if (threadIdx.x < 2 && row0 + threadIdx.x < rows) {
+    const float* w = weights + (long long)t * k;
+    float sum = __fmul_rn(w[0], y[0][threadIdx.x]);
+    for (int r = 1; r < k; ++r) sum = __fadd_rn(sum, __fmul_rn(w[r], y[r][threadIdx.x]));
+    out[(long long)t * rows + row0 + threadIdx.x] = sum;
+  }
 }
 
 // matvec_experts_grouped: the same outputs as matvec_experts, with each expert's rows read once for up to N of
@@ -1049,22 +1090,22 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   const int end0 = (seg.rows[0] + RPW - 1) / RPW, end1 = end0 + (seg.rows[1] + RPW - 1) / RPW;
   const int s = (warp >= end0) + (warp >= end1);
   const int rows = mv::pick(seg.rows, s), row0 = (warp - (s == 0 ? 0 : s == 1 ? end0 : end1)) * RPW;
+  // The group's activation rows, read from shared memory where used: held in registers (hoisted 64-bit addresses
+  // of N tokens) they took Q4_K to 200 registers against matvec_q<12, 8, 2>'s 128.
+  __shared__ int arow[N];
   pdl_enter();  // the groups and the activation are earlier kernels' output
-  if (row0 >= rows || (int)blockIdx.x >= *num_groups) return;
+  if ((int)blockIdx.x >= *num_groups) return;
   const int4 group = groups[blockIdx.x];
   const int n = group.z;
+  if (threadIdx.x < N) arow[threadIdx.x] = order[group.y + min((int)threadIdx.x, n - 1)] / per_token;
+  __syncthreads();
+  if (row0 >= rows) return;
   const uint8_t* weight = mv::pick(seg.weight, s) + (long long)group.x * rows * row_bytes;
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
   const int units = cols / U::ELEMS, halves = cols / 16;
   const int8_t* xq1 = xq + (long long)act_rows * cols;  // plane 1
-  int pair[N], arow[N];
-#pragma unroll
-  for (int t = 0; t < N; ++t) {
-    pair[t] = order[group.y + min(t, n - 1)];
-    arow[t] = pair[t] / per_token;
-  }
 
   float acc[RPW][N];
 #pragma unroll
@@ -1107,7 +1148,8 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
     for (int t = 0; t < N; ++t)
-      if (lane == ((r * N + t) & 31) && t < n && row0 + r < rows) out[(long long)pair[t] * rows + row0 + r] = acc[r][t];
+      if (lane == ((r * N + t) & 31) && t < n && row0 + r < rows)
+        out[(long long)order[group.y + t] * rows + row0 + r] = acc[r][t];
 }
 
 // Float weights: x float32 [act_rows, cols]; vec as matvec_f's (x rows and weight rows 16-byte aligned).
