@@ -5,6 +5,7 @@
 #   bench   bench decode --batch 1,4,8,16,32,64 --profile (a profile per width), synthetic qwen2.5-0.5b Q8_0 and
 #           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
+#   moe     synthetic qwen3-30b-a3b Q4_K_M: bench decode --batch 1,8,32 --profile, then bench serve at 1/8/32/64
 #   sweep   scripts/sweep_decode_plan.py on both synthetic models (mat-vec variants inside the batch-1 step)
 #   coldstart  scripts/cold_start.py on llama-3.1-8b Q4_K_M: time to ready with an empty kernel cache, then warm
 #   prefix  bench serve --shared-prefix 2000 on llama-3.1-8b Q4_K_M, prefix caching on and off (TTFT)
@@ -66,6 +67,16 @@ for stage in "$@"; do
       done
       kill $pid; wait $pid 2>/dev/null
     done ;;
+  moe)
+    f=$(synth qwen3-30b-a3b Q4_K_M)
+    python3 -m infero bench decode --model "$f" --device cuda --batch 1,8,32 --profile 2>&1 | tee "$out/bench-moe.txt"
+    serve_on "$f" "$out/serve-moe.log" --max-num-seqs 64 || continue
+    for c in 1 8 32 64; do
+      python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
+        --duration "${SERVE_DURATION:-20}" 2>&1 \
+        | tee -a "$out/bench-serve-moe.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
+    done
+    kill $pid; wait $pid 2>/dev/null ;;
   sweep)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
