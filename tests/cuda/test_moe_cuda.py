@@ -112,6 +112,41 @@ def test_route_picks_numpys_experts_and_weights(gpu, experts, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64)])
+def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_launch(gpu, experts, k, hidden):
+    """moe.router's logits row of a token is the same bits among 1, 3, 17 or 64 rows (and within 1e-5 of numpy's
+    float64 dot); routing in the router's launch (up to ROUTER_WARPS rows) writes what moe.route writes from those
+    logits; a replayed launch (its done-counter back at 0) routes again."""
+    from infero.backends.cuda import moe, runtime, weight_layout
+    from infero.backends.cuda.tensor import empty, from_host
+
+    rng = np.random.default_rng(experts)
+    h = rng.normal(0, 1, size=(64, hidden)).astype(np.float32)
+    w = rng.normal(0, 0.3, size=(experts, hidden)).astype(np.float32)
+    stream, router = runtime.stream(), weight_layout.upload(w.view(np.uint8), int(Q.F32), experts, hidden)
+    hd = from_host(h)
+
+    def logits_of(n: int, routed=None):
+        out = empty((n, experts), np.float32)
+        moe.router(out, hd.rows(0, n), router, stream, routed)
+        return out
+
+    rows = {n: logits_of(n).to_host(stream) for n in (1, 3, 17, 64)}
+    ref = h.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(rows[64] - ref).max() < 1e-5 * np.abs(ref).max()
+    for n in (1, 3, 17):
+        assert np.array_equal(rows[n], rows[64][:n]), f"{n} rows"
+    for _ in range(2):
+        n = moe.ROUTER_WARPS
+        ids, weights = empty((n, k), np.int32), empty((n, k), np.float32)
+        logits = logits_of(n, (ids, weights))
+        apart = empty((n, k), np.int32), empty((n, k), np.float32)
+        moe.route(*apart, logits, stream)
+        assert np.array_equal(ids.to_host(stream), apart[0].to_host(stream))
+        assert np.array_equal(weights.to_host(stream), apart[1].to_host(stream))
+
+
+@pytest.mark.gpu
 def test_route_breaks_ties_toward_the_lower_expert_id(gpu):
     """Equal router rows give equal probabilities: the lower ids win, in id order, on every row."""
     rng = np.random.default_rng(5)
@@ -311,7 +346,8 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
         return {f"{u.filename}: {name}" for u, ns in units.items() for name in ns}
 
     moe_names, dense_names = names(True), names(False)
-    assert {"moe.cu: moe_route", "moe.cu: moe_combine", "moe.cu: moe_sort", "matvec.cu: matvec_experts<12>",
+    assert {"moe.cu: moe_route", "moe.cu: moe_router", "moe.cu: moe_combine", "moe.cu: moe_sort",
+            "matvec.cu: matvec_experts<12>",
             "matvec.cu: matvec_experts_grouped<14, 8, 2>", "matvec.cu: matvec_experts_combine<14>",
             "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
     assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]

@@ -28,10 +28,11 @@ MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__
 GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
 GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 152, Q3_K to 255)
 COMBINE_MAX_K = 8  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
+ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one routes a token) and tokens a block
 SORT_THREADS = 1024
 MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)
 
-runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
+runtime.declare(SOURCE, ["moe_route", "moe_router", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
 for _t in matvec.QUANT_TYPES:
     _names = [
         f"matvec_experts<{_t}>",
@@ -48,6 +49,7 @@ _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
 _Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
 _GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
 _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
+_ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _functions: dict[tuple[str, str], object] = {}
@@ -115,6 +117,39 @@ def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream
                       _ROUTE_ARGS, stream, 4 * experts, pdl=True)  # fmt: skip
 
 
+def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: driver.Stream,
+           routed: tuple[DeviceTensor, DeviceTensor] | None = None) -> None:  # fmt: skip
+    """logits float32 [n, experts] = h float32 [n, hidden] @ weight^T for a float32 router [experts, hidden], each
+    row the same bits at every n (moe.cu's moe_router). routed: (ids, weights) as route() writes them, in the same
+    launch (n <= ROUTER_WARPS)."""
+    n, hidden = h.shape
+    experts = weight.rows
+    if weight.ggml_type != 0 or weight.cols != hidden or hidden % 4 or weight.data.ptr % 16 or h.ptr % 16 or (
+            weight.data.shape[1] != 4 * hidden):  # fmt: skip
+        raise ValueError(f"router: a float32 router [experts, {hidden}] with 16-byte aligned rows and h "
+                         f"(hidden % 4 == 0), got type {weight.ggml_type} [{weight.rows}, {weight.cols}]")  # fmt: skip
+    if logits.dtype != np.float32 or logits.shape != (n, experts) or h.dtype != np.float32:
+        raise ValueError(f"router: h and logits float32 [{n}, {experts}], got {h.dtype} and {logits.dtype} "
+                         f"{logits.shape}")  # fmt: skip
+    ids = weights = None
+    shared = 0
+    if routed is not None:
+        ids, weights = routed
+        k = ids.shape[1] if len(ids.shape) == 2 else -1
+        if n > ROUTER_WARPS or not 1 <= k <= experts or (ids.dtype, ids.shape, weights.dtype, weights.shape) != (
+                np.int32, (n, k), np.float32, (n, k)):  # fmt: skip
+            raise ValueError(f"router: routes up to {ROUTER_WARPS} rows into int32 ids and float32 weights [n, k], "
+                             f"got {n} rows, ids {ids.dtype} {ids.shape}, weights {weights.shape}")  # fmt: skip
+        shared = 4 * ROUTER_WARPS * experts
+    if n == 0:
+        return
+    k = 0 if ids is None else ids.shape[1]
+    args = (logits.ptr, 0 if ids is None else ids.ptr, 0 if weights is None else weights.ptr, h.ptr, weight.data.ptr,
+            n, hidden, experts, k, int(routed is not None))  # fmt: skip
+    driver.launch(_kernel(SOURCE, "moe_router"), (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args,
+                  _ROUTER_ARGS, stream, shared, pdl=True)  # fmt: skip
+
+
 def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: DeviceTensor, per_token: int,
                   stream: driver.Stream, x: DeviceTensor | None = None, quantized=None) -> None:  # fmt: skip
     """outs[i] [pairs, rows] float32: row p = activation row p // per_token @ dequant(expert ids[p] of mats[i])^T,
@@ -165,7 +200,7 @@ def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Str
     if not 1 <= experts <= MAX_EXPERTS or ids.dtype != np.int32:
         raise ValueError(f"sort: int32 ids of 1..{MAX_EXPERTS} experts, got {ids.dtype} and {experts} experts")
     shapes = (order.shape, groups.shape, num_groups.shape)
-    if shapes != ((pairs,), (max_groups(pairs, experts), 4), (1,)) or {order.dtype, groups.dtype} != {np.int32}:
+    if shapes != ((pairs,), (max_groups(pairs, experts), 4), (1,)) or any(t.dtype != np.int32 for t in grouping):
         raise ValueError(f"sort: order int32 [{pairs}], groups int32 [{max_groups(pairs, experts)}, 4] and "
                          f"num_groups int32 [1], got {shapes}")  # fmt: skip
     args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, GROUP_TOKENS)

@@ -263,21 +263,22 @@ class CudaOps:
 
     def moe_route(self, h: DeviceTensor, router: QuantWeight, k: int) -> tuple[DeviceTensor, DeviceTensor]:
         """Each row's k experts (int32 [n, k], most probable first; equal probabilities: the lower id first) and
-        their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device: the router's
-        linear, then moe.route. A float router (as converters write it) stays on the fp32 mat-vec at every token
-        count, 16 rows a launch: on the GEMM its fp16 operands moved the routing weights by up to 3e-3 relative
-        (H200, n = 64), and the mat-vec's rows are the same bits at every n."""
+        their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device. A float32
+        router (as converters write it) runs moe.router, whose fp32 rows are the same bits at every n (on the GEMM,
+        fp16 operands moved the routing weights by up to 3e-3 relative, H200, n = 64); up to moe.ROUTER_WARPS rows
+        it routes them in the same launch, more take moe.route after it. Other routers: linear, then moe.route."""
         n = h.shape[0]
-        if router.ggml_type in matvec.FLOAT_TYPES and n > MATVEC_MAX_TOKENS:
+        ids = self.ws.empty((n, k), np.int32)
+        weights = self.ws.empty((n, k), np.float32)
+        fused = n <= moe.ROUTER_WARPS
+        if router.ggml_type == 0 and h.shape[1] % 4 == 0 and router.data.ptr % 16 == 0 and h.ptr % 16 == 0:
             self._require_values(h)
             logits = self.ws.empty((n, router.rows), np.float32)
-            for a in range(0, n, MATVEC_MAX_TOKENS):
-                b = min(a + MATVEC_MAX_TOKENS, n)
-                matvec.matvec(logits.rows(a, b), router, h.rows(a, b), None, self.stream, self.ws)
+            moe.router(logits, h, router, self.stream, (ids, weights) if fused else None)
+            if fused:
+                return ids, weights
         else:
             logits = self.linear(h, router)
-        ids = self.ws.empty((h.shape[0], k), np.int32)
-        weights = self.ws.empty((h.shape[0], k), np.float32)
         moe.route(ids, weights, logits, self.stream)
         return ids, weights
 

@@ -1083,7 +1083,7 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
                                                               const ActScale* __restrict__ xs, int act_rows, int cols,
                                                               long long row_bytes) {
   using U = mv::Unit<T>;
-  constexpr int AHEAD = N <= 4 ? 1 : 0;  // matvec_q's depth at this N
+  constexpr int AHEAD = 1;  // a row has few units a lane (2 on a 2048-wide expert): their loads in flight together
   const int lane = threadIdx.x & 31;
   const int k = lane & 7;
   const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -8,6 +8,14 @@
 // the ids are always k distinct experts. One warp a row (block of 32), p in shared memory [experts]; lane l owns
 // experts l, l + 32, ... and is the only thread to touch their entries.
 //
+// moe_router. The router's logits, float32 [n, experts] = h float32 [n, hidden] @ router float32 [experts,
+// hidden]^T (hidden % 4 == 0), in one fixed expression: warp w of ROUTER_WARPS sums the float4s of quarter w of
+// the row (lane + 32 j order, each float4's products by fmaf in element order), the lanes by the xor butterfly,
+// the quarters as (q0 + q1) + (q2 + q3). grid: (experts, ceil(n / ROUTER_TOKENS)), a block an expert row and up to
+// ROUTER_TOKENS tokens; nothing depends on n or the grid (batch invariance). With route (n <= ROUTER_WARPS, one
+// grid row) the last block to finish also routes every token (moe_route's work, a warp a token): a decode step's
+// router and top-k in one launch, where the router had run on a 16-row-per-launch mat-vec and moe_route after it.
+//
 // moe_combine. y float32 [n * k, cols] (pair t k + r: token t's rank-r expert output), weights [n, k] -> out
 // [n, cols] = weights[t, 0] y[t k] + weights[t, 1] y[t k + 1] + ..., each product rounded, then added in rank
 // order (__fmul_rn, __fadd_rn): numpy's out = w0 * y0; out += w1 * y1; ... One thread an element.
@@ -25,6 +33,8 @@
 
 namespace moe {
 constexpr float TAKEN = -2.f;  // a chosen expert's p in shared memory (p is in [0, 1] or NaN)
+constexpr int ROUTER_WARPS = 4;   // moe_router: a block's warps, one quarter of the router row each
+constexpr int ROUTER_TOKENS = 16;  // moe_router: tokens a block computes (a grid row); routes up to this many
 
 // The order of the top-k: (p, id) before (p', id') iff p > p', or p == p' and id < id'; NaN p as -1 (below all).
 __device__ __forceinline__ bool before(float p, int id, float q, int jd) {
@@ -34,15 +44,14 @@ __device__ __forceinline__ bool before(float p, int id, float q, int jd) {
 __device__ __forceinline__ float key(float p) { return p >= 0.f ? p : -1.f; }
 }  // namespace moe
 
-extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids, float* __restrict__ weights,
-                                                           const float* __restrict__ logits, int experts, int k) {
-  extern __shared__ float p[];  // [experts]
-  const int lane = threadIdx.x, row = blockIdx.x;
-  const float* l = logits + (long long)row * experts;
-  pdl_enter();
+namespace moe {
+// One row's routing (moe_route's contract) by one warp: l the row's logits (read through L2: in moe_router they
+// are other blocks' output), p the warp's shared memory [experts].
+__device__ __forceinline__ void route_row(int* __restrict__ row_ids, float* __restrict__ row_weights, const float* l, float* p,
+                          int experts, int k, int lane) {
   float m = __int_as_float(0xff800000);  // -inf
   for (int e = lane; e < experts; e += 32) {
-    p[e] = l[e];
+    p[e] = __ldcg(l + e);
     m = fmaxf(m, p[e]);
   }
 #pragma unroll
@@ -56,16 +65,14 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids
   for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, off));
   for (int e = lane; e < experts; e += 32) p[e] = __fdiv_rn(p[e], sum);
 
-  int* row_ids = ids + (long long)row * k;
-  float* row_weights = weights + (long long)row * k;
   float chosen = 0.f;  // lane 0: the sum of the chosen p, in rank order
   for (int r = 0; r < k; ++r) {
     float best = -1.f, best_p = 0.f;  // best: the key of best_id's p
     int best_id = -1;
     for (int e = lane; e < experts; e += 32) {
       const float v = p[e];
-      if (v != moe::TAKEN && moe::before(moe::key(v), e, best, best_id)) {
-        best = moe::key(v);
+      if (v != TAKEN && before(key(v), e, best, best_id)) {
+        best = key(v);
         best_p = v;
         best_id = e;
       }
@@ -75,13 +82,13 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids
       const float other = __shfl_xor_sync(0xFFFFFFFFu, best, off);
       const float other_p = __shfl_xor_sync(0xFFFFFFFFu, best_p, off);
       const int other_id = __shfl_xor_sync(0xFFFFFFFFu, best_id, off);
-      if (moe::before(other, other_id, best, best_id)) {
+      if (before(other, other_id, best, best_id)) {
         best = other;
         best_p = other_p;
         best_id = other_id;
       }
     }
-    if (lane == (best_id & 31)) p[best_id] = moe::TAKEN;
+    if (lane == (best_id & 31)) p[best_id] = TAKEN;
     if (lane == 0) {
       row_ids[r] = best_id;
       row_weights[r] = best_p;
@@ -90,6 +97,68 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids
   }
   if (lane == 0)
     for (int r = 0; r < k; ++r) row_weights[r] = __fdiv_rn(row_weights[r], chosen);
+}
+
+// moe_router's count of finished blocks (route launches only); the last block sets it back to 0, so every launch,
+// and every replay of a graph, starts from 0.
+__device__ unsigned int router_blocks_done;
+}  // namespace moe
+
+extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids, float* __restrict__ weights,
+                                                           const float* __restrict__ logits, int experts, int k) {
+  extern __shared__ float p[];  // [experts]
+  const int row = blockIdx.x;
+  pdl_enter();
+  moe::route_row(ids + (long long)row * k, weights + (long long)row * k, logits + (long long)row * experts, p, experts,
+                 k, threadIdx.x);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router(
+    float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ h,
+    const float* __restrict__ router, int n, int hidden, int experts, int k, int route) {
+  __shared__ float part[moe::ROUTER_WARPS][moe::ROUTER_TOKENS];
+  __shared__ int last;
+  extern __shared__ float p[];  // route: [ROUTER_WARPS][experts]
+  const int e = blockIdx.x, t0 = blockIdx.y * moe::ROUTER_TOKENS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tokens = min(moe::ROUTER_TOKENS, n - t0);
+  const int vecs = hidden / 4, per_warp = (vecs + moe::ROUTER_WARPS - 1) / moe::ROUTER_WARPS;
+  const int v0 = warp * per_warp, v1 = min(v0 + per_warp, vecs);
+  const float4* w4 = reinterpret_cast<const float4*>(router + (long long)e * hidden);
+  pdl_enter();
+  for (int t = 0; t < tokens; ++t) {
+    const float4* x4 = reinterpret_cast<const float4*>(h + (long long)(t0 + t) * hidden);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int v = v0 + lane; v < v1; v += 32) {
+      const float4 a = __ldg(w4 + v), b = x4[v];
+      acc = fmaf(a.x, b.x, acc);
+      acc = fmaf(a.y, b.y, acc);
+      acc = fmaf(a.z, b.z, acc);
+      acc = fmaf(a.w, b.w, acc);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, off));
+    if (lane == 0) part[warp][t] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x < tokens) {
+    const int t = threadIdx.x;
+    static_assert(moe::ROUTER_WARPS == 4, "the quarters' sum below");
+    logits[(long long)(t0 + t) * experts + e] =
+        __fadd_rn(__fadd_rn(part[0][t], part[1][t]), __fadd_rn(part[2][t], part[3][t]));
+  }
+  if (!route) return;
+  __threadfence();  // this block's logits visible before it counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&moe::router_blocks_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int t = warp; t < n; t += moe::ROUTER_WARPS)
+    moe::route_row(ids + (long long)t * k, weights + (long long)t * k, logits + (long long)t * experts,
+                   p + warp * experts, experts, k, lane);
+  if (threadIdx.x == 0) moe::router_blocks_done = 0;
 }
 
 extern "C" __global__ void moe_combine(float* __restrict__ out, const float* __restrict__ y,
