@@ -1097,28 +1097,30 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   if ((int)blockIdx.x >= *num_groups) return;
   const int4 group = groups[blockIdx.x];
   const int n = group.z;
-  if (threadIdx.x < N) arow[threadIdx.x] = order[group.y + min((int)threadIdx.x, n - 1)] / per_token;
-  __syncthreads();
-  if (row0 >= rows) return;
   const uint8_t* weight = mv::pick(seg.weight, s) + (long long)group.x * rows * row_bytes;
   const uint8_t* wrow[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
   const int units = cols / U::ELEMS, halves = cols / 16;
   const int8_t* xq1 = xq + (long long)act_rows * cols;  // plane 1
+  // The first weight loads go out before the group's pair list is read and shared (two dependent loads and a
+  // barrier: the block's whole life at decode widths, where a group is one or two pairs).
+  typename U::Raw ring[AHEAD + 1][RPW];
+  if (lane < units && row0 < rows) {
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
+  }
+  if (threadIdx.x < N) arow[threadIdx.x] = order[group.y + min((int)threadIdx.x, n - 1)] / per_token;
+  __syncthreads();
+  if (row0 >= rows) return;
 
   float acc[RPW][N];
 #pragma unroll
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
-  typename U::Raw ring[AHEAD + 1][RPW];
-  if (lane < units) {
-#pragma unroll
-    for (int i = 0; i < AHEAD; ++i)
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
-  }
   for (int u = lane; u < units; u += 32) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
