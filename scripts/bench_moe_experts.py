@@ -46,7 +46,7 @@ def main() -> None:
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) / args.experts
     cuda_ops = CudaOps(SimpleNamespace(workspace=Workspace(1 << 30), stream=stream, weights_arena=None))
     variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants.split(",")]
-    declared = (moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_PAIRS_PER_EXPERT)
+    declared = (moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_MIN_TOKENS)
     print(f"{'tokens':>6} {'experts read':>12}  {'variant':<16} {'us':>9} {'GB/s':>7}")
     for n in (int(v) for v in args.n.split(",")):
         h = from_host(rng.normal(0, 1, size=(n, HIDDEN)).astype(np.float32))
@@ -57,9 +57,11 @@ def main() -> None:
         runs = [("per pair", None)] + [(f"grouped {g}x{r}", (g, r)) for g, r in variants]
         for label, variant in runs:
             if variant is None:
-                ops.MOE_GROUPED_PAIRS_PER_EXPERT = n * args.k + 1  # never
+                ops.MOE_GROUPED_MIN_TOKENS = n + 1
             else:
-                ops.MOE_GROUPED_PAIRS_PER_EXPERT, (moe.GROUP_TOKENS, moe.GROUP_RPW) = 0, variant
+                ops.MOE_GROUPED_MIN_TOKENS, (moe.GROUP_TOKENS, moe.GROUP_RPW) = 1 if n > 1 else 2, variant
+                if n == 1:
+                    continue  # one token never groups
 
             def layer(h=h, ids_d=ids_d, weights_d=weights_d):
                 cuda_ops.ws.offset = 0
@@ -69,7 +71,7 @@ def main() -> None:
             stream.synchronize()
             us = time_in_graph(stream, layer, 1)
             print(f"{n:>6} {chosen:>12}  {label:<16} {us:>9.1f} {chosen * per_expert / us / 1e3:>7.0f}")
-        moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_PAIRS_PER_EXPERT = declared
+        moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_MIN_TOKENS = declared
 
 
 if __name__ == "__main__":

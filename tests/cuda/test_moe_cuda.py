@@ -466,7 +466,7 @@ def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unq
     """Gate and up of two block formats: two grouped launches; an F16 down reads SwiGLU's float32 output pair by
     pair (the grouped kernel is for block formats); all-float experts need no sort."""
     ops, calls = launches
-    h, ids, weights = _Tensor(1, (4, 256), np.float32), _Tensor(2, (4, 2), np.int32), _Tensor(3, (4, 2), np.float32)
+    h, ids, weights = _Tensor(1, (2, 256), np.float32), _Tensor(2, (2, 2), np.int32), _Tensor(3, (2, 2), np.float32)
     ops.moe_experts(h, ids, weights, _experts(Q.Q4_K, 4, 64, 256), _experts(Q.Q5_K, 4, 64, 256),
                     _experts(Q.F16, 4, 256, 64))  # fmt: skip
     kinds = [(c[0], c[2]) if c[0] in ("experts", "grouped") else (c[0],) for c in calls]

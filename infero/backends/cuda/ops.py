@@ -25,11 +25,10 @@ MATVEC_MAX_TOKENS = 16
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
-# From this many (token, expert) pairs an expert on average a mixture-of-experts layer sorts its pairs by expert and
-# reads each chosen expert once per moe.GROUP_TOKENS of its pairs; below it each pair reads its expert's rows (no
-# sort launch). qwen3-30b-a3b's layer on the H200 (scripts/bench_moe_experts.py, 4eba79f): 8 tokens (64 pairs, 57
-# experts) 114.8 us pair by pair, 162.4 grouped; 32 tokens (2 an expert) 397.5 and 352.3; 512 tokens 5,816 and 3,012.
-MOE_GROUPED_PAIRS_PER_EXPERT = 2
+# From this many tokens a mixture-of-experts layer sorts its (token, expert) pairs by expert and reads each chosen
+# expert once per moe.GROUP_TOKENS of its pairs; below it each pair reads its expert's rows (no sort launch): at
+# one token every pair has an expert of its own.
+MOE_GROUPED_MIN_TOKENS = 2
 
 
 class CudaKVCache:
@@ -286,18 +285,18 @@ class CudaOps:
     def moe_experts(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,
                     down_exps) -> DeviceTensor:  # fmt: skip
         """sum_r weights[:, r] * down_e(silu(gate_e h) * up_e h), e = experts[:, r] (see CpuOps.moe_experts): each
-        (token, rank) pair's expert mat-vecs, SwiGLU, then moe.combine. From MOE_GROUPED_PAIRS_PER_EXPERT pairs an
-        expert on average, the pairs are first sorted by expert so that each chosen expert's rows are read once per
-        moe.GROUP_TOKENS of its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec), and
-        down and the combine are one launch (moe.down_combine): the same bits every way. The pairs' buffers are dead
-        once the combine is queued: the workspace takes them back (a replayed graph sees the same addresses)."""
+        (token, rank) pair's expert mat-vecs, SwiGLU, then moe.combine. From MOE_GROUPED_MIN_TOKENS tokens on, the
+        pairs are first sorted by expert so that each chosen expert's rows are read once per moe.GROUP_TOKENS of
+        its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec), and down and the combine
+        are one launch (moe.down_combine): the same bits every way.
+        The pairs' buffers are dead once the combine is queued: the workspace takes them back (a replayed graph
+        sees the same addresses)."""
         n, k = experts.shape
         out = self.ws.empty((n, down_exps.rows), np.float32)
         mark = self.ws.offset
         pair_ids = experts.reshape(n * k)
         grouping = None
-        grouped = n * k >= MOE_GROUPED_PAIRS_PER_EXPERT * gate_exps.experts
-        if grouped and any(m.ggml_type in matvec.QUANT_TYPES for m in (gate_exps, down_exps)):
+        if n >= MOE_GROUPED_MIN_TOKENS and any(m.ggml_type in matvec.QUANT_TYPES for m in (gate_exps, down_exps)):
             grouping = moe.Grouping(self.ws.empty((n * k,), np.int32),
                                     self.ws.empty((moe.max_groups(n * k, gate_exps.experts), 4), np.int32),
                                     self.ws.empty((1,), np.int32))  # fmt: skip
