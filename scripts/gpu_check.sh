@@ -40,6 +40,15 @@ serve_on() {  # serve_on MODEL LOG [FLAGS...]: infero serve on port 8321 in the 
     sleep 0.5
   done
 }
+serve_clients() {  # serve_clients MODEL NAME: bench serve at 1/8/32/64 clients on infero serve --max-num-seqs 64
+  serve_on "$1" "$out/serve-$2.log" --max-num-seqs 64 || return
+  for c in 1 8 32 64; do
+    python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
+      --duration "${SERVE_DURATION:-20}" 2>&1 \
+      | tee -a "$out/bench-serve-$2.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
+  done
+  kill $pid; wait $pid 2>/dev/null
+}
 for stage in "$@"; do
   case $stage in
   tests)
@@ -59,24 +68,12 @@ for stage in "$@"; do
   serve)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       f=$(synth $spec)
-      serve_on "$f" "$out/serve-${spec// /-}.log" --max-num-seqs 64 || continue
-      for c in 1 8 32 64; do
-        python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
-          --duration "${SERVE_DURATION:-20}" 2>&1 \
-          | tee -a "$out/bench-serve-${spec// /-}.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
-      done
-      kill $pid; wait $pid 2>/dev/null
+      serve_clients "$f" "${spec// /-}"
     done ;;
   moe)
     f=$(synth qwen3-30b-a3b Q4_K_M)
     python3 -m infero bench decode --model "$f" --device cuda --batch 1,8,32 --profile 2>&1 | tee "$out/bench-moe.txt"
-    serve_on "$f" "$out/serve-moe.log" --max-num-seqs 64 || continue
-    for c in 1 8 32 64; do
-      python3 -m infero bench serve --url http://127.0.0.1:8321 --clients $c --max-tokens 200 \
-        --duration "${SERVE_DURATION:-20}" 2>&1 \
-        | tee -a "$out/bench-serve-moe.txt" | grep -E "^(clients|requests|throughput|TTFT|TPOT|error)"
-    done
-    kill $pid; wait $pid 2>/dev/null ;;
+    serve_clients "$f" moe ;;
   sweep)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
