@@ -310,7 +310,8 @@ class Engine:
             child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j,
                             cache_salt=req.cache_salt, block_hashes=list(req.block_hashes))  # fmt: skip
             child.prompt_logprobs, child.num_cached_tokens = req.prompt_logprobs, req.num_cached_tokens
-            if (not partial or self.pool.num_free > 0) and self.scheduler.take_state(child):
+            room = len(self.scheduler.running) < self.config.max_num_seqs
+            if room and (not partial or self.pool.num_free > 0) and self.scheduler.take_state(child):
                 child.blocks = self.pool.share(req.blocks[:full])
                 if partial:
                     child.blocks += self.pool.allocate(1)
@@ -322,7 +323,8 @@ class Engine:
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
                 seqs.append(child)
-            else:  # no block to copy the prompt's tail into, or no state slot: the sibling recomputes its prompt later
+            else:  # no room among the running sequences (max_num_seqs: the step buffers and graphs are sized for it),
+                # no block to copy the prompt's tail into, or no state slot: the sibling recomputes its prompt later
                 self.scheduler.waiting.append(child)
             self._track(child)
         self._choices[req.request_id] = n

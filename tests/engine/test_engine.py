@@ -135,6 +135,30 @@ def test_forked_choices_hold_shared_blocks_once(llm):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def test_forks_never_run_more_sequences_than_max_num_seqs(tiny_model_path, llm):
+    """Three sequences decode when a request of n = 4 completes its prompt under max_num_seqs 5: two of its choices
+    join the running ones at once, the other two wait and recompute their prompt later (the step buffers and CUDA
+    graphs are sized for max_num_seqs); every choice still gets its own seeded tokens."""
+    small = LLM(tiny_model_path, engine_config=EngineConfig(max_num_seqs=5))
+    engine = small.engine
+    for i in range(3):
+        engine.add_request(f"busy{i}", [5 + i] * 8, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=6, ignore_eos=True)
+    engine.add_request("fork", list(range(3, 20)), params)
+    most, outputs = 0, {j: [] for j in range(4)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "fork":
+                outputs[out.index] += out.new_token_ids
+        most = max(most, len(engine.scheduler.running))
+    assert most == 5 and all(len(ids) == 6 for ids in outputs.values())
+    for j in range(4):
+        alone = SamplingParams(temperature=1.0, seed=7 + j, max_tokens=6, ignore_eos=True)
+        assert outputs[j] == llm.generate([list(range(3, 20))], alone)[0].completion_ids
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_prompt_logprobs_equal_teacher_forced_log_softmax(tiny_model_path, tiny_model):
     import numpy as np
 
