@@ -112,7 +112,7 @@ def test_route_picks_numpys_experts_and_weights(gpu, experts, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64)])
+@pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64), (4096, 8, 64)])
 def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_launch(gpu, experts, k, hidden):
     """moe.router's logits row of a token is the same bits among 1, 3, 17 or 64 rows (and within 1e-5 of numpy's
     float64 dot); routing in the router's launch (up to ROUTER_WARPS rows) writes what moe.route writes from those
@@ -249,12 +249,13 @@ def _sorted_pairs(ids: np.ndarray, experts: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [128, 4096])  # 4096: past the default 48 KiB of shared memory
 @pytest.mark.parametrize("skew", ["uniform", "one expert for all"])
-def test_sort_lists_every_pair_once_in_runs_of_its_expert(gpu, skew):
+def test_sort_lists_every_pair_once_in_runs_of_its_expert(gpu, skew, experts):
     from infero.backends.cuda import moe
 
     rng = np.random.default_rng(3)
-    experts, pairs = 128, 64 * 8
+    pairs = 64 * 8
     ids = rng.integers(0, experts, size=pairs) if skew == "uniform" else np.full(pairs, 77)
     _, order, groups = _sorted_pairs(ids, experts)
     assert sorted(order) == list(range(pairs))

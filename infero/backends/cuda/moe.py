@@ -53,7 +53,9 @@ _ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _functions: dict[tuple[str, str], object] = {}
+_shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
 runtime.on_reload(_functions.clear)
+runtime.on_reload(_shared_allowed.clear)
 
 
 def _kernel(filename: str, expression: str):
@@ -146,8 +148,10 @@ def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: d
     k = 0 if ids is None else ids.shape[1]
     args = (logits.ptr, 0 if ids is None else ids.ptr, 0 if weights is None else weights.ptr, h.ptr, weight.data.ptr,
             n, hidden, experts, k, int(routed is not None))  # fmt: skip
-    driver.launch(_kernel(SOURCE, "moe_router"), (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args,
-                  _ROUTER_ARGS, stream, shared, pdl=True)  # fmt: skip
+    fn = _kernel(SOURCE, "moe_router")
+    _allow_shared(fn, shared)
+    driver.launch(fn, (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args, _ROUTER_ARGS, stream, shared,
+                  pdl=True)  # fmt: skip
 
 
 def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: DeviceTensor, per_token: int,
@@ -188,6 +192,14 @@ class Grouping(NamedTuple):
     num_groups: DeviceTensor
 
 
+def _allow_shared(fn, shared: int) -> None:
+    """Opt fn in to `shared` bytes of dynamic shared memory where that passes the default 48 KiB (moe_sort and the
+    routing moe_router keep 16 bytes an expert: past 3,072 experts)."""
+    if shared > _shared_allowed.get(fn, 48 << 10):
+        driver.set_max_dynamic_shared(fn, shared)
+        _shared_allowed[fn] = shared
+
+
 def max_groups(pairs: int, experts: int) -> int:
     """The most groups moe_sort can make: each chosen expert's pairs in runs of GROUP_TOKENS, the last one short."""
     return -(-pairs // GROUP_TOKENS) + min(experts, pairs)
@@ -204,8 +216,9 @@ def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Str
         raise ValueError(f"sort: order int32 [{pairs}], groups int32 [{max_groups(pairs, experts)}, 4] and "
                          f"num_groups int32 [1], got {shapes}")  # fmt: skip
     args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, GROUP_TOKENS)
-    driver.launch(_kernel(SOURCE, "moe_sort"), (1,), (SORT_THREADS,), args, _SORT_ARGS, stream, 16 * experts,
-                  pdl=True)  # fmt: skip
+    fn = _kernel(SOURCE, "moe_sort")
+    _allow_shared(fn, 16 * experts)
+    driver.launch(fn, (1,), (SORT_THREADS,), args, _SORT_ARGS, stream, 16 * experts, pdl=True)
 
 
 def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping: Grouping, per_token: int,
