@@ -80,18 +80,22 @@ def head_dim(dim: int) -> str:
 
 # The need of a mixture-of-experts model's kernels (routing, the expert mat-vecs), which dense models never run.
 EXPERTS = "experts"
+# The need of a hybrid model's Gated DeltaNet kernels (conv1d, gates, the delta rule, its norms).
+DELTA_NET = "delta net"
 
 
-def model_needs(dim: int, matrix_types, experts: bool = False) -> frozenset[str]:
+def model_needs(dim: int, matrix_types, experts: bool = False, delta_net: bool = False) -> frozenset[str]:
     """What a model needs compiled: the types its matrices are stored as (on the GPU they stay so), its head dim,
-    and for a mixture of experts the expert kernels."""
-    return frozenset([weight_type(t) for t in matrix_types] + [head_dim(dim)] + ([EXPERTS] if experts else []))
+    for a mixture of experts the expert kernels, and for a hybrid the delta-net kernels."""
+    kinds = ([EXPERTS] if experts else []) + ([DELTA_NET] if delta_net else [])
+    return frozenset([weight_type(t) for t in matrix_types] + [head_dim(dim)] + kinds)
 
 
 def checkpoint_needs(checkpoint) -> frozenset[str]:
     """model_needs of a checkpoint, from its header (vectors become float32 on the host: no kernel reads their type)."""
     types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
-    return model_needs(checkpoint.config.head_dim, types, checkpoint.config.num_experts > 0)
+    c = checkpoint.config
+    return model_needs(c.head_dim, types, c.num_experts > 0, c.is_hybrid)
 
 
 def declare(filename: str, expressions: list[str], needs: tuple[str, ...] = (), part: str = "") -> None:

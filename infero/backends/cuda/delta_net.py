@@ -1,0 +1,284 @@
+"""Launchers for kernels/delta_net.cu: a Gated DeltaNet layer's conv1d, gates, L2 norm, gated delta rule (the
+recurrent form), gated output norm, sigmoid gate, and the zeroing of fresh sequences' state.
+
+The state lives in two float32 device tensors laid out as CpuHybridCache's: conv [slots, recurrent layers, conv
+channels, kernel - 1] and delta [slots, recurrent layers, value heads, d_k, d_v]. A step's sequences come as device
+int32 arrays: query_starts [seqs + 1] (batch.query_starts) and state_slots [seqs]. Inputs that are a column range
+of a wider activation (q, k, v of the conv output; the attention's output gate inside q) are passed as `Strided`
+views and read in place. Each launcher checks shapes and dtypes (ValueError), allocates nothing and launches one
+kernel on `stream`. Nothing reduces across tokens, and the delta rule carries each sequence's state token by token
+in one fixed order, so a token's numbers are the same however its prompt was split into steps (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from infero.backends.cuda import driver, runtime
+from infero.backends.cuda.tensor import DeviceTensor
+
+SOURCE = "delta_net.cu"
+CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
+KEY_DIMS = (16, 32, 64, 128)  # d_k the delta rule is compiled for (S's rows in registers); 16: the tiny models'
+RULE_PARTS = 4  # threads sharing a column of S (delta_net.cu's dn::RULE_PARTS)
+MAX_DV = 128  # columns of S a block of the delta rule takes (dn::MAX_DV)
+ROW_WARPS = 8  # the norms: a warp a row, 8 rows a block
+PAIRINGS = ("tiled", "grouped")  # which key head serves value head h: h % key heads, or h // (value / key heads)
+
+runtime.declare(
+    SOURCE,
+    [f"causal_conv1d<{k}>" for k in CONV_KERNELS]
+    + [f"gated_delta_rule<{d}>" for d in KEY_DIMS]
+    + ["delta_net_gates", "l2_norm", "gated_rms_norm", "sigmoid_gate", "reset_states"],
+    needs=(runtime.DELTA_NET,),
+)
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+_functions: dict[str, object] = {}
+runtime.on_reload(_functions.clear)
+
+
+def _kernel(expression: str):
+    fn = _functions.get(expression)
+    if fn is None:
+        fn = _functions[expression] = runtime.kernel(SOURCE, expression)
+    return fn
+
+
+@dataclass(frozen=True)
+class Strided:
+    """float32 rows x cols, row r starting `stride` elements after row r - 1: columns [start, start + cols) of a
+    wider row-major matrix, read in place (no copy)."""
+
+    tensor: DeviceTensor
+    start: int
+    rows: int
+    cols: int
+    stride: int
+
+    @property
+    def ptr(self) -> int:
+        return self.tensor.ptr + 4 * self.start
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tensor.dtype
+
+
+def columns(t: DeviceTensor, start: int, stop: int) -> Strided:
+    """Columns [start, stop) of t's last dimension, every leading index a row: columns(qkv [n, C], 0, key_size) is
+    q; columns(q_gate [n, heads, 2 head_dim], head_dim, 2 head_dim) each head's output gate."""
+    width = t.shape[-1]
+    if not 0 <= start <= stop <= width:
+        raise ValueError(f"columns [{start}, {stop}) are not within a row of {width}")
+    return Strided(t, start, t.numel // width if width else 0, stop - start, width)
+
+
+def _rows(x: DeviceTensor | Strided, rows: int) -> Strided:
+    """x as `rows` rows: a Strided as it is (its row count checked), a contiguous tensor split evenly."""
+    if isinstance(x, Strided):
+        _require(x.rows == rows, lambda: f"a strided input has {x.rows} rows, the op needs {rows}")
+        return x
+    cols = x.numel // rows if rows else int(np.prod(x.shape[1:], dtype=np.int64))
+    _require(cols * rows == x.numel, lambda: f"a tensor of shape {x.shape} is not {rows} rows")
+    return Strided(x, 0, rows, cols, cols)
+
+
+def _require(cond: bool, message) -> None:
+    """Raise ValueError(message()) unless cond; the message is only formatted on failure (launchers run per step)."""
+    if not cond:
+        raise ValueError(message())
+
+
+def _f32(name: str, t) -> None:
+    _require(t.dtype == np.float32, lambda: f"{name} must be float32, got {t.dtype}")
+
+
+def _check_sequences(query_starts: DeviceTensor, state_slots: DeviceTensor) -> int:
+    """The number of sequences: state_slots int32 [seqs], query_starts int32 [seqs + 1]."""
+    seqs = state_slots.numel
+    _require(state_slots.dtype == np.int32 and len(state_slots.shape) == 1,
+             lambda: f"state_slots must be int32 [seqs], got {state_slots.dtype} {state_slots.shape}")  # fmt: skip
+    starts = query_starts
+    _require(starts.dtype == np.int32 and starts.shape == (seqs + 1,),
+             lambda: f"query_starts must be int32 [{seqs + 1}], got {starts.dtype} {starts.shape}")  # fmt: skip
+    return seqs
+
+
+def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
+                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
+                  stream: driver.Stream) -> None:  # fmt: skip
+    """out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps weight [C, K]) over each sequence's
+    earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds for recurrent layer `layer` and
+    then holds the sequence's last K - 1 inputs (out may be x)."""
+    for name, t in (("out", out), ("x", x), ("weight", weight), ("conv_state", conv_state)):
+        _f32(name, t)
+    _require(len(x.shape) == 2 and out.shape == x.shape, lambda: f"x {x.shape} and out {out.shape} must be [n, C]")
+    n, channels = x.shape
+    _require(len(weight.shape) == 2 and weight.shape[0] == channels,
+             lambda: f"weight {weight.shape} must be [{channels}, kernel]")  # fmt: skip
+    taps = weight.shape[1]
+    _require(taps in CONV_KERNELS,
+             lambda: f"the GPU's conv1d is compiled for kernels of {CONV_KERNELS} taps, got {taps}")  # fmt: skip
+    _require(len(conv_state.shape) == 4 and conv_state.shape[2:] == (channels, taps - 1),
+             lambda: f"conv_state {conv_state.shape} must be [slots, layers, {channels}, {taps - 1}]")  # fmt: skip
+    slots, layers = conv_state.shape[:2]
+    _require(0 <= layer < layers, lambda: f"layer {layer} is not one of the state's {layers} recurrent layers")
+    seqs = _check_sequences(query_starts, state_slots)
+    if seqs == 0 or channels == 0:
+        return
+    args = (out.ptr, x.ptr, weight.ptr, conv_state.ptr, query_starts.ptr, state_slots.ptr, slots, layers, layer,
+            channels)  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I)
+    driver.launch(_kernel(f"causal_conv1d<{taps}>"), (-(-channels // 128), seqs), (128,), args, types, stream,
+                  pdl=True)  # fmt: skip
+
+
+def delta_net_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | Strided,
+                    beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, stream: driver.Stream,
+                    group: int | None = None, group_stride: int = 0) -> None:  # fmt: skip
+    """g = a * softplus(alpha + dt_bias) and beta_out = sigmoid(beta), float32 [n, value heads]. Value head h reads
+    column h of its alpha and beta rows, or with `group` column (h // group) * group_stride + h % group (Qwen3-Next's
+    fused projection: alpha = columns(ba, group, 2 heads), beta = columns(ba, 0, 2 heads), group_stride 2 group)."""
+    _require(len(g.shape) == 2 and beta_out.shape == g.shape,
+             lambda: f"g {g.shape} and beta_out {beta_out.shape} must be [n, value heads]")  # fmt: skip
+    n, heads = g.shape
+    group = heads if group is None else group
+    _require(group > 0 and heads % group == 0, lambda: f"group {group} must divide the {heads} value heads")
+    span = (heads // group - 1) * group_stride + group if heads else 0  # columns a row's last head needs, + 1
+    alpha, beta = _rows(alpha, n), _rows(beta, n)
+    for name, t in (("g", g), ("beta_out", beta_out), ("alpha", alpha), ("beta", beta), ("dt_bias", dt_bias),
+                    ("a", a)):  # fmt: skip
+        _f32(name, t)
+    narrow = min(alpha.cols, beta.cols)
+    _require(narrow >= span, lambda: f"alpha and beta rows of {narrow} columns hold no head {heads - 1} at column "
+                                     f"{span - 1}")  # fmt: skip
+    _require(dt_bias.numel == heads and a.numel == heads,
+             lambda: f"dt_bias ({dt_bias.numel}) and a ({a.numel}) must have one value a head ({heads})")  # fmt: skip
+    if n * heads == 0:
+        return
+    args = (g.ptr, beta_out.ptr, alpha.ptr, beta.ptr, dt_bias.ptr, a.ptr, n, heads, alpha.stride, beta.stride, group,
+            group_stride)  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
+    driver.launch(_kernel("delta_net_gates"), (-(-n * heads // 256),), (256,), args, types, stream, pdl=True)
+
+
+def l2_norm(out: DeviceTensor | Strided, x: DeviceTensor | Strided, head_dim: int, eps: float,
+            stream: driver.Stream) -> None:  # fmt: skip
+    """Each head_dim row of x [n, heads x head_dim] divided by sqrt(its sum of squares + eps), into out of the
+    same rows (out may be x itself, the same view)."""
+    n = out.rows if isinstance(out, Strided) else (out.shape[0] if out.shape else 0)
+    out, x = _rows(out, n), _rows(x, n)
+    _f32("out", out)
+    _f32("x", x)
+    _require(head_dim > 0 and x.cols % head_dim == 0 and out.cols == x.cols,
+             lambda: f"x rows of {x.cols} and out rows of {out.cols} must be whole heads of {head_dim}")  # fmt: skip
+    heads = x.cols // head_dim
+    if n * heads == 0:
+        return
+    args = (out.ptr, x.ptr, n, heads, head_dim, x.stride, out.stride, eps)
+    types = (_P, _P, _I, _I, _I, _I, _I, _F)
+    driver.launch(_kernel("l2_norm"), (-(-n * heads // ROW_WARPS),), (32 * ROW_WARPS,), args, types, stream, pdl=True)
+
+
+def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTensor | Strided,
+                     v: DeviceTensor | Strided, g: DeviceTensor, beta: DeviceTensor, pairing: str, scale: float,
+                     delta_state: DeviceTensor, query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
+                     stream: driver.Stream) -> None:  # fmt: skip
+    """out [n, value heads, d_v] of the gated delta rule, token by token from each sequence's S in its slot of
+    delta_state [slots, layers, value heads, d_k, d_v] (updated in place): q, k [n, key heads x d_k] (q scaled by
+    `scale`), v [n, value heads x d_v], g and beta [n, value heads]; value head h reads key head h % key heads
+    (pairing "tiled") or h // (value heads / key heads) ("grouped")."""
+    _f32("delta_state", delta_state)
+    _require(len(delta_state.shape) == 5,
+             lambda: f"delta_state {delta_state.shape} must be [slots, layers, value heads, d_k, d_v]")  # fmt: skip
+    slots, layers, v_heads, d_k, d_v = delta_state.shape
+    _require(len(out.shape) == 3 and out.shape[1:] == (v_heads, d_v),
+             lambda: f"out {out.shape} must be [n, {v_heads}, {d_v}]")  # fmt: skip
+    n = out.shape[0]
+    q, k, v = _rows(q, n), _rows(k, n), _rows(v, n)
+    for name, t in (("out", out), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _f32(name, t)
+    _require(d_k in KEY_DIMS, lambda: f"the GPU's delta rule is compiled for d_k in {KEY_DIMS}, got {d_k}")
+    _require(d_v % 32 == 0 and 0 < d_v <= MAX_DV,
+             lambda: f"the GPU's delta rule needs d_v a multiple of 32 up to {MAX_DV}, got {d_v}")  # fmt: skip
+    _require(q.cols == k.cols and q.cols % d_k == 0,
+             lambda: f"q rows of {q.cols} and k rows of {k.cols} must be the same whole heads of {d_k}")  # fmt: skip
+    key_heads = q.cols // d_k
+    _require(key_heads > 0 and v_heads % key_heads == 0,
+             lambda: f"{key_heads} key heads must divide the {v_heads} value heads")  # fmt: skip
+    _require(v.cols == v_heads * d_v, lambda: f"v rows of {v.cols} must be {v_heads} heads of {d_v}")
+    _require(g.shape == (n, v_heads) and beta.shape == (n, v_heads),
+             lambda: f"g {g.shape} and beta {beta.shape} must be [{n}, {v_heads}]")  # fmt: skip
+    _require(pairing in PAIRINGS, lambda: f"pairing must be one of {PAIRINGS}, got {pairing!r}")
+    _require(0 <= layer < layers, lambda: f"layer {layer} is not one of the state's {layers} recurrent layers")
+    seqs = _check_sequences(query_starts, state_slots)
+    if seqs == 0:
+        return
+    args = (out.ptr, q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, delta_state.ptr, query_starts.ptr, state_slots.ptr,
+            scale, slots, layers, layer, key_heads, v_heads, d_v, q.stride, k.stride, v.stride,
+            int(pairing == "tiled"))  # fmt: skip
+    types = (_P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I)
+    fn = _kernel(f"gated_delta_rule<{d_k}>")
+    driver.launch(fn, (v_heads, seqs), (RULE_PARTS * d_v,), args, types, stream, pdl=True)
+
+
+def gated_rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, gate: DeviceTensor | Strided,
+                   eps: float, stream: driver.Stream) -> None:  # fmt: skip
+    """out = rms_norm(x) * weight * silu(gate) over each head of x [n, heads, dim] (the delta net's output norm;
+    gate [n, heads x dim]; out may be x)."""
+    _require(len(x.shape) == 3 and out.shape == x.shape,
+             lambda: f"x {x.shape} and out {out.shape} must be [n, heads, dim]")  # fmt: skip
+    n, heads, dim = x.shape
+    gate = _rows(gate, n)
+    for name, t in (("out", out), ("x", x), ("weight", weight), ("gate", gate)):
+        _f32(name, t)
+    _require(weight.numel == dim, lambda: f"weight has {weight.numel} elements, heads have {dim}")
+    _require(gate.cols == heads * dim, lambda: f"gate rows of {gate.cols} must be {heads} heads of {dim}")
+    if n * heads * dim == 0:
+        return
+    args = (out.ptr, x.ptr, weight.ptr, gate.ptr, n, heads, dim, gate.stride, eps)
+    types = (_P, _P, _P, _P, _I, _I, _I, _I, _F)
+    blocks = -(-n * heads // ROW_WARPS)
+    driver.launch(_kernel("gated_rms_norm"), (blocks,), (32 * ROW_WARPS,), args, types, stream, pdl=True)
+
+
+def sigmoid_gate(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor | Strided, stream: driver.Stream) -> None:
+    """out = x * sigmoid(gate) over rows of x's last dim (out may be x); gate has one column per element of a row,
+    or one column for the whole row (the shared expert's gate [n, 1])."""
+    _require(out.shape == x.shape and len(x.shape) >= 1, lambda: f"out {out.shape} must have x's shape {x.shape}")
+    cols = x.shape[-1]
+    rows = x.numel // cols if cols else 0
+    gate = _rows(gate, rows)
+    for name, t in (("out", out), ("x", x), ("gate", gate)):
+        _f32(name, t)
+    _require(gate.cols in (cols, 1), lambda: f"gate rows of {gate.cols} must have x's {cols} columns, or 1")
+    if x.numel == 0:
+        return
+    args = (out.ptr, x.ptr, gate.ptr, x.numel, cols, gate.stride, int(gate.cols == 1 and cols > 1))
+    types = (_P, _P, _P, _L, _I, _I, _I)
+    driver.launch(_kernel("sigmoid_gate"), (-(-x.numel // 256),), (256,), args, types, stream, pdl=True)
+
+
+def reset_states(conv_state: DeviceTensor, delta_state: DeviceTensor, slots: DeviceTensor,
+                 stream: driver.Stream) -> None:  # fmt: skip
+    """Zero every layer's conv and delta state of the slots int32 [count] (negative entries are skipped)."""
+    _f32("conv_state", conv_state)
+    _f32("delta_state", delta_state)
+    conv, delta = conv_state.shape, delta_state.shape
+    _require(len(conv) == 4 and len(delta) == 5 and conv[:2] == delta[:2],
+             lambda: f"conv_state {conv_state.shape} and delta_state {delta_state.shape} must be [slots, layers, ...] "
+                     "of the same slots and layers")  # fmt: skip
+    _require(slots.dtype == np.int32 and len(slots.shape) == 1,
+             lambda: f"slots must be int32 [count], got {slots.dtype} {slots.shape}")  # fmt: skip
+    count, num_slots = slots.numel, conv_state.shape[0]
+    if count == 0 or num_slots == 0:
+        return
+    conv_size, delta_size = conv_state.numel // num_slots, delta_state.numel // num_slots
+    blocks = min(-(-max(conv_size, delta_size) // 256), 1024)
+    args = (conv_state.ptr, delta_state.ptr, slots.ptr, num_slots, conv_size, delta_size)
+    types = (_P, _P, _P, _I, _L, _L)
+    driver.launch(_kernel("reset_states"), (blocks, count), (256,), args, types, stream, pdl=True)

@@ -1,0 +1,278 @@
+// The Gated DeltaNet layer's kernels (Qwen3.5, Qwen3-Next): the causal conv1d over q | k | v, the decay and write
+// gates, the per-head L2 norm, the gated delta rule token by token (the recurrent form), the gated output norm,
+// the sigmoid output gate, and zeroing a fresh sequence's state. Each is the numpy op of backends/cpu/ops.py
+// (CpuOps.causal_conv1d, delta_net_gates, l2_norm, gated_delta_rule, gated_rms_norm, sigmoid_gate,
+// reset_fresh_states) on the device.
+//
+// Layouts. Activations are float32 rows of tokens; an input may be a column range of a wider row (the conv
+// output [n, C] holds q | k | v), read in place: its pointer is the range's first element and `*_stride` the
+// distance between its rows in elements. The recurrent state mirrors CpuHybridCache: conv [slots, recurrent
+// layers, C, K - 1] (each channel's last K - 1 inputs, oldest first) and delta [slots, recurrent layers, value
+// heads, d_k, d_v] (the delta rule's S). A step's sequences are given by starts int32 [seqs + 1] (sequence s owns
+// tokens starts[s] .. starts[s + 1]) and slots int32 [seqs] (its state slot); `layer` is the recurrent layer's
+// index. A sequence whose slot is outside [0, num_slots) gets NaN outputs and its state is not touched. Where
+// out may be x (the conv1d, the norms, the gate), the two pointers are not __restrict__: each element is read
+// before its thread writes it, and the compiler must not assume otherwise.
+//
+// Numerics. fp32, no fast math; where numpy rounds each product and sum separately (it never fuses), the kernels
+// do too (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn), so elementwise results differ from numpy's only where
+// expf / log1pf do (an ulp or two). Row sums (the norms, the delta rule's dot products) run in their own fixed
+// order, which numpy's (pairwise, BLAS) is not: a few ulp of the row's magnitude.
+//
+// Reduction order (batch invariance). Nothing reduces across tokens or sequences. A row's sum of squares: each
+// lane of the row's warp adds its elements lane, lane + 32, ... in increasing order, then an xor butterfly; fixed
+// by the row length. The delta rule: four neighbouring lanes own one column of S for one (sequence, value head),
+// each a fixed quarter of its rows, and sum a dot product as four fmaf chains over their rows in order, then
+// (a0 + a1) + (a2 + a3); the state is read from memory at the step's start and written at its end, so a token's
+// output and the state after it are the same bits whether its prompt ran in one step or in several, and whatever
+// else shares the step.
+//
+// Speed: not measured; written on 2026-12-03 without a GPU (its tests, tests/cuda/test_delta_net_cuda.py, ran
+// then only against a numpy transcription of these kernels).
+#include "pdl.cuh"
+
+namespace dn {
+constexpr int ROW_WARPS = 8;  // warp-per-row kernels: rows a block of 256
+constexpr int RULE_TILE = 8;   // gated_delta_rule: tokens whose q, k, v, decay and beta a block stages at a time
+constexpr int RULE_PARTS = 4;  // gated_delta_rule: threads sharing a column of S (neighbouring lanes)
+constexpr int MAX_DV = 128;    // gated_delta_rule: columns of S (RULE_PARTS threads each)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// sum(row[i]^2) by one warp, each square rounded then added (numpy's np.sum(np.square(x))): lane l adds its
+// elements l, l + 32, ... in order, then the butterfly. Every lane gets the total.
+__device__ __forceinline__ float row_sum_squares(const float* row, int dim, int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < dim; i += 32) ss = __fadd_rn(ss, __fmul_rn(row[i], row[i]));
+    return warp_sum(ss);
+}
+
+// numpy's x / (1 + exp(-x)).
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+// numpy's 1 / (1 + exp(-x)).
+__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
+// The sum of the RULE_PARTS neighbouring lanes' x, as (x0 + x1) + (x2 + x3), in each of them.
+__device__ __forceinline__ float parts_sum(float x) {
+    x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ bool bad_slot(int slot, int num_slots) { return slot < 0 || slot >= num_slots; }
+}  // namespace dn
+
+// causal_conv1d. x [n, C] -> out [n, C] (out may be x): per sequence and channel c, out_t = SiLU(sum over taps j of
+// weight[c, j] in_{t - (K - 1) + j}), where in_{-K+1} .. in_{-1} are the slot's conv state; the state is then
+// replaced by the sequence's last K - 1 inputs. Sum order as numpy's: w0 in0, then + w_j in_j for j = 1 .. K - 1,
+// each product and sum rounded. grid (ceil(C / 128), seqs), a thread a (sequence, channel) walking its tokens with
+// the last K - 1 inputs in registers: the state is read once and written once.
+template <int K>
+__global__ void __launch_bounds__(128) causal_conv1d(float* out, const float* x,
+                                                    const float* __restrict__ weight, float* __restrict__ conv,
+                                                    const int* __restrict__ starts, const int* __restrict__ slots,
+                                                    int num_slots, int layers, int layer, int channels) {
+    static_assert(K >= 2, "the state holds K - 1 inputs");
+    const int c = blockIdx.x * 128 + threadIdx.x;
+    float w[K];
+    // The taps are weights (no kernel writes them): loaded before waiting on the previous kernel.
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = c < channels ? __ldg(weight + (size_t)c * K + j) : 0.0f;
+    pdl_enter();
+    if (c >= channels) return;
+    const int seq = blockIdx.y, lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
+    if (dn::bad_slot(slot, num_slots)) {
+        for (int t = lo; t < hi; ++t) out[(size_t)t * channels + c] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float* state = conv + (((size_t)slot * layers + layer) * channels + c) * (K - 1);
+    float window[K - 1];  // the K - 1 inputs before token t, oldest first
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) window[j] = state[j];
+    for (int t = lo; t < hi; ++t) {
+        const float in = x[(size_t)t * channels + c];
+        float acc = __fmul_rn(w[0], window[0]);
+#pragma unroll
+        for (int j = 1; j < K - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(w[j], window[j]));
+        acc = __fadd_rn(acc, __fmul_rn(w[K - 1], in));
+#pragma unroll
+        for (int j = 0; j < K - 2; ++j) window[j] = window[j + 1];
+        window[K - 2] = in;
+        out[(size_t)t * channels + c] = dn::silu(acc);
+    }
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) state[j] = window[j];
+}
+
+// delta_net_gates. alpha, beta [n, *] (rows alpha_stride, beta_stride apart) -> g, beta_out [n, heads]:
+// g = a[h] * softplus(alpha + dt_bias[h]) (numpy's np.logaddexp(0, x) = max(x, 0) + log1p(exp(-|x|))), beta_out =
+// sigmoid(beta). Value head h reads column (h / group) * group_stride + h % group of its row (group = heads: the
+// plain [n, heads]; Qwen3-Next's fused projection holds per key head its betas, then its alphas). A thread an
+// element.
+extern "C" __global__ void __launch_bounds__(256) delta_net_gates(float* __restrict__ g, float* __restrict__ beta_out,
+                                                                 const float* __restrict__ alpha,
+                                                                 const float* __restrict__ beta,
+                                                                 const float* __restrict__ dt_bias,
+                                                                 const float* __restrict__ a, int n, int heads,
+                                                                 int alpha_stride, int beta_stride, int group,
+                                                                 int group_stride) {
+    pdl_enter();
+    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (i >= (long long)n * heads) return;
+    const int t = (int)(i / heads), h = (int)(i % heads);
+    const int col = (h / group) * group_stride + h % group;
+    const float z = __fadd_rn(alpha[(size_t)t * alpha_stride + col], dt_bias[h]);
+    const float softplus = __fadd_rn(fmaxf(z, 0.0f), log1pf(expf(-fabsf(z))));
+    g[i] = __fmul_rn(a[h], softplus);
+    beta_out[i] = dn::sigmoid(beta[(size_t)t * beta_stride + col]);
+}
+
+// l2_norm. x [n, heads x dim] (rows x_stride apart) -> out (rows out_stride apart; out may be x with the same
+// stride): each head's row / sqrt(sum of squares + eps), divided as numpy divides. A warp a (token, head) row, 8
+// rows a block of 256.
+extern "C" __global__ void __launch_bounds__(256) l2_norm(float* out, const float* x, int n,
+                                                         int heads, int dim, int x_stride, int out_stride, float eps) {
+    pdl_enter();
+    const int lane = threadIdx.x % 32;
+    const long long row = (long long)blockIdx.x * dn::ROW_WARPS + threadIdx.x / 32;
+    if (row >= (long long)n * heads) return;
+    const int t = (int)(row / heads), h = (int)(row % heads);
+    const float* xr = x + (size_t)t * x_stride + (size_t)h * dim;
+    float* o = out + (size_t)t * out_stride + (size_t)h * dim;
+    const float norm = __fsqrt_rn(__fadd_rn(dn::row_sum_squares(xr, dim, lane), eps));
+    for (int i = lane; i < dim; i += 32) o[i] = __fdiv_rn(xr[i], norm);
+}
+
+// gated_delta_rule. q, k [n, key heads x DK] (rows q_stride, k_stride apart), v [n, value heads x dv] (rows
+// v_stride apart), g, beta [n, value heads] -> out [n, value heads, dv]; the slot's S [value heads, DK, dv] is
+// updated in place. Value head h reads key head h % key_heads (tiled: Qwen3.5 files, whose converter reorders the
+// value heads) or h / (value heads / key heads) (grouped: Qwen3-Next). Per token, as delta_rule_recurrent:
+//   S <- S exp(g); delta = beta (v - S^T k); S <- S + k delta^T; o = S^T (scale q)
+// with numpy's roundings on the elementwise steps (scale q, S exp(g), v - S^T k, times beta, k delta^T, the add).
+// grid (value heads, seqs), a block of RULE_PARTS x dv threads (dv % 32 == 0, <= MAX_DV): thread (j, p) = j
+// RULE_PARTS + p holds S[i, j] for i = p, p + RULE_PARTS, ... (DK / RULE_PARTS floats) in registers for the whole
+// step, so S is read once and written once. A column's dot products: part p's fmaf chain over its i in order, then
+// the xor butterfly over the four parts of the warp, (a0 + a1) + (a2 + a3), the same bits in all four (float
+// addition commutes). A whole column a thread took 216 registers at DK = 64 and spilled at 128 (S and the staged k
+// held in registers); four parts take 96 at 128 (ptxas, sm_90a). RULE_TILE tokens' q, k, v, decay and beta are
+// staged in shared memory at a time.
+template <int DK>
+__global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
+    float* __restrict__ out, const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ delta_state,
+    const int* __restrict__ starts, const int* __restrict__ slots, float scale, int num_slots, int layers, int layer,
+    int key_heads, int v_heads, int dv, int q_stride, int k_stride, int v_stride, int tiled) {
+    constexpr int PARTS = dn::RULE_PARTS, OWN = DK / PARTS;
+    static_assert(DK % PARTS == 0, "a part owns every PARTS-th row of S");
+    __shared__ float q_s[dn::RULE_TILE][DK], k_s[dn::RULE_TILE][DK], v_s[dn::RULE_TILE][dn::MAX_DV];
+    __shared__ float decay_s[dn::RULE_TILE], beta_s[dn::RULE_TILE];
+    pdl_enter();
+    const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x, j = tid / PARTS, p = tid % PARTS;
+    const int threads = PARTS * dv;
+    const int lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
+    const int kh = tiled ? h % key_heads : h / (v_heads / key_heads);
+    float* o = out + (size_t)h * dv + j;
+    const size_t out_row = (size_t)v_heads * dv;
+    if (dn::bad_slot(slot, num_slots)) {
+        if (p == 0)
+            for (int t = lo; t < hi; ++t) o[t * out_row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float* state = delta_state + (((size_t)slot * layers + layer) * v_heads + h) * DK * dv + (size_t)p * dv + j;
+    float s[OWN];  // S[p + PARTS m, j]
+#pragma unroll
+    for (int m = 0; m < OWN; ++m) s[m] = state[(size_t)m * PARTS * dv];
+    for (int t0 = lo; t0 < hi; t0 += dn::RULE_TILE) {
+        const int count = min(dn::RULE_TILE, hi - t0);
+        for (int e = tid; e < count * DK; e += threads) {
+            const size_t t = t0 + e / DK;
+            const int i = e % DK;
+            q_s[e / DK][i] = __fmul_rn(q[t * q_stride + kh * DK + i], scale);
+            k_s[e / DK][i] = k[t * k_stride + kh * DK + i];
+        }
+        for (int e = tid; e < count * dv; e += threads)
+            v_s[e / dv][e % dv] = v[(size_t)(t0 + e / dv) * v_stride + (size_t)h * dv + e % dv];
+        if (tid < count) {
+            decay_s[tid] = expf(g[(size_t)(t0 + tid) * v_heads + h]);
+            beta_s[tid] = beta[(size_t)(t0 + tid) * v_heads + h];
+        }
+        __syncthreads();
+        for (int tt = 0; tt < count; ++tt) {
+            const float decay = decay_s[tt];
+            const float* kt = k_s[tt] + p;
+            float predicted = 0.0f;  // part p's share of (S^T k)_j
+#pragma unroll
+            for (int m = 0; m < OWN; ++m) {
+                s[m] = __fmul_rn(s[m], decay);
+                predicted = fmaf(kt[m * PARTS], s[m], predicted);
+            }
+            const float delta = __fmul_rn(__fsub_rn(v_s[tt][j], dn::parts_sum(predicted)), beta_s[tt]);
+            const float* qt = q_s[tt] + p;
+            float acc = 0.0f;  // part p's share of (S^T q)_j
+#pragma unroll
+            for (int m = 0; m < OWN; ++m) {
+                s[m] = __fadd_rn(s[m], __fmul_rn(kt[m * PARTS], delta));
+                acc = fmaf(qt[m * PARTS], s[m], acc);
+            }
+            acc = dn::parts_sum(acc);
+            if (p == 0) o[(t0 + tt) * out_row] = acc;
+        }
+        __syncthreads();  // the next tile overwrites what this one read
+    }
+#pragma unroll
+    for (int m = 0; m < OWN; ++m) state[(size_t)m * PARTS * dv] = s[m];
+}
+
+// gated_rms_norm. x [n, heads, dim] (contiguous), gate [n, heads x dim] (rows gate_stride apart), weight [dim] ->
+// out [n, heads, dim] (out may be x): (x / sqrt(mean(x^2) + eps)) * weight * silu(gate), each step rounded as
+// numpy's CpuOps.gated_rms_norm. A warp a (token, head) row, 8 rows a block of 256.
+extern "C" __global__ void __launch_bounds__(256) gated_rms_norm(float* out, const float* x,
+                                                                const float* __restrict__ weight,
+                                                                const float* __restrict__ gate, int n, int heads,
+                                                                int dim, int gate_stride, float eps) {
+    pdl_enter();
+    const int lane = threadIdx.x % 32;
+    const long long row = (long long)blockIdx.x * dn::ROW_WARPS + threadIdx.x / 32;
+    if (row >= (long long)n * heads) return;
+    const int t = (int)(row / heads), h = (int)(row % heads);
+    const float* xr = x + (size_t)row * dim;
+    const float* gr = gate + (size_t)t * gate_stride + (size_t)h * dim;
+    float* o = out + (size_t)row * dim;
+    const float variance = __fdiv_rn(dn::row_sum_squares(xr, dim, lane), (float)dim);
+    const float rms = __fsqrt_rn(__fadd_rn(variance, eps));
+    for (int i = lane; i < dim; i += 32) o[i] = __fmul_rn(__fmul_rn(__fdiv_rn(xr[i], rms), weight[i]), dn::silu(gr[i]));
+}
+
+// sigmoid_gate. x [rows, cols] (contiguous) -> out (may be x) = x / (1 + exp(-gate)) (numpy's x * sigmoid(gate)),
+// gate element (r, c) at gate[r * gate_stride + c], or gate[r * gate_stride] for every c where broadcast (one
+// column gates a whole row: the shared expert's). A thread an element.
+extern "C" __global__ void __launch_bounds__(256) sigmoid_gate(float* out, const float* x,
+                                                              const float* __restrict__ gate, long long count,
+                                                              int cols, int gate_stride, int broadcast) {
+    pdl_enter();
+    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (i >= count) return;
+    const long long r = i / cols;
+    const int c = (int)(i % cols);
+    const float z = gate[r * gate_stride + (broadcast ? 0 : c)];
+    out[i] = __fdiv_rn(x[i], __fadd_rn(1.0f, expf(-z)));
+}
+
+// reset_states. Zeroes the conv and delta state of every layer of slots[y] (conv_size and delta_size floats a
+// slot); a negative slot is skipped. grid (blocks, count), each block's threads striding over the slot's floats.
+extern "C" __global__ void __launch_bounds__(256) reset_states(float* __restrict__ conv, float* __restrict__ delta,
+                                                              const int* __restrict__ slots, int num_slots,
+                                                              long long conv_size, long long delta_size) {
+    pdl_enter();
+    const int slot = slots[blockIdx.y];
+    if (dn::bad_slot(slot, num_slots)) return;
+    const long long step = (long long)gridDim.x * 256;
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < conv_size; i += step)
+        conv[slot * conv_size + i] = 0.0f;
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < delta_size; i += step)
+        delta[slot * delta_size + i] = 0.0f;
+}
