@@ -1,0 +1,525 @@
+"""The Gated DeltaNet's kernels (kernels/delta_net.cu through backends/cuda/delta_net.py) against the numpy ops of
+CpuOps, and the launchers' refusals (those run without a GPU).
+
+Bounds, all fp32: the conv1d's and the gates' sums are numpy's, rounded step by step as numpy rounds them, so only
+expf and log1pf differ (an ulp or two of each element): 1e-6 relative per element. The norms sum squares in
+another order than numpy's pairwise sum (a few ulp of the row's norm): 1e-6 relative. The delta rule's dot products
+run in another order than numpy's BLAS (a few ulp of each token's S^T k and S^T q), and the state carries those
+through 130 tokens: 1e-5 relative over a sequence's outputs and its final state (each step's update I - beta k k^T
+with |k| = 1 and 0 < beta < 1, times a decay below 1, shrinks an earlier error rather than growing it).
+
+Every output buffer starts as NaN, so an element a kernel leaves unwritten fails the comparison. The conv1d and
+the delta rule are bitwise the same whether a prompt runs in one step or in steps of 1, 7 or 64 tokens beside
+another sequence's tokens (the state carried through device memory, read and written once a step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from helpers import relative_error as rel_err
+
+from infero.backends.cpu import delta_net as cpu_delta_net
+from infero.backends.cpu.ops import CpuOps
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
+LENGTHS = (1, 7, 64, 130)
+SLOTS = (4, 0, 5, 2)  # out of order, with slots 1 and 3 left alone
+NUM_SLOTS, LAYERS, LAYER = 6, 2, 1
+CONV_KERNEL = 4
+ELEMENTWISE_BOUND, NORM_BOUND, RULE_BOUND = 1e-6, 1e-6, 1e-5
+# (key heads, value heads, d_k, d_v): Qwen3.5's heads (two key heads for four value heads), half-size heads, and
+# the tiny test models'.
+RULE_SHAPES = [(2, 4, 128, 128), (1, 2, 64, 64), (2, 4, 16, 32)]
+
+
+def _dev(a: np.ndarray):
+    from infero.backends.cuda.tensor import from_host
+
+    return from_host(np.ascontiguousarray(a))
+
+
+def _poisoned(shape):
+    return _dev(np.full(shape, np.nan, np.float32))
+
+
+def _host(t) -> np.ndarray:
+    from infero.backends.cuda import runtime
+
+    return t.to_host(runtime.stream())
+
+
+def _stream():
+    from infero.backends.cuda import runtime
+
+    return runtime.stream()
+
+
+def sequences(lengths, slots):
+    """The numpy op's batch (query_starts, state_slots) and the device copies the kernels read."""
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    slots = np.asarray(slots, np.int32)
+    return SimpleNamespace(query_starts=starts, state_slots=slots), _dev(starts), _dev(slots)
+
+
+def carried_states(rng, channels: int, v_heads: int, d_k: int, d_v: int, fresh=(0,)):
+    """conv [slots, layers, C, K - 1] and delta [slots, layers, v_heads, d_k, d_v]: earlier steps' random state in
+    every slot but the `fresh` ones (zero, as reset_states leaves a new sequence's)."""
+    conv = rng.normal(0, 1, (NUM_SLOTS, LAYERS, channels, CONV_KERNEL - 1)).astype(np.float32)
+    delta = rng.normal(0, 0.1, (NUM_SLOTS, LAYERS, v_heads, d_k, d_v)).astype(np.float32)
+    conv[list(fresh)] = 0.0
+    delta[list(fresh)] = 0.0
+    return conv, delta
+
+
+# causal_conv1d
+
+
+def run_conv(x, weight, conv, lengths, slots, in_place=False):
+    from infero.backends.cuda import delta_net
+
+    _, starts, slots_d = sequences(lengths, slots)
+    x_d, state = _dev(x), _dev(conv)
+    out = x_d if in_place else _poisoned(x.shape)
+    delta_net.causal_conv1d(out, x_d, _dev(weight), state, starts, slots_d, LAYER, _stream())
+    return _host(out), _host(state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [192, 8192])  # the tiny models' q | k | v, Qwen3.5-9B's
+@pytest.mark.parametrize("in_place", [False, True])
+def test_conv1d_matches_numpy_over_sequences_of_1_to_130_tokens_in_one_launch(gpu, channels, in_place):
+    rng = np.random.default_rng(channels)
+    n = sum(LENGTHS)
+    x = rng.normal(0, 1, (n, channels)).astype(np.float32)
+    weight = rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32)
+    conv, _ = carried_states(rng, channels, 1, 1, 1)
+    out, state = run_conv(x, weight, conv, LENGTHS, SLOTS, in_place)
+    batch, _, _ = sequences(LENGTHS, SLOTS)
+    cache = SimpleNamespace(conv=conv.copy())
+    expected = CpuOps().causal_conv1d(x, weight, cache, LAYER, batch)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=ELEMENTWISE_BOUND, atol=1e-7)
+    assert np.array_equal(state, cache.conv)  # the last inputs, copied: every slot's, touched or not
+
+
+def run_split(launch, total: int, chunk: int, other_slot: int, other_lengths):
+    """launch(pieces, slots) for each step: this sequence's next `chunk` tokens (slot 1) beside another sequence's
+    tokens (other_slot, a different length each step)."""
+    for i, lo in enumerate(range(0, total, chunk)):
+        other = other_lengths[i % len(other_lengths)]
+        launch([(lo, min(lo + chunk, total)), other], [1, other_slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_conv1d_output_and_state_are_the_same_bits_however_the_prompt_is_split(gpu, chunk):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(chunk)
+    channels, total = 192, 130
+    prompt = rng.normal(0, 1, (total, channels)).astype(np.float32)
+    weight = _dev(rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32))
+    conv, _ = carried_states(rng, channels, 1, 1, 1)
+    whole_out, whole_state = run_conv(prompt, _host(weight), conv, [total], [1])
+
+    state = _dev(conv)
+    outs = []
+
+    def launch(pieces, slots):
+        (lo, hi), other = pieces
+        x = np.concatenate([prompt[lo:hi], rng.normal(0, 1, (other, channels)).astype(np.float32)])
+        _, starts, slots_d = sequences([hi - lo, other], slots)
+        out = _poisoned(x.shape)
+        delta_net.causal_conv1d(out, _dev(x), weight, state, starts, slots_d, LAYER, _stream())
+        outs.append(_host(out)[: hi - lo])
+
+    run_split(launch, total, chunk, other_slot=3, other_lengths=(2, 0, 9))
+    assert np.array_equal(np.concatenate(outs), whole_out)
+    assert np.array_equal(_host(state)[1], whole_state[1])
+
+
+# delta_net_gates
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])  # Qwen3-Next's ba: per key head its betas, then its alphas
+def test_gates_match_numpy(gpu, fused):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(7)
+    n, key_heads, v_heads = 70, 4, 16
+    per = v_heads // key_heads
+    alpha = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
+    alpha[0, :4] = (0.0, 30.0, -30.0, -0.0)  # softplus at 0 (numpy: log 2), far into both branches
+    beta = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
+    dt_bias = rng.normal(0, 0.5, v_heads).astype(np.float32)
+    a = -np.exp(rng.normal(0, 1, v_heads)).astype(np.float32)
+    g, beta_out = _poisoned((n, v_heads)), _poisoned((n, v_heads))
+    if fused:
+        ba = np.stack([beta.reshape(n, key_heads, per), alpha.reshape(n, key_heads, per)], axis=2).reshape(n, -1)
+        ba_d = _dev(ba)
+        alpha_d, beta_d = delta_net.columns(ba_d, per, 2 * v_heads), delta_net.columns(ba_d, 0, 2 * v_heads)
+        delta_net.delta_net_gates(g, beta_out, alpha_d, beta_d, _dev(dt_bias), _dev(a), _stream(), per, 2 * per)
+    else:
+        delta_net.delta_net_gates(g, beta_out, _dev(alpha), _dev(beta), _dev(dt_bias), _dev(a), _stream())
+    expected_g, expected_beta = CpuOps().delta_net_gates(alpha, beta, dt_bias, a)
+    np.testing.assert_allclose(_host(g), expected_g, rtol=ELEMENTWISE_BOUND, atol=0)
+    np.testing.assert_allclose(_host(beta_out), expected_beta, rtol=ELEMENTWISE_BOUND, atol=0)
+
+
+# l2_norm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_k", [16, 128])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_l2_norm_of_q_and_k_read_in_place_from_the_conv_output_matches_numpy(gpu, d_k, in_place):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(d_k)
+    n, key_heads, v_size = 130, 2, 4 * 32
+    key = key_heads * d_k
+    wide = rng.normal(0, 1, (n, 2 * key + v_size)).astype(np.float32)
+    wide_d = _dev(wide)
+    got = []
+    for lo in (0, key):  # q, then k
+        x = delta_net.columns(wide_d, lo, lo + key)
+        out = x if in_place else _poisoned((n, key_heads, d_k))
+        delta_net.l2_norm(out, x, d_k, 1e-6, _stream())
+        got.append(_host(wide_d)[:, lo : lo + key] if in_place else _host(out).reshape(n, key))
+    for lo, result in zip((0, key), got, strict=True):
+        expected = cpu_delta_net.l2_norm(wide[:, lo : lo + key].reshape(n, key_heads, d_k), 1e-6).reshape(n, key)
+        assert np.isfinite(result).all()
+        assert rel_err(result, expected) < NORM_BOUND
+    if in_place:  # v's columns untouched
+        assert np.array_equal(_host(wide_d)[:, 2 * key :], wide[:, 2 * key :])
+
+
+# gated_delta_rule
+
+
+def rule_inputs(rng, n: int, key_heads: int, v_heads: int, d_k: int, d_v: int):
+    """The conv output's q | k | v [n, C] (q and k unit rows per key head, as the l2 norm leaves them), and g, beta
+    [n, v_heads] in the ranges the gates give (decays exp(g) of 0.6-0.99)."""
+    key = key_heads * d_k
+    qk = rng.normal(0, 1, (n, 2, key_heads, d_k)).astype(np.float32)
+    qk = cpu_delta_net.l2_norm(qk, 1e-6).reshape(n, 2 * key)
+    v = rng.normal(0, 1, (n, v_heads * d_v)).astype(np.float32)
+    wide = np.concatenate([qk, v], axis=1)
+    g = -rng.uniform(0.01, 0.5, (n, v_heads)).astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, (n, v_heads)).astype(np.float32)
+    return wide, g, beta
+
+
+def key_head_of(pairing: str, key_heads: int, v_heads: int) -> np.ndarray:
+    """Qwen35Model's map (tiled: Qwen3.5 files; grouped: Qwen3-Next)."""
+    heads = np.arange(v_heads)
+    return heads % key_heads if pairing == "tiled" else heads // (v_heads // key_heads)
+
+
+def numpy_rule(wide, g, beta, key_heads, d_k, delta, lengths, slots, pairing):
+    """CpuOps.gated_delta_rule's output and the state it leaves (delta is copied)."""
+    n, v_heads, d_v = len(wide), delta.shape[2], delta.shape[4]
+    key = key_heads * d_k
+    q, k = (wide[:, lo : lo + key].reshape(n, key_heads, d_k) for lo in (0, key))
+    v = wide[:, 2 * key :].reshape(n, v_heads, d_v)
+    batch, _, _ = sequences(lengths, slots)
+    cache = SimpleNamespace(delta=delta.copy())
+    heads = key_head_of(pairing, key_heads, v_heads)
+    out = CpuOps().gated_delta_rule(q, k, v, g, beta, heads, 1 / np.sqrt(d_k), cache, LAYER, batch)
+    return out, cache.delta
+
+
+def gpu_rule(wide_d, g, beta, key_heads, d_k, state, lengths, slots, pairing, contiguous_qk=False):
+    """The kernel's output for q, k, v read as column ranges of wide_d [n, C] (contiguous_qk: q and k copied out
+    first); state (device) is updated in place."""
+    from infero.backends.cuda import delta_net
+
+    n = wide_d.shape[0]
+    _, _, v_heads, _, d_v = state.shape
+    key = key_heads * d_k
+    q, k = (delta_net.columns(wide_d, lo, lo + key) for lo in (0, key))
+    if contiguous_qk:
+        wide = _host(wide_d)
+        q, k = (_dev(wide[:, lo : lo + key].reshape(n, key_heads, d_k)) for lo in (0, key))
+    v = delta_net.columns(wide_d, 2 * key, 2 * key + v_heads * d_v)
+    _, starts, slots_d = sequences(lengths, slots)
+    out = _poisoned((n, v_heads, d_v))
+    delta_net.gated_delta_rule(out, q, k, v, _dev(g), _dev(beta), pairing, 1 / np.sqrt(d_k), state, starts,
+                               slots_d, LAYER, _stream())  # fmt: skip
+    return _host(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", RULE_SHAPES)
+@pytest.mark.parametrize("pairing", ["tiled", "grouped"])
+def test_delta_rule_matches_numpy_over_sequences_of_1_to_130_tokens_in_one_launch(gpu, shape, pairing):
+    key_heads, v_heads, d_k, d_v = shape
+    rng = np.random.default_rng(d_k + d_v)
+    n = sum(LENGTHS)
+    wide, g, beta = rule_inputs(rng, n, key_heads, v_heads, d_k, d_v)
+    _, delta = carried_states(rng, 1, v_heads, d_k, d_v, fresh=(SLOTS[2],))
+    state = _dev(delta)
+    out = gpu_rule(_dev(wide), g, beta, key_heads, d_k, state, LENGTHS, SLOTS, pairing)
+    expected, expected_state = numpy_rule(wide, g, beta, key_heads, d_k, delta, LENGTHS, SLOTS, pairing)
+    assert np.isfinite(out).all()
+    starts = np.concatenate([[0], np.cumsum(LENGTHS)])
+    for s, slot in enumerate(SLOTS):
+        lo, hi = starts[s], starts[s + 1]
+        assert rel_err(out[lo:hi], expected[lo:hi]) < RULE_BOUND, f"sequence {s} ({hi - lo} tokens)"
+        assert rel_err(_host(state)[slot, LAYER], expected_state[slot, LAYER]) < RULE_BOUND, f"slot {slot}"
+    untouched = [i for i in range(NUM_SLOTS) if i not in SLOTS]
+    after = _host(state)
+    assert np.array_equal(after[untouched], delta[untouched]) and np.array_equal(after[:, 0], delta[:, 0])
+
+
+@pytest.mark.gpu
+def test_delta_rule_takes_contiguous_q_and_k_as_well(gpu):
+    key_heads, v_heads, d_k, d_v = RULE_SHAPES[0]
+    rng = np.random.default_rng(11)
+    wide, g, beta = rule_inputs(rng, 40, key_heads, v_heads, d_k, d_v)
+    _, delta = carried_states(rng, 1, v_heads, d_k, d_v)
+    strided, contiguous = _dev(delta), _dev(delta)
+    wide_d = _dev(wide)
+    a = gpu_rule(wide_d, g, beta, key_heads, d_k, strided, [40], [3], "tiled")
+    b = gpu_rule(wide_d, g, beta, key_heads, d_k, contiguous, [40], [3], "tiled", contiguous_qk=True)
+    assert np.array_equal(a, b) and np.array_equal(_host(strided), _host(contiguous))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [RULE_SHAPES[0], RULE_SHAPES[2]])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_delta_rule_output_and_state_are_the_same_bits_however_the_prompt_is_split(gpu, shape, chunk):
+    key_heads, v_heads, d_k, d_v = shape
+    rng = np.random.default_rng(chunk)
+    total = 130
+    prompt, g, beta = rule_inputs(rng, total, key_heads, v_heads, d_k, d_v)
+    _, delta = carried_states(rng, 1, v_heads, d_k, d_v)
+    whole_state = _dev(delta)
+    whole = gpu_rule(_dev(prompt), g, beta, key_heads, d_k, whole_state, [total], [1], "tiled")
+
+    state = _dev(delta)
+    outs = []
+
+    def launch(pieces, slots):
+        (lo, hi), other = pieces
+        o_wide, o_g, o_beta = rule_inputs(rng, other, key_heads, v_heads, d_k, d_v)
+        wide = np.concatenate([prompt[lo:hi], o_wide])
+        step_g, step_beta = np.concatenate([g[lo:hi], o_g]), np.concatenate([beta[lo:hi], o_beta])
+        out = gpu_rule(_dev(wide), step_g, step_beta, key_heads, d_k, state, [hi - lo, other], slots, "tiled")
+        outs.append(out[: hi - lo])
+
+    run_split(launch, total, chunk, other_slot=3, other_lengths=(2, 0, 9))
+    assert np.array_equal(np.concatenate(outs), whole)
+    assert np.array_equal(_host(state)[1], _host(whole_state)[1])
+
+
+@pytest.mark.gpu
+def test_a_sequence_without_a_valid_slot_gets_nan_and_touches_no_state(gpu):
+    """A slot outside the state (the CPU op raises before it runs) must not corrupt another slot's memory."""
+    from infero.backends.cuda import delta_net
+
+    key_heads, v_heads, d_k, d_v = RULE_SHAPES[2]
+    rng = np.random.default_rng(5)
+    wide, g, beta = rule_inputs(rng, 10, key_heads, v_heads, d_k, d_v)
+    conv, delta = carried_states(rng, wide.shape[1], v_heads, d_k, d_v)
+    state = _dev(delta)
+    out = gpu_rule(_dev(wide), g, beta, key_heads, d_k, state, [4, 6], [2, NUM_SLOTS], "tiled")
+    assert np.isfinite(out[:4]).all() and np.isnan(out[4:]).all()
+    after = _host(state)
+    assert np.array_equal(np.delete(after, 2, axis=0), np.delete(delta, 2, axis=0))
+
+    _, starts, slots_d = sequences([4, 6], [-1, 2])
+    conv_d, out = _dev(conv), _poisoned(wide.shape)
+    weight = _dev(rng.normal(0, 0.5, (wide.shape[1], CONV_KERNEL)).astype(np.float32))
+    delta_net.causal_conv1d(out, _dev(wide), weight, conv_d, starts, slots_d, LAYER, _stream())
+    got = _host(out)
+    assert np.isnan(got[:4]).all() and np.isfinite(got[4:]).all()
+    assert np.array_equal(np.delete(_host(conv_d), 2, axis=0), np.delete(conv, 2, axis=0))
+
+
+# gated_rms_norm, sigmoid_gate
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_v", [32, 128])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gated_rms_norm_matches_numpy(gpu, d_v, in_place):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(d_v)
+    n, heads = 70, 4
+    x = rng.normal(0, 1, (n, heads, d_v)).astype(np.float32)
+    z = rng.normal(0, 2, (n, 3 * heads * d_v)).astype(np.float32)  # the gate: the middle third of each row
+    weight = (1 + 0.1 * rng.normal(0, 1, d_v)).astype(np.float32)
+    x_d = _dev(x)
+    out = x_d if in_place else _poisoned(x.shape)
+    gate = delta_net.columns(_dev(z), heads * d_v, 2 * heads * d_v)
+    delta_net.gated_rms_norm(out, x_d, _dev(weight), gate, 1e-6, _stream())
+    expected = CpuOps().gated_rms_norm(x, weight, z[:, heads * d_v : 2 * heads * d_v].reshape(n, heads, d_v), 1e-6)
+    got = _host(out)
+    assert np.isfinite(got).all()
+    assert rel_err(got, expected) < NORM_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["elementwise", "one column a row", "per-head gate columns"])
+def test_sigmoid_gate_matches_numpy(gpu, case):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(3)
+    n, heads, head_dim = 37, 4, 64
+    x = rng.normal(0, 1, (n, heads, head_dim)).astype(np.float32)
+    if case == "elementwise":
+        gate = rng.normal(0, 3, x.shape).astype(np.float32)
+        gate_d, expected_gate = _dev(gate), gate
+    elif case == "one column a row":  # the shared expert's [n, 1] over [n, hidden]
+        x = x.reshape(n, heads * head_dim)
+        gate = rng.normal(0, 3, (n, 1)).astype(np.float32)
+        gate_d, expected_gate = _dev(gate), gate
+    else:  # gated attention's q_gate [n, heads, 2 head_dim]: each head's second half
+        q_gate = rng.normal(0, 3, (n, heads, 2 * head_dim)).astype(np.float32)
+        gate_d, expected_gate = delta_net.columns(_dev(q_gate), head_dim, 2 * head_dim), q_gate[..., head_dim:]
+    out = _poisoned(x.shape)
+    delta_net.sigmoid_gate(out, _dev(x), gate_d, _stream())
+    np.testing.assert_allclose(_host(out), CpuOps().sigmoid_gate(x, expected_gate), rtol=ELEMENTWISE_BOUND, atol=0)
+
+
+# reset_states
+
+
+@pytest.mark.gpu
+def test_reset_zeroes_every_layer_of_the_listed_slots_and_nothing_else(gpu):
+    from infero.backends.cuda import delta_net
+
+    rng = np.random.default_rng(1)
+    conv, delta = carried_states(rng, 192, 4, 16, 32, fresh=())
+    conv_d, delta_d = _dev(conv), _dev(delta)
+    delta_net.reset_states(conv_d, delta_d, _dev(np.array([3, -1, 0], np.int32)), _stream())
+    conv_after, delta_after = _host(conv_d), _host(delta_d)
+    assert not conv_after[[0, 3]].any() and not delta_after[[0, 3]].any()
+    kept = [1, 2, 4, 5]
+    assert np.array_equal(conv_after[kept], conv[kept]) and np.array_equal(delta_after[kept], delta[kept])
+
+
+# What runs without a GPU: the launchers' checks and launch geometry, and which models compile the kernels.
+
+
+def tensor(shape, dtype=np.float32, ptr=1 << 20):
+    return SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype), numel=int(np.prod(shape)), ptr=ptr)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from infero.backends.cuda import delta_net, driver
+
+    calls = []
+    monkeypatch.setattr(driver, "launch", lambda fn, grid, block, *rest, **kw: calls.append((fn, grid, block)))
+    monkeypatch.setattr(delta_net, "_kernel", lambda expression: expression)
+    return calls
+
+
+def rule_call(d_k=128, d_v=128, key_heads=2, v_heads=4, n=5, seqs=2, pairing="tiled", slots_dtype=np.int32,
+              k_cols=None, layer=1):  # fmt: skip
+    from infero.backends.cuda import delta_net
+
+    key = key_heads * d_k
+    wide = tensor((n, 2 * key + v_heads * d_v))
+    q = delta_net.columns(wide, 0, key)
+    k = delta_net.columns(wide, key, key + (k_cols or key))
+    v = delta_net.columns(wide, 2 * key, wide.shape[1])
+    delta_net.gated_delta_rule(tensor((n, v_heads, d_v)), q, k, v, tensor((n, v_heads)), tensor((n, v_heads)),
+                               pairing, 0.1, tensor((8, 2, v_heads, d_k, d_v)), tensor((seqs + 1,), np.int32),
+                               tensor((seqs,), slots_dtype), layer, None)  # fmt: skip
+
+
+def test_the_delta_rule_runs_a_block_per_sequence_and_value_head_of_four_threads_a_column(launches):
+    rule_call(d_k=128, d_v=128, v_heads=4, seqs=3)
+    rule_call(d_k=16, d_v=32, v_heads=4, seqs=1)
+    assert launches == [("gated_delta_rule<128>", (4, 3), (512,)), ("gated_delta_rule<16>", (4, 1), (128,))]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_k=48), r"compiled for d_k in \(16, 32, 64, 128\), got 48"),
+        (dict(d_v=256), "d_v a multiple of 32 up to 128, got 256"),
+        (dict(d_v=40), "d_v a multiple of 32"),
+        (dict(key_heads=3, v_heads=4), "3 key heads must divide the 4 value heads"),
+        (dict(k_cols=64), "must be the same whole heads of 128"),
+        (dict(pairing="interleaved"), "pairing must be one of"),
+        (dict(slots_dtype=np.int64), "state_slots must be int32"),
+        (dict(layer=2), "layer 2 is not one of the state's 2 recurrent layers"),
+    ],
+)
+def test_the_delta_rule_refuses_what_its_kernel_cannot_take(launches, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rule_call(**kwargs)
+    assert not launches
+
+
+def test_the_conv1d_runs_a_thread_a_channel_and_sequence_and_refuses_other_kernel_sizes(launches):
+    from infero.backends.cuda import delta_net
+
+    def call(taps=4, starts=3):
+        delta_net.causal_conv1d(tensor((9, 8192)), tensor((9, 8192)), tensor((8192, taps)),
+                                tensor((8, 2, 8192, taps - 1)), tensor((starts,), np.int32), tensor((2,), np.int32),
+                                0, None)  # fmt: skip
+
+    call()
+    assert launches == [("causal_conv1d<4>", (64, 2), (128,))]
+    with pytest.raises(ValueError, match=r"compiled for kernels of \(4,\) taps, got 3"):
+        call(taps=3)
+    with pytest.raises(ValueError, match=r"query_starts must be int32 \[3\]"):
+        call(starts=2)
+    assert len(launches) == 1
+
+
+def test_the_gates_refuse_rows_too_narrow_for_their_head_layout(launches):
+    from infero.backends.cuda import delta_net
+
+    ba = tensor((3, 32))
+    g = tensor((3, 16))
+    args = (tensor((16,)), tensor((16,)), None)
+    delta_net.delta_net_gates(g, g, delta_net.columns(ba, 4, 32), delta_net.columns(ba, 0, 32), *args, 4, 8)
+    with pytest.raises(ValueError, match="hold no head 15 at column 27"):  # from column 8, 24 columns are left
+        delta_net.delta_net_gates(g, g, delta_net.columns(ba, 8, 32), delta_net.columns(ba, 0, 32), *args, 4, 8)
+    with pytest.raises(ValueError, match="group 5 must divide the 16 value heads"):
+        delta_net.delta_net_gates(g, g, ba, ba, *args, 5, 8)
+    assert launches == [("delta_net_gates", (1,), (256,))]
+
+
+def test_the_sigmoid_gate_takes_a_gate_column_a_row_or_one_a_row_element_and_nothing_else(launches):
+    from infero.backends.cuda import delta_net
+
+    x = tensor((5, 4, 64))
+    delta_net.sigmoid_gate(x, x, delta_net.columns(tensor((5, 4, 128)), 64, 128), None)
+    delta_net.sigmoid_gate(tensor((5, 256)), tensor((5, 256)), tensor((5, 1)), None)
+    with pytest.raises(ValueError, match="must have x's 64 columns, or 1"):
+        delta_net.sigmoid_gate(x, x, delta_net.columns(tensor((5, 4, 128)), 64, 96), None)
+    with pytest.raises(ValueError, match="must be float32"):
+        delta_net.sigmoid_gate(x, x, tensor((5, 4, 64), np.float16), None)
+    assert launches == [("sigmoid_gate", (5,), (256,)), ("sigmoid_gate", (5,), (256,))]
+
+
+def test_columns_refuses_a_range_outside_the_row():
+    from infero.backends.cuda import delta_net
+
+    with pytest.raises(ValueError, match=r"columns \[60, 70\) are not within a row of 64"):
+        delta_net.columns(tensor((3, 64)), 60, 70)
+
+
+@pytest.mark.parametrize("name, hybrid", [("tiny-qwen35", True), ("tiny-qwen3next", True), ("tiny-qwen3", False)])
+def test_only_a_hybrid_model_compiles_the_delta_net_kernels(name, hybrid):
+    from infero.backends.cuda import delta_net, runtime
+    from infero.checkpoint import load_checkpoint
+
+    needs = runtime.checkpoint_needs(load_checkpoint(FIXTURES / f"{name}.gguf"))
+    assert (runtime.DELTA_NET in needs) == hybrid
+    names = {n for u, ns in runtime.needed_units(needs).items() if u.filename == delta_net.SOURCE for n in ns}
+    expected = {"gated_delta_rule<16>", "causal_conv1d<4>", "reset_states", "sigmoid_gate"} if hybrid else set()
+    assert expected <= names and bool(names) == hybrid
