@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The delta net's kernels declared with every other file's (CudaOps does not run hybrid models yet: refused)
+from infero.backends.cuda import delta_net as _delta_net  # noqa: F401
 from infero.backends.cuda import driver, embedding, runtime
 from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
