@@ -76,6 +76,8 @@ class ServerSettings:
     max_waiting_requests: int = 512
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # None: the format the chat template teaches, if any
+    reasoning_parser: str | None = None  # None: from the chat template
 
 
 class ServerState:
@@ -141,7 +143,8 @@ class ServerState:
         digest = hashlib.sha256(f"{infero.__version__}:{llm.path.name}:{llm.config.name}".encode()).hexdigest()
         self.fingerprint = f"fp_{digest[:10]}"
         source = llm.chat_template.source if llm.chat_template is not None else None
-        reasoning, tools = choose_reasoning_parser(source), choose_tool_parser(source)
+        reasoning = self.settings.reasoning_parser or choose_reasoning_parser(source)
+        tools = self.settings.tool_call_parser or choose_tool_parser(source)
         self.reasoning_parser = get_reasoning_parser(reasoning) if reasoning else None
         self.tool_parser = get_tool_parser(tools) if tools else None
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 from infero.backends import DEVICES
+from infero.server.reasoning import REASONING_PARSERS
+from infero.server.tool_parsers import TOOL_PARSERS
 
 SHUTDOWN_TIMEOUT_S = 30.0
 PREFIX_CACHING_ENV = "INFERO_ENABLE_PREFIX_CACHING"
@@ -102,6 +104,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse the KV cache of earlier requests' identical prompt prefixes (default: on) "
                              f"[env {PREFIX_CACHING_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    flag("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
+         help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (default: the format its chat "
+              "template teaches, if any)")  # fmt: skip
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="taken as vllm serve takes it: infero parses tool calls (tool_choice auto) whenever the "
+                             "model has a tool-call parser")  # fmt: skip
+    flag("--reasoning-parser", choices=sorted(REASONING_PARSERS), metavar="NAME",
+         help=f"how the model writes its reasoning: {', '.join(sorted(REASONING_PARSERS))} (default: from its chat "
+              "template)")  # fmt: skip
+    flag("--seed", type=int, metavar="N", help="the sampling seed of requests that bring none (default: a fresh one "
+         "each)")  # fmt: skip
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
     flag("--cpu-threads", type=_int_at_least(1), metavar="N",
          help="BLAS threads of the CPU backend (default: 1; more spin against other busy processes)")  # fmt: skip
@@ -137,6 +150,7 @@ def engine_config(args: argparse.Namespace):
         "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
         "cpu_threads": args.cpu_threads,
         "enable_prefix_caching": _switch(args.enable_prefix_caching, PREFIX_CACHING_ENV),
+        "seed": args.seed,
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if v is not None and k in known})
@@ -158,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(path)
     config = engine_config(args)
     settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
-                              shutdown_timeout=SHUTDOWN_TIMEOUT_S)  # fmt: skip
+                              shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser)  # fmt: skip
     url = f"http://{_url_host(args.host)}:{args.port}"
     exit_code = 0
 

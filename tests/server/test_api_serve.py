@@ -50,10 +50,20 @@ def test_defaults_and_engine_config():
     assert config.async_scheduling is None  # the backend decides: on where it overlaps steps (CUDA)
     assert [engine_config(parse(["--async-scheduling", v])).async_scheduling for v in ("on", "off")] == [True, False]
     bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],
-                 ["--async-scheduling", "maybe"], ["--max-waiting-requests", "0"])  # fmt: skip
+                 ["--async-scheduling", "maybe"], ["--max-waiting-requests", "0"], ["--tool-call-parser", "mistral"],
+                 ["--reasoning-parser", "nope"], ["--seed", "x"])  # fmt: skip
     for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+def test_vllm_serve_flags_for_tools_reasoning_and_the_seed():
+    """A `vllm serve` command line's --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+    --seed 7 is taken: the parsers' names (for the server's settings) and the engine's default seed."""
+    args = parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                  "--seed", "7"])  # fmt: skip
+    assert (args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice) == ("hermes", "qwen3", True)
+    assert engine_config(args).seed == 7 and engine_config(parse([])).seed is None
 
 
 def test_sizes_and_served_names():

@@ -13,26 +13,30 @@ from live_server import TEST_DEVICE, TINY_ENGINE
 from infero.engine.sampling import SampleResult
 from infero.llm import LLM
 
-# A ChatML template that teaches Hermes-style tool calls and <think> reasoning, so the server picks both parsers.
-TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\nThink in <think></think>, then call tools as "
-    '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}{% endif %}'
+# A ChatML template that teaches neither tool calls nor reasoning: its parsers come from `infero serve
+# --tool-call-parser hermes --reasoning-parser qwen3` (vLLM's flags), or there are none.
+PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') "
     "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# The same with a system turn that teaches Hermes-style tool calls and <think> reasoning: the server picks both.
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nThink in <think></think>, then call tools as "
+    '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}{% endif %}' + PLAIN_TEMPLATE
 )
 SCRIPT = '<think>\nI should add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 ASK = [{"role": "user", "content": "1 + 2?"}]
 
 
-@pytest.fixture(scope="module")
-def scripted(tiny_model_path, tmp_path_factory):
+def scripted_server(tiny_model_path, directory, template_text: str, **settings):
+    """A live server of the tiny model whose sampler writes SCRIPT, under the given chat template and settings."""
     from live_server import start_server
 
     from infero.server.app import ServerSettings
 
-    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
-    template.write_text(TEMPLATE)
+    template = directory / "template.jinja"
+    template.write_text(template_text)
 
     def load() -> LLM:
         llm = LLM(tiny_model_path, device=TEST_DEVICE, chat_template=template, engine_config=TINY_ENGINE)
@@ -50,7 +54,12 @@ def scripted(tiny_model_path, tmp_path_factory):
         llm.engine.sampler = Scripted()
         return llm
 
-    live = start_server(load, ServerSettings("tiny"))
+    return start_server(load, ServerSettings("tiny", **settings))
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_path, tmp_path_factory):
+    live = scripted_server(tiny_model_path, tmp_path_factory.mktemp("template"), TEMPLATE)
     yield live
     live.stop()
 
@@ -94,3 +103,18 @@ def test_without_tools_on_offer_a_tool_call_stays_content(scripted, tool_choice)
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert choice.message.content == SCRIPT[SCRIPT.index("<tool_call>") :]
     assert choice.message.model_extra["reasoning_content"] == "I should add."
+
+
+@pytest.mark.parametrize("flags", [{}, {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}])
+def test_the_parser_flags_give_a_template_that_teaches_none_its_parsers(tiny_model_path, tmp_path, flags):
+    live = scripted_server(tiny_model_path, tmp_path, PLAIN_TEMPLATE, **flags)
+    try:
+        r = live.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120)
+    finally:
+        live.stop()
+    choice = r.choices[0]
+    if flags:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "add"
+        assert choice.message.model_extra["reasoning_content"] == "I should add."
+    else:  # no parser: the text as the model wrote it
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == SCRIPT
