@@ -55,6 +55,12 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
+def _one_gpu(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text!r}: infero runs a model on one GPU (tensor parallelism is not built)")
+    return 1
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -115,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               "template)")  # fmt: skip
     flag("--seed", type=int, metavar="N", help="the sampling seed of requests that bring none (default: a fresh one "
          "each)")  # fmt: skip
+    # vllm serve flags a command line carries over whose only value here is what infero does anyway: taken, and any
+    # other value refused in one line (weights stay in their GGUF encoding; one GPU).
+    flag("--dtype", "auto", choices=("auto",), help="taken as vllm serve takes it; infero computes in its kernels' "
+         "precision from the weights' own encoding")  # fmt: skip
+    flag("--tensor-parallel-size", "1", type=_one_gpu, metavar="1",
+         help="taken as vllm serve takes it; infero runs a model on one GPU")  # fmt: skip
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="taken as vllm serve takes it; a GGUF file holds no code")  # fmt: skip
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
     flag("--cpu-threads", type=_int_at_least(1), metavar="N",
          help="BLAS threads of the CPU backend (default: 1; more spin against other busy processes)")  # fmt: skip

@@ -51,7 +51,8 @@ def test_defaults_and_engine_config():
     assert [engine_config(parse(["--async-scheduling", v])).async_scheduling for v in ("on", "off")] == [True, False]
     bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],
                  ["--async-scheduling", "maybe"], ["--max-waiting-requests", "0"], ["--tool-call-parser", "mistral"],
-                 ["--reasoning-parser", "nope"], ["--seed", "x"])  # fmt: skip
+                 ["--reasoning-parser", "nope"], ["--seed", "x"], ["--dtype", "float16"],
+                 ["--tensor-parallel-size", "2"])  # fmt: skip
     for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)
@@ -64,6 +65,8 @@ def test_vllm_serve_flags_for_tools_reasoning_and_the_seed():
                   "--seed", "7"])  # fmt: skip
     assert (args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice) == ("hermes", "qwen3", True)
     assert engine_config(args).seed == 7 and engine_config(parse([])).seed is None
+    args = parse(["--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code"])
+    assert (args.dtype, args.tensor_parallel_size, args.trust_remote_code) == ("auto", 1, True)
 
 
 def test_sizes_and_served_names():
