@@ -37,15 +37,10 @@ runtime.declare(
 )
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-_functions: dict[str, object] = {}
-runtime.on_reload(_functions.clear)
 
 
 def _kernel(expression: str):
-    fn = _functions.get(expression)
-    if fn is None:
-        fn = _functions[expression] = runtime.kernel(SOURCE, expression)
-    return fn
+    return runtime.kernel(SOURCE, expression)  # cached there
 
 
 @dataclass(frozen=True)

@@ -52,17 +52,8 @@ _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
 _ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
-_functions: dict[tuple[str, str], object] = {}
 _shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
-runtime.on_reload(_functions.clear)
 runtime.on_reload(_shared_allowed.clear)
-
-
-def _kernel(filename: str, expression: str):
-    fn = _functions.get((filename, expression))
-    if fn is None:
-        fn = _functions[filename, expression] = runtime.kernel(filename, expression)
-    return fn
 
 
 @dataclass(frozen=True)
@@ -115,7 +106,7 @@ def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream
         raise ValueError(f"route: ids must be int32 and weights float32 [{n}, {k}], got {ids.dtype} {ids.shape} "
                          f"and {weights.dtype} {weights.shape}")  # fmt: skip
     if n:
-        driver.launch(_kernel(SOURCE, "moe_route"), (n,), (32,), (ids.ptr, weights.ptr, logits.ptr, experts, k),
+        driver.launch(runtime.kernel(SOURCE, "moe_route"), (n,), (32,), (ids.ptr, weights.ptr, logits.ptr, experts, k),
                       _ROUTE_ARGS, stream, 4 * experts, pdl=True)  # fmt: skip
 
 
@@ -148,7 +139,7 @@ def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: d
     k = 0 if ids is None else ids.shape[1]
     args = (logits.ptr, 0 if ids is None else ids.ptr, 0 if weights is None else weights.ptr, h.ptr, weight.data.ptr,
             n, hidden, experts, k, int(routed is not None))  # fmt: skip
-    fn = _kernel(SOURCE, "moe_router")
+    fn = runtime.kernel(SOURCE, "moe_router")
     _allow_shared(fn, shared)
     driver.launch(fn, (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args, _ROUTER_ARGS, stream, shared,
                   pdl=True)  # fmt: skip
@@ -175,11 +166,13 @@ def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: Devi
     if t in matvec.FLOAT_TYPES:
         vec = int(x.ptr % 16 == 0 and first.matrix.data.ptr % 16 == 0 and row_bytes % 16 == 0 and cols % 4 == 0)
         args = (seg, ids.ptr, per_token, x.ptr, cols, row_bytes, vec)
-        driver.launch(_kernel(matvec.SOURCE, f"matvec_experts_f<{t}>"), grid, block, args, _F_ARGS, stream, pdl=True)
+        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_f<{t}>")
+        driver.launch(fn, grid, block, args, _F_ARGS, stream, pdl=True)
     else:
         xq, xs = quantized[0], quantized[1]
         args = (seg, ids.ptr, per_token, xq.ptr, xs.ptr, xq.shape[1], cols, row_bytes)
-        driver.launch(_kernel(matvec.SOURCE, f"matvec_experts<{t}>"), grid, block, args, _Q_ARGS, stream, pdl=True)
+        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts<{t}>")
+        driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
 
 
 class Grouping(NamedTuple):
@@ -216,7 +209,7 @@ def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Str
         raise ValueError(f"sort: order int32 [{pairs}], groups int32 [{max_groups(pairs, experts)}, 4] and "
                          f"num_groups int32 [1], got {shapes}")  # fmt: skip
     args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, GROUP_TOKENS)
-    fn = _kernel(SOURCE, "moe_sort")
+    fn = runtime.kernel(SOURCE, "moe_sort")
     _allow_shared(fn, 16 * experts)
     driver.launch(fn, (1,), (SORT_THREADS,), args, _SORT_ARGS, stream, 16 * experts, pdl=True)
 
@@ -242,7 +235,7 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
     xq, xs = quantized[0], quantized[1]
     args = (seg, grouping.order.ptr, grouping.groups.ptr, grouping.num_groups.ptr, per_token, xq.ptr, xs.ptr,
             xq.shape[1], first.cols, first.matrix.data.shape[1])  # fmt: skip
-    fn = _kernel(matvec.SOURCE, f"matvec_experts_grouped<{first.ggml_type}, {GROUP_TOKENS}, {GROUP_RPW}>")
+    fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_grouped<{first.ggml_type}, {GROUP_TOKENS}, {GROUP_RPW}>")
     driver.launch(fn, grid, (32 * per_block,), args, _GROUPED_ARGS, stream, pdl=True)
 
 
@@ -299,7 +292,7 @@ def down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor, weig
         xq, xs = quantized[0], quantized[1]
         args = (out.ptr, down.matrix.data.ptr, ids.ptr, weights.ptr, k, xq.ptr, xs.ptr, n * k, down.rows, down.cols,
                 down.matrix.data.shape[1])  # fmt: skip
-        fn = _kernel(matvec.SOURCE, f"matvec_experts_combine<{down.ggml_type}>")
+        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_combine<{down.ggml_type}>")
         driver.launch(fn, (n, -(-down.rows // 2)), (32 * k,), args, _DOWN_COMBINE_ARGS, stream, pdl=True)
 
 
@@ -313,5 +306,5 @@ def combine(out: DeviceTensor, y: DeviceTensor, weights: DeviceTensor, stream: d
         raise ValueError(f"combine: out [n, cols], weights [n, k] and y [n k, cols] float32, got {out.shape}, "
                          f"{weights.shape} and {y.shape}")  # fmt: skip
     if n and cols:
-        driver.launch(_kernel(SOURCE, "moe_combine"), (-(-n * cols // THREADS),), (THREADS,),
+        driver.launch(runtime.kernel(SOURCE, "moe_combine"), (-(-n * cols // THREADS),), (THREADS,),
                       (out.ptr, y.ptr, weights.ptr, n, k, cols), _COMBINE_ARGS, stream, pdl=True)  # fmt: skip
