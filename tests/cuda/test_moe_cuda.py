@@ -147,6 +147,31 @@ def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_laun
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_a_half_precision_router_routes_as_numpy_at_every_width(gpu, qtype):
+    """An F16 / BF16 router (not what converters write, but a valid file) runs the fp32 mat-vec 16 rows a launch at
+    every width: 64 rows route as numpy routes the same dequantized router, and each row as it does alone."""
+    from infero.backends.cuda import weight_layout
+    from infero.backends.cuda.tensor import from_host
+
+    experts, k, n = 128, 8, 64
+    h, router32, _, _ = routed(n, experts, k, seed=int(qtype))
+    raw, _ = encode_weight(router32, qtype, np.random.default_rng(0))
+    router = np.asarray(dequantize(np.ascontiguousarray(raw).view(np.uint8), qtype), np.float32).reshape(experts, -1)
+    ref_ids, ref_weights = CpuOps().moe_route(h, router, k)
+    ops = gpu_ops()
+    ops.ws.reset()
+    weight = weight_layout.upload(np.ascontiguousarray(raw).view(np.uint8), int(qtype), experts, HIDDEN)
+    ids, weights = (t.to_host(ops.stream) for t in ops.moe_route(from_host(h), weight, k))
+    agree = [t for t in range(n) if np.array_equal(ids[t], ref_ids[t])]
+    assert len(agree) >= n - 2  # a near tie may order two experts the other way
+    np.testing.assert_allclose(weights[agree], ref_weights[agree], rtol=1e-5, atol=1e-7)
+    ops.ws.reset()
+    alone = ops.moe_route(from_host(h[5:6]), weight, k)[0].to_host(ops.stream)
+    assert np.array_equal(alone[0], ids[5])
+
+
+@pytest.mark.gpu
 def test_route_breaks_ties_toward_the_lower_expert_id(gpu):
     """Equal router rows give equal probabilities: the lower ids win, in id order, on every row."""
     rng = np.random.default_rng(5)

@@ -269,7 +269,9 @@ class CudaOps:
         their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device. A float32
         router (as converters write it) runs moe.router, whose fp32 rows are the same bits at every n (on the GEMM,
         fp16 operands moved the routing weights by up to 3e-3 relative, H200, n = 64); up to moe.ROUTER_WARPS rows
-        it routes them in the same launch, more take moe.route after it. Other routers: linear, then moe.route."""
+        it routes them in the same launch, more take moe.route after it. Other float routers stay on the fp32
+        mat-vec at every n, 16 rows a launch (its rows too are the same bits at every n); quantized ones take
+        linear. Then moe.route."""
         n = h.shape[0]
         ids = self.ws.empty((n, k), np.int32)
         weights = self.ws.empty((n, k), np.float32)
@@ -280,6 +282,12 @@ class CudaOps:
             moe.router(logits, h, router, self.stream, (ids, weights) if fused else None)
             if fused:
                 return ids, weights
+        elif router.ggml_type in matvec.FLOAT_TYPES and n > MATVEC_MAX_TOKENS:
+            self._require_values(h)
+            logits = self.ws.empty((n, router.rows), np.float32)
+            for a in range(0, n, MATVEC_MAX_TOKENS):
+                b = min(a + MATVEC_MAX_TOKENS, n)
+                matvec.matvec(logits.rows(a, b), router, h.rows(a, b), None, self.stream, self.ws)
         else:
             logits = self.linear(h, router)
         moe.route(ids, weights, logits, self.stream)
