@@ -129,6 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="taken as vllm serve takes it; infero runs a model on one GPU")  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="taken as vllm serve takes it; a GGUF file holds no code")  # fmt: skip
+    parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+                        help="taken as vllm serve takes them; infero logs neither requests nor stats")  # fmt: skip
+    flag("--tokenizer", metavar="NAME", help="taken as vllm serve takes it for GGUF files, and not used: infero reads "
+         "the tokenizer the GGUF file holds (a note says so at start)")  # fmt: skip
+    flag("--uvicorn-log-level", "info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+         help="uvicorn's log level (default: info)")  # fmt: skip
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
     flag("--cpu-threads", type=_int_at_least(1), metavar="N",
          help="BLAS threads of the CPU backend (default: 1; more spin against other busy processes)")  # fmt: skip
@@ -145,6 +151,13 @@ def _switch(value: bool | str | None, env: str) -> bool | None:
     if value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise InferoError(f"{env}={value!r} is not a switch; set it to on or off")
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    """What a flag taken from a vllm serve command line does not do here, one line each."""
+    if args.tokenizer:
+        return [f"--tokenizer {args.tokenizer} is not used: infero reads the tokenizer the GGUF file holds"]
+    return []
 
 
 def served_name(path: Path) -> str:
@@ -207,10 +220,12 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
     app = create_app(load, settings, on_ready=on_ready, on_load_error=on_load_error)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
                                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on")  # fmt: skip
     server = graceful_server(uv_config, app.state.infero)
     sock = listen_socket(args.host, args.port)
+    for note in notes(args):
+        print(f"infero: note: {note}", file=sys.stderr)
     print(f"infero: listening on {url}, loading {path.name} ...", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return exit_code

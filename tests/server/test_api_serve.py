@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infero.server.serve import add_arguments, engine_config, parse_bytes, served_name
+from infero.server.serve import add_arguments, engine_config, notes, parse_bytes, served_name
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_defaults_and_engine_config():
     bad_flags = (["--port", "70000"], ["--max-num-seqs", "0"], ["--gpu-memory-utilization", "1.5"],
                  ["--async-scheduling", "maybe"], ["--max-waiting-requests", "0"], ["--tool-call-parser", "mistral"],
                  ["--reasoning-parser", "nope"], ["--seed", "x"], ["--dtype", "float16"],
-                 ["--tensor-parallel-size", "2"])  # fmt: skip
+                 ["--tensor-parallel-size", "2"], ["--uvicorn-log-level", "loud"])  # fmt: skip
     for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)
@@ -67,6 +67,11 @@ def test_vllm_serve_flags_for_tools_reasoning_and_the_seed():
     assert engine_config(args).seed == 7 and engine_config(parse([])).seed is None
     args = parse(["--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code"])
     assert (args.dtype, args.tensor_parallel_size, args.trust_remote_code) == ("auto", 1, True)
+    assert notes(args) == [] and parse(["--uvicorn-log-level", "warning"]).uvicorn_log_level == "warning"
+    args = parse(["--tokenizer", "Qwen/Qwen2.5-7B-Instruct", "--disable-log-requests", "--disable-log-stats"])
+    assert args.disable_log_requests and notes(args) == [
+        "--tokenizer Qwen/Qwen2.5-7B-Instruct is not used: infero reads the tokenizer the GGUF file holds"
+    ]
 
 
 def test_sizes_and_served_names():
