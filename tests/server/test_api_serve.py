@@ -108,8 +108,9 @@ def free_port() -> int:
 def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
     port = free_port()
     env = {**os.environ, "INFERO_PORT": str(port), "INFERO_KV_CACHE_MEMORY": "16MiB", "INFERO_API_KEY": "key"}
-    proc = subprocess.Popen([sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu"],
-                            env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    command = [sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu",
+               "--tokenizer", "org/tiny", "--uvicorn-log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -134,6 +135,8 @@ def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
             proc.wait()
     stderr = proc.stderr.read()
     assert "ready: " in stderr and f"serving 'tiny-llama' at http://127.0.0.1:{port}/v1" in stderr
+    assert "infero: note: --tokenizer org/tiny is not used" in stderr
+    assert "Started server process" not in stderr  # uvicorn's info lines, below --uvicorn-log-level warning
 
 
 def test_the_listening_socket_makes_connections_without_nagle_delays():
