@@ -169,10 +169,7 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
     pdl_enter();
     __shared__ float cos_s[256], sin_s[256];  // rope_half <= 256 (head_dim <= 512)
     const size_t token = blockIdx.x;
-    const int pos = positions[token];
-    for (int i = threadIdx.x; i < rope_half; i += blockDim.x)
-        rope::cos_sin(pos, inv_freq[i], mscale, cos_s[i], sin_s[i]);
-    __syncthreads();
+    rope::fill_table(positions[token], inv_freq, mscale, rope_half, cos_s, sin_s);
     const int half_dim = head_dim / 2;
     const long long slot = slots[token];
     // q: only the rotated pairs change.
@@ -256,10 +253,7 @@ __global__ void __launch_bounds__(256) qk_norm_rotary_store_kv(float* __restrict
     }
     pdl_enter();
     const size_t token = blockIdx.x;
-    const int pos = positions[token];
-    for (int i = threadIdx.x; i < rope_half; i += blockDim.x)
-        rope::cos_sin(pos, inv_freq[i], mscale, cos_s[i], sin_s[i]);
-    __syncthreads();
+    rope::fill_table(positions[token], inv_freq, mscale, rope_half, cos_s, sin_s);
     const int half_dim = head_dim / 2;
     const long long slot = slots[token];
     const size_t cache_base = (size_t)(slot < 0 ? 0 : slot) * kv_heads * head_dim;
