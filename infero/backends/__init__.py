@@ -11,7 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # recurrent-state cache are not written yet).
 CPU_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 # The head dims the GPU's attention kernels are built for (cuda/attention.py HEAD_DIMS; a test keeps the two equal).
-GPU_HEAD_DIMS = (64, 128)
+GPU_HEAD_DIMS = (64, 128, 256)
 
 
 def select_backend(device: str = "auto", architecture: str | None = None, head_dim: int | None = None):
@@ -23,7 +23,7 @@ def select_backend(device: str = "auto", architecture: str | None = None, head_d
     if architecture in CPU_ONLY_ARCHITECTURES:
         reason = f"{architecture} runs on the CPU backend only for now"
     elif head_dim is not None and head_dim not in GPU_HEAD_DIMS:
-        dims = " or ".join(str(d) for d in GPU_HEAD_DIMS)
+        dims = ", ".join(str(d) for d in GPU_HEAD_DIMS[:-1]) + f" or {GPU_HEAD_DIMS[-1]}"
         reason = f"attention heads of {head_dim} run on the CPU backend only (the GPU's take {dims})"
     if reason is not None:
         if device == "cuda":

@@ -146,6 +146,7 @@ MODELS = {
     "q4_1, q8_0 embedding": (Q.Q4_1, Q.Q8_0, TinyShape(tied=True)),
     "f16": (Q.F16, None, TinyShape()),
     "qwen3 q8_0": (Q.Q8_0, None, TinyShape(arch="qwen3", heads=8, kv_heads=2, head_dim=128)),  # per-head q/k norms
+    "head_dim 256 q8_0": (Q.Q8_0, None, TinyShape(arch="qwen3", heads=8, kv_heads=2, head_dim=256)),  # Qwen3.5's
 }
 
 
@@ -155,6 +156,26 @@ def test_every_kernel_a_forward_pass_looks_up_is_in_the_models_units(tmp_path, l
     needs = run_steps(write_tiny_model(tmp_path / "m.gguf", qtype, shape, embed_type=embed_type))
     compiled = {(u.filename, n) for u, names in runtime.needed_units(needs).items() for n in names}
     assert lookups, "no kernel was looked up"
+    assert not sorted(lookups - compiled)
+
+
+def test_head_dim_256_on_a_gpu_of_99_kib_shared_memory_looks_up_its_one_stage_attention(tmp_path, lookups, monkeypatch):
+    """Two K/V stages at head_dim 256 (132 KiB) do not fit an sm_89 block's shared memory: the one-stage kernels run
+    there, and they are in the model's units too."""
+    from infero.backends.cuda import attention
+
+    class Ada(FakeContext):
+        info = driver.DeviceInfo(0, "stand-in L40S", "sm_89", (8, 9), 142, 45 << 30, 99 << 10)
+
+    monkeypatch.setattr(runtime, "context", Ada)
+    # A GPU test earlier in the process may have cached the real GPU's limit and functions.
+    monkeypatch.setattr(attention, "_shared_optin", [])
+    monkeypatch.setattr(attention, "_functions", {})
+    shape = TinyShape(arch="qwen3", heads=8, kv_heads=2, head_dim=256)
+    needs = run_steps(write_tiny_model(tmp_path / "m.gguf", Q.Q8_0, shape))
+    compiled = {(u.filename, n) for u, names in runtime.needed_units(needs).items() for n in names}
+    looked_up = {name for file, name in lookups if file == "attention.cu"}
+    assert looked_up == {"attention_prefill<256, 1>", "attention_decode<256, 1>", "attention_merge_splits<256>"}
     assert not sorted(lookups - compiled)
 
 

@@ -49,6 +49,16 @@ def test_a_q4_k_m_model_compiles_the_mixed_q4_k_q6_k_kernels_and_no_other_type()
     assert first_arguments(names, ("attention_",)) == {128}
 
 
+def test_a_head_dim_256_model_compiles_its_attention_with_two_stages_and_with_one():
+    """Qwen3.5's gated attention: two K/V stages where their 132 KiB fit a block's shared memory, one elsewhere."""
+    names = needed_names(256, [T.Q8_0])
+    assert {n for n in names if n.startswith("attention.cu")} == {
+        "attention.cu: attention_prefill<256>", "attention.cu: attention_prefill<256, 1>",
+        "attention.cu: attention_decode<256>", "attention.cu: attention_decode<256, 1>",
+        "attention.cu: attention_merge_splits<256>",
+    }  # fmt: skip
+
+
 def test_the_mixed_kernels_need_both_types():
     assert "matvec.cu: matvec_mma<12, 1, 4, 2, true, 14>" not in needed_names(128, [T.Q4_K])
 

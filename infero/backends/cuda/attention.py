@@ -6,6 +6,9 @@ depend on its own context length alone (64 keys each, at most 32 splits), so its
 how many CTAs share a sequence's splits is chosen from the batch to fill the GPU, which moves work, not results.
 Prefill chunks (two or more new tokens) go to a flash-attention kernel. A mixed batch launches both; each kernel
 skips the other's sequences, so a decode sequence gets the same bits in a mixed batch as in a decode batch.
+Both kernels double-buffer their K/V tiles where two stages fit the GPU's shared memory, else take one (head dim
+256 on GPUs that let a block opt in to less than 132 KiB: sm_86, sm_89, sm_120); the stages change when a tile
+loads, never the arithmetic, so the bits do not depend on the GPU.
 """
 
 from __future__ import annotations
@@ -18,31 +21,48 @@ from infero.backends.cuda import driver, matvec, runtime
 from infero.backends.cuda.tensor import DeviceTensor, Workspace
 
 FILE = "attention.cu"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Decode splits (mirrors decode_splits in the kernel): DECODE_MIN_PARTITION keys each until a sequence has
 # DECODE_MAX_SPLITS, then longer ones. Never derived from the batch.
 DECODE_MIN_PARTITION = 64
 DECODE_MAX_SPLITS = 32
-DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64)
-_BLOCK_N, _STAGES = 64, 2  # must match kernels/attention.cu
+DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64, 1 at 256)
+_BLOCK_N = 64  # must match kernels/attention.cu
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
+# The least shared memory a block may opt in to on a GPU the kernels run on (sm_86, sm_89, sm_120: 99 KiB; sm_80
+# 163 KiB, sm_90 227 KiB): a head dim whose two stages need more also gets one-stage kernels.
+_LEAST_SHARED_OPTIN = 99 * 1024
+
+
+def tile_shared_bytes(head_dim: int, stages: int) -> int:
+    """Dynamic shared memory of the two attention kernels: K and V tiles, `stages` deep, rows padded by 8 halves."""
+    return stages * 2 * _BLOCK_N * (head_dim + 8) * 2
+
+
+def prefill_threads(head_dim: int) -> int:
+    """attention_prefill's block: 4 warps of rows, times the warps that split O's head dim (prefill_warps_n)."""
+    return 128 * (2 if head_dim > 128 else 1)
+
+
+def _name(kind: str, head_dim: int, stages: int = 2) -> str:
+    return f"attention_{kind}<{head_dim}>" if stages == 2 else f"attention_{kind}<{head_dim}, {stages}>"
+
 
 for _hd in HEAD_DIMS:
-    runtime.declare(FILE, [f"attention_{kind}<{_hd}>" for kind in ("prefill", "decode", "merge_splits")],
+    runtime.declare(FILE, [_name(kind, _hd) for kind in ("prefill", "decode", "merge_splits")],
                     needs=(runtime.head_dim(_hd),))  # fmt: skip
+    if tile_shared_bytes(_hd, 2) > _LEAST_SHARED_OPTIN:  # its own unit: compiled in parallel with the first
+        runtime.declare(FILE, [_name(kind, _hd, 1) for kind in ("prefill", "decode")], needs=(runtime.head_dim(_hd),),
+                        part="one stage")  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
 _MERGE_TYPES = (_P,) * 5 + (_I,) * 2 + (_P, _P, _I)
 _LOG2E = 1.4426950408889634
-_functions: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, int, int], object] = {}
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
-
-
-def tile_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of the two attention kernels: K and V tiles, two stages, rows padded by 8 halves."""
-    return _STAGES * 2 * _BLOCK_N * (head_dim + 8) * 2
+_shared_optin: list[int] = []
 
 
 def decode_grid_splits(max_context_len: int) -> int:
@@ -102,12 +122,13 @@ def paged_attention(
     group = num_heads // num_kv_heads
     args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0,
             num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E, xq, xs, num_tokens]  # fmt: skip
-    smem = tile_shared_bytes(head_dim)
+    stages = _stages(head_dim)
+    smem = tile_shared_bytes(head_dim, stages)
 
     if max_query_len > 1:
         grid = (-(-max_query_len * group // _ROWS_PREFILL), num_kv_heads, num_seqs)
-        fn = _function("prefill", head_dim)
-        driver.launch(fn, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
+        fn = _function("prefill", head_dim, stages)
+        driver.launch(fn, grid, (prefill_threads(head_dim),), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True)
         if num_decode_seqs == 0:
             return
 
@@ -122,7 +143,7 @@ def paged_attention(
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
     grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
-    decode = _function("decode", head_dim)
+    decode = _function("decode", head_dim, stages)
     driver.launch(decode, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True, carveout=True)
     if max_splits > 1:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
@@ -132,13 +153,20 @@ def paged_attention(
     workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
 
 
-def _function(kind: str, head_dim: int):
-    fn = _functions.get((kind, head_dim))
+def _stages(head_dim: int) -> int:
+    """K/V tile stages: two where they fit the GPU's shared memory, else one."""
+    if not _shared_optin:
+        _shared_optin.append(runtime.context().info.max_shared_per_block_optin)
+    return 2 if tile_shared_bytes(head_dim, 2) <= _shared_optin[0] else 1
+
+
+def _function(kind: str, head_dim: int, stages: int = 2):
+    fn = _functions.get((kind, head_dim, stages))
     if fn is None:
-        fn = runtime.kernel(FILE, f"attention_{kind}<{head_dim}>")
+        fn = runtime.kernel(FILE, _name(kind, head_dim, stages))
         if kind != "merge_splits":
-            driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim))
-        _functions[(kind, head_dim)] = fn
+            driver.set_max_dynamic_shared(fn, tile_shared_bytes(head_dim, stages))
+        _functions[(kind, head_dim, stages)] = fn
     return fn
 
 

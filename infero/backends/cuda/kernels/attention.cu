@@ -14,10 +14,14 @@
 // Both attention kernels share one body (attention_tile). A CTA holds ROWS "rows" of one sequence and one kv
 // head: row r is query token r / group, head r % group of the kv group, so a GQA group's K/V is read once.
 // Q is scaled by scale*log2(e), rounded to fp16 and kept in registers as mma A fragments. K/V come in
-// 64-key tiles from the paged blocks into shared memory (cp.async, two stages; keys past the range are
-// zero-filled, never read). S = Q K^T and O += P V run on mma.sync.m16n8k16 (fp16 in, fp32 accumulate);
-// the softmax is online in fp32 (running max and sum per row, base-2 exponentials).
-//   attention_prefill: 4 warps x 16 rows, each warp sees every key. Sequences with q_len >= 2 only.
+// 64-key tiles (at every head dim) from the paged blocks into shared memory (cp.async, two stages, or one where
+// two do not fit the GPU; keys past the range are zero-filled, never read). S = Q K^T and O += P V run on
+// mma.sync.m16n8k16 (fp16 in, fp32 accumulate); the softmax is online in fp32 (running max and sum per row,
+// base-2 exponentials).
+//   attention_prefill: 4 warps x 16 rows, each warp sees every key. Sequences with q_len >= 2 only. At HD 256
+//                      two such groups of 4 warps split O's head dim (each computes S over the whole tile, as the
+//                      decode kernel's warps do): one warp's 16 rows of all 256 columns (128 O floats and 64 Q
+//                      fragment registers a thread) would spill.
 //   attention_decode:  1 row tile of 16 rows (the group's heads; more tiles on blockIdx.z when group > 16)
 //                      x 4 warps that split the head dim: each computes S over every key of the tile
 //                      (the same S, max and sum in all four) and O for its quarter of the columns, so
@@ -65,7 +69,6 @@
 namespace attn {
 
 inline constexpr int BLOCK_N = 64;                // keys per shared-memory tile
-inline constexpr int STAGES = 2;                  // cp.async double buffering
 inline constexpr int DECODE_MIN_PARTITION = 64;  // keys per decode split (one tile: at batch 1 one CTA), until...
 inline constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
 
@@ -93,8 +96,10 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 // Shared memory the attention kernels ask for: K and V tiles, STAGES deep, rows padded by 16 bytes so that
-// ldmatrix's eight row addresses fall in distinct banks. The launcher computes the same number.
-template <int HD>
+// ldmatrix's eight row addresses fall in distinct banks. The launcher computes the same number. Two stages
+// (cp.async double buffering) where they fit the GPU's shared memory, else one (HD 256 where a block opts in to
+// less than its 132 KiB: sm_86, sm_89, sm_120); the stages only change when a tile loads, never the arithmetic.
+template <int HD, int STAGES>
 constexpr int tile_smem_bytes() {
   return STAGES * 2 * BLOCK_N * (HD + 8) * 2;
 }
@@ -113,8 +118,8 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __res
 }
 
 // One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
-// keys [kv_begin, kv_end). WARPS_N warps split the head dim of O between them (decode), else 1 (prefill).
-template <int HD, int WARPS_M, int WARPS_N, bool DECODE>
+// keys [kv_begin, kv_end). WARPS_N warps split the head dim of O between them (decode; prefill at HD 256), else 1.
+template <int HD, int WARPS_M, int WARPS_N, bool DECODE, int STAGES>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
@@ -128,7 +133,7 @@ __device__ __forceinline__ void attention_tile(
   constexpr int DTW = HD / 8 / WARPS_N;  // 8-wide tiles of O one warp accumulates
   constexpr int NS = BLOCK_N / 8;        // 8-key tiles of S (every warp: the whole tile)
   static_assert(HD % 16 == 0 && DTW % 2 == 0, "tile shapes");
-  static_assert(ROWS * HD * 4 <= tile_smem_bytes<HD>(), "one split's output fits");
+  static_assert(ROWS * HD * 4 <= tile_smem_bytes<HD, STAGES>(), "one split's output fits");
 
   extern __shared__ __align__(16) unsigned char smem[];
   __half* ks = reinterpret_cast<__half*>(smem);  // [STAGES][BLOCK_N][SK]
@@ -270,9 +275,9 @@ __device__ __forceinline__ void attention_tile(
     cp_async_commit();
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int stage = tile % STAGES;
-      if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % STAGES);
+      if (STAGES > 1 && tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % STAGES);  // one stage: below
       cp_async_commit();
-      cp_async_wait<1>();  // this tile's group is complete
+      cp_async_wait<STAGES - 1>();  // this tile's group is complete
       __syncthreads();
       if (DECODE && tile == 0) TRACE_MARK(3);
 
@@ -355,7 +360,8 @@ __device__ __forceinline__ void attention_tile(
           mma_16816(o[2 * dp + 1], pa, b[2], b[3]);
         }
       }
-      __syncthreads();  // the next iteration's copy overwrites this stage
+      __syncthreads();  // the next copy overwrites this stage
+      if (STAGES == 1 && tile + 1 < num_tiles) load_tile(tile + 1, 0);
     }
     cp_async_wait<0>();
     if (DECODE) TRACE_MARK(4);
@@ -373,7 +379,10 @@ __device__ __forceinline__ void attention_tile(
         const int r = row_base + wm * 16 + gid + 8 * h;
         if (r >= num_rows) continue;
         const float inv = 1.f / row_sum[h];
-        float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD;
+        // This warp's columns of O. With one warp across the head dim d0 is 0, written as a constant so that HD 64
+        // and 128 compile to the instructions they had before HD 256 split the head dim.
+        float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD +
+                      (WARPS_N > 1 ? d0 : 0);
 #pragma unroll
         for (int dt = 0; dt < DTW; ++dt)
           *reinterpret_cast<float2*>(orow + dt * 8 + tig * 2) =
@@ -436,22 +445,32 @@ using namespace attn;
   out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, num_heads, num_kv_heads, \
       block_size, max_blocks, max_splits, scale_log2, xq, xs, num_tokens
 
-// __launch_bounds__(128, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
-// Registers (sm_90a): prefill 145 (HD 64) / 200 (HD 128), decode 126 / 152; no spills on sm_80/89/90a.
+// __launch_bounds__(threads, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
+// Registers on sm_80 / sm_89 / sm_90a (scripts/kernel_resources.py, NVRTC 13.5, 2026-12-03), no spills at any:
+//   prefill  HD 64 148 / 148 / 145, HD 128 199 / 199 / 200, HD 256 224 / 224 / 237 (one stage 228 / 228 / 235)
+//   decode   HD 64 128 / 130 / 126, HD 128 152 / 154 / 152, HD 256 214 / 212 / 213 (one stage 211 / 208 / 215)
+// At HD 256 prefill's 256 threads of 224-237 registers fill one SM's register file alone (one CTA an SM).
 
-// grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128, tile_smem_bytes<HD>() dynamic.
+// Warps that split O's head dim in attention_prefill (the launcher mirrors it): two at HD 256.
 template <int HD>
-__global__ void __launch_bounds__(128, 1) attention_prefill(ATTENTION_PARAMS) {
+constexpr int prefill_warps_n() {
+  return HD > 128 ? 2 : 1;
+}
+
+// grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128 * prefill_warps_n<HD>(),
+// tile_smem_bytes<HD, STAGES>() dynamic.
+template <int HD, int STAGES = 2>
+__global__ void __launch_bounds__(128 * prefill_warps_n<HD>(), 1) attention_prefill(ATTENTION_PARAMS) {
   pdl_enter();
-  attention_tile<HD, 4, 1, false>(ATTENTION_ARGS);
+  attention_tile<HD, 4, prefill_warps_n<HD>(), false, STAGES>(ATTENTION_ARGS);
 }
 
 // grid (CTAs per sequence <= max_splits, num_kv_heads, num_seqs * ceil(group / 16)), block 128,
-// tile_smem_bytes<HD>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
+// tile_smem_bytes<HD, STAGES>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
 // Waits on the previous kernel inside attention_tile, after its first K/V loads.
-template <int HD>
+template <int HD, int STAGES = 2>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
-  attention_tile<HD, 1, 4, true>(ATTENTION_ARGS);
+  attention_tile<HD, 1, 4, true, STAGES>(ATTENTION_ARGS);
 }
 
 // grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
