@@ -1,6 +1,8 @@
 """paged_attention against the numpy reference (`_causal_gqa` on the gathered fp16 K/V): decode through the
 split-KV kernel, prefill chunks over cached prefixes, mixed batches; GQA ratios 1, 3, 4, 8 and 20, head_dim
-64 and 128, block sizes 16 and 32; and bitwise batch invariance.
+64, 128 and 256 (Qwen3.5's gated attention: 16 query heads over 2 kv heads), block sizes 16 and 32; bitwise batch
+invariance; and at head_dim 256 the one-stage kernels (GPUs whose shared memory does not hold two) bitwise the
+two-stage ones.
 
 Every case fills unused cache blocks and the slots past each context with NaN, shuffles the block tables, and
 poisons the output and the workspace with NaN, so a read of a wrong slot or a row left unwritten shows.
@@ -33,6 +35,9 @@ CONFIGS = {  # name: (num_heads, num_kv_heads, head_dim)
     "gqa8_h8_kv1_d64": (8, 1, 64),
     "gqa8_h16_kv2_d128": (16, 2, 128),
     "gqa20_h20_kv1_d64": (20, 1, 64),  # a group of more than 16 heads: two decode row tiles
+    "mha_h4_kv4_d256": (4, 4, 256),
+    "qwen35_h16_kv2_d256": (16, 2, 256),  # Qwen3.5-35B-A3B's gated attention layers
+    "gqa20_h20_kv1_d256": (20, 1, 256),
 }
 TOLERANCE, ROW_TOLERANCE = 2e-3, 5e-3
 
@@ -168,7 +173,7 @@ def test_decode_single_sequence_matches_reference(gpu, config, ctx):
     check(f"decode {config} ctx={ctx}", run_gpu(case), reference(case))
 
 
-@pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128"])
+@pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "qwen35_h16_kv2_d256"])
 def test_decode_past_32_splits_uses_longer_splits(gpu, config):
     # 20,000 keys: 32 splits of 640 instead of 79 of 256.
     case = make_case([(1, 20000)], config, seed=5)
@@ -202,7 +207,9 @@ def test_decode_is_batch_invariant(gpu, config, monkeypatch):
         assert_bitwise(f"decode {config} ctx={n} alone vs in batch", alone, batch[case.rows_of(s)])
 
 
-@pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "gqa20_h20_kv1_d64"])
+@pytest.mark.parametrize(
+    "config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "gqa20_h20_kv1_d64", "qwen35_h16_kv2_d256"]
+)
 def test_decode_writes_its_output_in_the_matvec_activation_format(gpu, config):
     """Asked to, decode attention also writes its output quantized for the output projection's mat-vec: from
     the decode kernel where a sequence has one split (context <= 64), from the merge otherwise. Bitwise numpy's
@@ -256,7 +263,9 @@ def test_prefill_chunk_matches_reference(gpu, config, q_len, prefix):
     check(f"prefill {config} q_len={q_len} prefix={prefix}", run_gpu(case), reference(case))
 
 
-@pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "gqa20_h20_kv1_d64"])
+@pytest.mark.parametrize(
+    "config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "gqa20_h20_kv1_d64", "qwen35_h16_kv2_d256"]
+)
 def test_prefill_block_size_32_and_pure_prefill_hint(gpu, config):
     case = make_case([(300, 300), (77, 577), (2, 33)], config, block_size=32, seed=11)
     got = run_gpu(case)
@@ -295,3 +304,27 @@ def test_decode_in_mixed_batch_matches_pure_decode_bitwise(gpu, config):
     pure = run_gpu(case.subset(decodes))
     for i, s in enumerate(decodes):
         assert_bitwise(f"mixed vs pure decode {config} ctx={MIXED[s][1]}", mixed[case.rows_of(s)], pure[i : i + 1])
+
+
+# --- stages ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["mha_h4_kv4_d256", "qwen35_h16_kv2_d256", "gqa20_h20_kv1_d256"])
+def test_one_stage_kernels_give_the_two_stage_bits(gpu, config, monkeypatch):
+    """At head_dim 256 a GPU whose blocks cannot opt in to 132 KiB of shared memory (sm_86, sm_89) runs the
+    one-stage kernels: forced here, they must give the bits of the two-stage ones over prefill tiles, decode splits
+    of several tiles (context 5,000: 192 keys a split) and a CTA walking several splits."""
+    from infero.backends.cuda import attention, runtime
+
+    if runtime.context().info.max_shared_per_block_optin < attention.tile_shared_bytes(256, 2):
+        pytest.skip("this GPU runs the one-stage kernels only")
+    case = make_case(MIXED, config, seed=31)
+    decodes = make_case([(1, n) for n in (17, 300, 5000, 20000)], config, seed=37)
+    two = run_gpu(case), run_gpu(decodes)
+    monkeypatch.setattr(attention, "_stages", lambda head_dim: 1)
+    one = run_gpu(case)
+    check(f"one stage mixed {config}", one, reference(case))
+    assert_bitwise(f"mixed {config} one stage vs two", one, two[0])
+    assert_bitwise(f"decode {config} one stage vs two", run_gpu(decodes), two[1])
+    monkeypatch.setattr(attention, "DECODE_CTAS_PER_SM", 0)
+    assert_bitwise(f"decode {config} one stage, one CTA per sequence vs two stages", run_gpu(decodes), two[1])
