@@ -109,10 +109,11 @@ SHAPES = {
     "qwen3.5-35b-a3b": Shape("qwen35moe", 2048, 40, 16, 2, 512, 248320, 1e7, 32768, False, head_dim=256,
                              experts=256, experts_used=8, expert_ffn=512, shared_ffn=512, interval=4,
                              linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128),
-    # A small hybrid for tests: key heads narrower than value heads, two value heads per key head.
-    "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=32, interval=4,
+    # A small hybrid for tests: key heads narrower than value heads, two value heads per key head; attention heads
+    # of 64, the narrowest the GPU's attention takes.
+    "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=64, interval=4,
                          linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
-    "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=32, experts=8,
+    "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
                             experts_used=2, expert_ffn=64, shared_ffn=128, interval=4, linear_k_heads=2,
                             linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
 }  # fmt: skip

@@ -114,16 +114,17 @@ class LlamaModel:
 
 
 def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
-    """weight(name, optional=False, gathered=False): the named tensor handed to the backend; a missing one is the
-    file's error unless optional (then None)."""
+    """weight(name, optional=False, gathered=False, values=False): the named tensor handed to the backend (gathered:
+    an embedding table; values: read elementwise, not as a linear layer's matrix); a missing one is the file's error
+    unless optional (then None)."""
     config, tensors = checkpoint.config, checkpoint.tensors
 
-    def weight(name: str, optional: bool = False, gathered: bool = False):
+    def weight(name: str, optional: bool = False, gathered: bool = False, values: bool = False):
         if name not in tensors:
             if optional:
                 return None
             raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
-        w = ops.weight(tensors[name], gathered=gathered)
+        w = ops.weight(tensors[name], gathered=gathered, values=values)
         if progress is not None:
             progress(tensors[name].nbytes)
         return w

@@ -32,19 +32,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from infero.checkpoint import Checkpoint
 from infero.checkpoint.config import MOE_ARCHITECTURES
 from infero.engine.batch import Batch
-from infero.errors import ModelFileError, UnsupportedModelError
+from infero.errors import ModelFileError
 from infero.models.llama import LlamaModel, head_weights, weight_loader
 from infero.models.qwen3moe import check_expert_shapes
-
-CPU_ONLY = (
-    "Qwen3.5 hybrid models run on the CPU backend only (the GPU's delta-net kernels are not written yet): "
-    "use --device cpu"
-)
 
 
 @dataclass
@@ -81,8 +74,6 @@ class HybridLayer:
 class Qwen35Model(LlamaModel):
     @classmethod
     def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> Qwen35Model:
-        if not hasattr(ops, "gated_delta_rule"):
-            raise UnsupportedModelError(CPU_ONLY)
         c = checkpoint.config
         check_layer_kinds(checkpoint)
         if c.architecture in MOE_ARCHITECTURES:
@@ -99,9 +90,9 @@ class Qwen35Model(LlamaModel):
 
     def __init__(self, config, ops, embedding, layers, output_norm, output, rotary):
         super().__init__(config, ops, embedding, layers, output_norm, output, rotary)
-        v_heads, k_heads = config.ssm_time_step_rank, config.ssm_group_count
-        tiled = config.architecture != "qwen3next"
-        self.key_head_of = np.arange(v_heads) % k_heads if tiled else np.arange(v_heads) // (v_heads // k_heads)
+        # Which key head a value head reads: qwen35 files hold the value heads reordered (h % key heads), qwen3next
+        # files in transformers' order (h // (value heads / key heads)).
+        self.pairing = "grouped" if config.architecture == "qwen3next" else "tiled"
         # Layer i's index among the layers of its kind: the cache keeps KV blocks and states per kind.
         kinds = config.recurrent_layers
         self.cache_index = [sum(1 for k in kinds[:i] if k == kinds[i]) for i in range(len(kinds))]
@@ -127,21 +118,19 @@ class Qwen35Model(LlamaModel):
         ops, c, n = self.ops, self.config, batch.num_tokens
         k_heads, d_k, v_heads, d_v = c.ssm_group_count, c.ssm_state_size, c.ssm_time_step_rank, c.linear_v_dim
         qkv, z = ops.linears(h, (w.qkv, w.gate))
-        if w.alpha is None:
-            ba = ops.linear(h, w.beta).reshape(n, k_heads, 2, v_heads // k_heads)
-            beta, alpha = ba[:, :, 0].reshape(n, v_heads), ba[:, :, 1].reshape(n, v_heads)
+        if w.alpha is None:  # qwen3next: per key head its betas, then its alphas
+            g, beta = ops.delta_net_gates(None, ops.linear(h, w.beta), w.dt_bias, w.a, group=v_heads // k_heads)
         else:
-            alpha, beta = ops.linears(h, (w.alpha, w.beta))
-        g, beta = ops.delta_net_gates(alpha, beta, w.dt_bias, w.a)
+            g, beta = ops.delta_net_gates(*ops.linears(h, (w.alpha, w.beta)), w.dt_bias, w.a)
         qkv = ops.causal_conv1d(qkv, w.conv, cache, index, batch)
         key_size = k_heads * d_k
         # The l2 norm's eps: the file's RMS eps, as llama.cpp reads it (transformers hard-codes 1e-6, which is the
         # published models' RMS eps too).
-        q = ops.l2_norm(qkv[:, :key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
-        k = ops.l2_norm(qkv[:, key_size : 2 * key_size].reshape(n, k_heads, d_k), c.rms_norm_eps)
-        v = qkv[:, 2 * key_size :].reshape(n, v_heads, d_v)
-        o = ops.gated_delta_rule(q, k, v, g, beta, self.key_head_of, 1.0 / math.sqrt(d_k), cache, index, batch)
-        return ops.gated_rms_norm(o, w.norm, z.reshape(n, v_heads, d_v), c.rms_norm_eps).reshape(n, -1)
+        q = ops.l2_norm(ops.columns(qkv, 0, key_size), d_k, c.rms_norm_eps)
+        k = ops.l2_norm(ops.columns(qkv, key_size, 2 * key_size), d_k, c.rms_norm_eps)
+        v = ops.columns(qkv, 2 * key_size, 2 * key_size + v_heads * d_v)
+        o = ops.gated_delta_rule(q, k, v, g, beta, self.pairing, 1.0 / math.sqrt(d_k), cache, index, batch)
+        return ops.gated_rms_norm(o, w.norm, z, c.rms_norm_eps).reshape(n, -1)
 
     def gated_attention(self, index: int, w: GatedAttentionWeights, h: Any, batch: Batch, cache: Any) -> Any:
         """Attention layer `index`'s gated attention of the normed h over the cache: [n, q_size], before Wo."""
@@ -149,10 +138,11 @@ class Qwen35Model(LlamaModel):
         q_gate, k, v = ops.linears(h, (w.wq, w.wk, w.wv))
         q_gate = q_gate.reshape(n, c.num_heads, 2 * c.head_dim)
         k, v = (y.reshape(n, c.num_kv_heads, c.head_dim) for y in (k, v))
-        q = ops.qk_norm_rotary_store_kv(q_gate[..., : c.head_dim], k, v, w.q_norm, w.k_norm, c.rms_norm_eps,
-                                        batch.positions, self.rotary, cache, index, batch.slot_mapping)  # fmt: skip
+        q = ops.qk_norm_rotary_store_kv(ops.columns(q_gate, 0, c.head_dim), k, v, w.q_norm, w.k_norm,
+                                        c.rms_norm_eps, batch.positions, self.rotary, cache, index,
+                                        batch.slot_mapping)  # fmt: skip
         attn = ops.attention(q, cache, index, batch, self.scale)
-        return ops.sigmoid_gate(attn, q_gate[..., c.head_dim :]).reshape(n, c.q_size)
+        return ops.sigmoid_gate(attn, ops.columns(q_gate, c.head_dim, 2 * c.head_dim)).reshape(n, c.q_size)
 
     def feed_forward(self, w: dict[str, Any], h: Any) -> Any:
         """The dense SwiGLU, or the routed experts plus the sigmoid-gated shared expert."""
@@ -162,7 +152,7 @@ class Qwen35Model(LlamaModel):
         experts, weights = ops.moe_route(h, w["router"], c.num_experts_used)
         routed = ops.moe_experts(h, experts, weights, w["gate_exps"], w["up_exps"], w["down_exps"])
         shared = ops.linear(ops.swiglu_gate_up(h, (w["gate_shexp"], w["up_shexp"])), w["down_shexp"])
-        return routed + ops.sigmoid_gate(shared, ops.linear(h, w["shexp_gate"]))
+        return ops.sigmoid_gate(shared, ops.linear(h, w["shexp_gate"]), addend=routed)
 
 
 def check_layer_kinds(checkpoint: Checkpoint) -> None:
@@ -187,9 +177,9 @@ def delta_net_weights(weight, p: str, config) -> DeltaNetWeights:
     else:
         alpha, beta = weight(p + "ssm_alpha.weight"), weight(p + "ssm_beta.weight")
     return DeltaNetWeights(qkv=weight(p + "attn_qkv.weight"), gate=weight(p + "attn_gate.weight"), alpha=alpha,
-                           beta=beta, conv=weight(p + "ssm_conv1d.weight"), dt_bias=weight(p + "ssm_dt.bias"),
-                           a=weight(p + "ssm_a"), norm=weight(p + "ssm_norm.weight"),
-                           out=weight(p + "ssm_out.weight"))  # fmt: skip
+                           beta=beta, conv=weight(p + "ssm_conv1d.weight", values=True),
+                           dt_bias=weight(p + "ssm_dt.bias"), a=weight(p + "ssm_a"),
+                           norm=weight(p + "ssm_norm.weight"), out=weight(p + "ssm_out.weight"))  # fmt: skip
 
 
 def gated_attention_weights(weight, p: str) -> GatedAttentionWeights:

@@ -215,12 +215,6 @@ def rule_inputs(rng, n: int, key_heads: int, v_heads: int, d_k: int, d_v: int):
     return wide, g, beta
 
 
-def key_head_of(pairing: str, key_heads: int, v_heads: int) -> np.ndarray:
-    """Qwen35Model's map (tiled: Qwen3.5 files; grouped: Qwen3-Next)."""
-    heads = np.arange(v_heads)
-    return heads % key_heads if pairing == "tiled" else heads // (v_heads // key_heads)
-
-
 def numpy_rule(wide, g, beta, key_heads, d_k, delta, lengths, slots, pairing):
     """CpuOps.gated_delta_rule's output and the state it leaves (delta is copied)."""
     n, v_heads, d_v = len(wide), delta.shape[2], delta.shape[4]
@@ -229,8 +223,7 @@ def numpy_rule(wide, g, beta, key_heads, d_k, delta, lengths, slots, pairing):
     v = wide[:, 2 * key :].reshape(n, v_heads, d_v)
     batch, _, _ = sequences(lengths, slots)
     cache = SimpleNamespace(delta=delta.copy())
-    heads = key_head_of(pairing, key_heads, v_heads)
-    out = CpuOps().gated_delta_rule(q, k, v, g, beta, heads, 1 / np.sqrt(d_k), cache, LAYER, batch)
+    out = CpuOps().gated_delta_rule(q, k, v, g, beta, pairing, 1 / np.sqrt(d_k), cache, LAYER, batch)
     return out, cache.delta
 
 
@@ -367,7 +360,7 @@ def test_gated_rms_norm_matches_numpy(gpu, d_v, in_place):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["elementwise", "one column a row", "per-head gate columns"])
+@pytest.mark.parametrize("case", ["elementwise", "one column a row", "per-head gate columns", "added to a sum"])
 def test_sigmoid_gate_matches_numpy(gpu, case):
     from infero.backends.cuda import delta_net
 
@@ -377,16 +370,24 @@ def test_sigmoid_gate_matches_numpy(gpu, case):
     if case == "elementwise":
         gate = rng.normal(0, 3, x.shape).astype(np.float32)
         gate_d, expected_gate = _dev(gate), gate
-    elif case == "one column a row":  # the shared expert's [n, 1] over [n, hidden]
+    elif case in ("one column a row", "added to a sum"):  # the shared expert's [n, 1] over [n, hidden]
         x = x.reshape(n, heads * head_dim)
         gate = rng.normal(0, 3, (n, 1)).astype(np.float32)
         gate_d, expected_gate = _dev(gate), gate
     else:  # gated attention's q_gate [n, heads, 2 head_dim]: each head's second half
         q_gate = rng.normal(0, 3, (n, heads, 2 * head_dim)).astype(np.float32)
         gate_d, expected_gate = delta_net.columns(_dev(q_gate), head_dim, 2 * head_dim), q_gate[..., head_dim:]
-    out = _poisoned(x.shape)
-    delta_net.sigmoid_gate(out, _dev(x), gate_d, _stream())
-    np.testing.assert_allclose(_host(out), CpuOps().sigmoid_gate(x, expected_gate), rtol=ELEMENTWISE_BOUND, atol=0)
+    expected = CpuOps().sigmoid_gate(x, expected_gate)
+    if case == "added to a sum":  # qwen35moe's routed experts + the gated shared expert, written over the sum
+        routed = rng.normal(0, 1, x.shape).astype(np.float32)
+        out = _dev(routed)
+        delta_net.sigmoid_gate(out, _dev(x), gate_d, _stream(), addend=out)
+        expected = routed + expected
+    else:
+        out = _poisoned(x.shape)
+        delta_net.sigmoid_gate(out, _dev(x), gate_d, _stream())
+    atol = 1e-6 if case == "added to a sum" else 0  # a sum near 0 cancels: its error is the addends' rounding
+    np.testing.assert_allclose(_host(out), expected, rtol=ELEMENTWISE_BOUND, atol=atol)
 
 
 # reset_states

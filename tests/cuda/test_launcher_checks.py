@@ -50,3 +50,24 @@ def test_the_launcher_refuses_what_the_kernel_cannot_take(launches, kwargs, mess
     with pytest.raises(ValueError, match=message):
         call(**kwargs)
     assert not launches
+
+
+def test_q_may_be_read_from_the_q_half_of_wider_heads_and_no_other_columns(launches):
+    """Qwen3.5's [q | gate] heads: q_in columns [0, 128) of heads of 256 feed a contiguous q."""
+    from infero.backends.cuda.tensor import columns
+
+    n, heads = 2, 4
+    q_gate = tensor((n, heads, 256))
+    elementwise.qk_norm_rotary_store_kv(
+        tensor((n, heads, 128)), tensor((n, 2, 128)), tensor((n, 2, 128)), tensor((128,)), tensor((128,)), 1e-6,
+        tensor((n,), np.int32), tensor((32,)), 1.0, "neox", 64, tensor((3, 16, 2, 128), np.float16),
+        tensor((3, 16, 2, 128), np.float16), tensor((n,), np.int64), None, columns(q_gate, 0, 128),
+    )  # fmt: skip
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="q_in must be 8 float32 heads of 128"):
+        elementwise.qk_norm_rotary_store_kv(
+            tensor((n, heads, 128)), tensor((n, 2, 128)), tensor((n, 2, 128)), tensor((128,)), tensor((128,)), 1e-6,
+            tensor((n,), np.int32), tensor((32,)), 1.0, "neox", 64, tensor((3, 16, 2, 128), np.float16),
+            tensor((3, 16, 2, 128), np.float16), tensor((n,), np.int64), None, columns(q_gate, 0, 64),
+        )  # fmt: skip
+    assert len(launches) == 1

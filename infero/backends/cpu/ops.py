@@ -54,7 +54,8 @@ class CpuHybridCache(CpuKVCache):
 class CpuOps:
     """The backend operations a model's forward pass is written against."""
 
-    def weight(self, tensor: TensorInfo, gathered: bool = False) -> np.ndarray:
+    def weight(self, tensor: TensorInfo, gathered: bool = False, values: bool = False) -> np.ndarray:
+        """Every tensor as float32 values (gathered and values matter to the CUDA backend's encodings only)."""
         return dequantize_tensor(tensor)
 
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
@@ -177,9 +178,14 @@ class CpuOps:
     def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
 
-    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
-        """x * sigmoid(gate) (gate broadcasts: one column gates a whole row)."""
-        return x / (1.0 + np.exp(-gate))
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray, addend: np.ndarray | None = None) -> np.ndarray:
+        """x * sigmoid(gate) (gate broadcasts: one column gates a whole row), plus addend where given."""
+        gated = x / (1.0 + np.exp(-gate))
+        return gated if addend is None else addend + gated
+
+    def columns(self, x: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Columns [start, stop) of x's last axis, as a view (the CUDA backend reads them in place too)."""
+        return x[..., start:stop]
 
     def reset_fresh_states(self, cache: CpuHybridCache, batch: Batch) -> None:
         """Zero the recurrent state of every sequence whose step starts at position 0: a new sequence, or one
@@ -201,20 +207,29 @@ class CpuOps:
             out[lo:hi] = delta_net.causal_conv1d(x[lo:hi], weight, cache.conv[slot, layer])
         return out
 
-    def delta_net_gates(self, alpha, beta, dt_bias, a) -> tuple[np.ndarray, np.ndarray]:
+    def delta_net_gates(self, alpha, beta, dt_bias, a, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The delta rule's log decay g = a * softplus(alpha + dt_bias) (a = -exp(A_log) < 0) and its write
-        strength sigmoid(beta), from the [n, value heads] projections."""
+        strength sigmoid(beta), from the [n, value heads] projections. alpha None: beta is Qwen3-Next's fused
+        projection, per key head its `group` betas then its `group` alphas."""
+        if alpha is None:
+            n, heads = beta.shape[0], dt_bias.shape[0]
+            fused = beta.reshape(n, heads // group, 2, group)
+            beta, alpha = fused[:, :, 0].reshape(n, heads), fused[:, :, 1].reshape(n, heads)
         return a * np.logaddexp(np.float32(0.0), alpha + dt_bias), 1.0 / (1.0 + np.exp(-beta))
 
-    def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
-        return delta_net.l2_norm(x, eps)
+    def l2_norm(self, x: np.ndarray, head_dim: int, eps: float) -> np.ndarray:
+        """Each head of x [n, heads x head_dim] over its L2 norm: [n, heads, head_dim]."""
+        return delta_net.l2_norm(x.reshape(x.shape[0], -1, head_dim), eps)
 
-    def gated_delta_rule(self, q, k, v, g, beta, k_heads: np.ndarray, scale: float, cache: CpuHybridCache,
-                         layer: int, batch: Batch) -> np.ndarray:  # fmt: skip
-        """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads, d_k] (key head k_heads[h] serves
-        value head h; q scaled by `scale`), v [n, value heads, d_v], g and beta [n, value heads], run token by
-        token from each sequence's state in its slot (the recurrent form: any split of a prompt gives the same
-        bits)."""
+    def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache: CpuHybridCache, layer: int,
+                         batch: Batch) -> np.ndarray:  # fmt: skip
+        """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads, d_k] (q scaled by `scale`),
+        v [n, value heads x d_v], g and beta [n, value heads]; value head h reads key head h % key heads (pairing
+        "tiled") or h // (value heads / key heads) ("grouped"). Run token by token from each sequence's state in
+        its slot (the recurrent form: any split of a prompt gives the same bits)."""
+        n, key_heads, v_heads = q.shape[0], q.shape[1], g.shape[1]
+        k_heads = key_head_of(pairing, key_heads, v_heads)
+        v = v.reshape(n, v_heads, -1)
         q, k = q[:, k_heads] * np.float32(scale), k[:, k_heads]
         out = np.empty(v.shape, np.float32)
         starts = batch.query_starts
@@ -225,7 +240,9 @@ class CpuOps:
         return out
 
     def gated_rms_norm(self, x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
-        """rms_norm(x) * weight * silu(gate) over the last axis (the delta net's output norm)."""
+        """rms_norm(x) * weight * silu(gate) over each head of x [n, heads, dim] (the delta net's output norm; gate
+        [n, heads x dim])."""
+        gate = gate.reshape(x.shape)
         return self.rms_norm(x, weight, eps) * (gate / (1.0 + np.exp(-gate)))
 
     def attention(self, q: np.ndarray, cache: CpuKVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
@@ -242,6 +259,13 @@ class CpuOps:
             v = cache.v[layer][slots_block, pos % bs]
             out[lo:hi] = _causal_gqa(q[lo:hi], k, v, scale)
         return out
+
+
+def key_head_of(pairing: str, key_heads: int, v_heads: int) -> np.ndarray:
+    """The key head each value head reads: "tiled" (qwen35 files, whose converter reorders the value heads) h % key
+    heads, "grouped" (qwen3next, transformers' order) h // (value heads / key heads)."""
+    heads = np.arange(v_heads)
+    return heads % key_heads if pairing == "tiled" else heads // (v_heads // key_heads)
 
 
 def _causal_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 A step uploads the batch's integer arrays in one copy into fixed device buffers, resets the workspace and
 runs the model's forward pass. Decode steps (every sequence adds one token) are captured once per padded
-batch size into a CUDA graph and replayed; mixed and prefill steps run eagerly.
+batch size into a CUDA graph and replayed; mixed and prefill steps run eagerly. A hybrid model's sequences that
+start at position 0 get their recurrent state zeroed at the upload, outside any graph.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The delta net's kernels declared with every other file's (CudaOps does not run hybrid models yet: refused)
-from infero.backends.cuda import delta_net as _delta_net  # noqa: F401
-from infero.backends.cuda import driver, embedding, runtime
+from infero.backends.cuda import delta_net, driver, embedding, runtime
 from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.compiler import compile_parallel
-from infero.backends.cuda.ops import CudaKVCache, CudaOps
+from infero.backends.cuda.ops import CudaHybridCache, CudaKVCache, CudaOps
 from infero.backends.cuda.tensor import DeviceTensor, Workspace, empty
 from infero.checkpoint.config import ModelConfig
 from infero.engine.batch import Batch, SequenceStep, TokenFeed, build_batch
-from infero.errors import InferoError, UnsupportedModelError
+from infero.errors import InferoError
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -37,6 +36,7 @@ class DeviceBatch:
     block_tables: DeviceTensor
     context_lens: DeviceTensor
     query_starts: DeviceTensor
+    state_slots: DeviceTensor  # int32 [num_seqs]: recurrent-state slots (hybrid models; padded rows: the spare)
     num_tokens: int
     num_seqs: int
     max_query_len: int
@@ -84,7 +84,15 @@ class CudaBackend:
 
     # --- sizing -------------------------------------------------------------------------------------------
     def kv_block_bytes(self, config: ModelConfig, block_size: int) -> int:
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * 2  # fp16
+        """A block's fp16 K and V of every layer that keeps them (a hybrid model's full-attention layers only)."""
+        layers = config.num_layers - config.num_recurrent_layers
+        return 2 * layers * block_size * config.num_kv_heads * config.head_dim * 2
+
+    def state_bytes_per_slot(self, config: ModelConfig) -> int:
+        """One sequence's float32 recurrent state (a hybrid model's Gated DeltaNet layers); 0 for other models."""
+        if not config.is_hybrid:
+            return 0
+        return 4 * sum(int(np.prod(shape[1:])) for shape in CudaHybridCache.state_shapes(config, 1))
 
     def prepare(self, config: ModelConfig, engine_config) -> None:
         """Allocate the step's fixed buffers: workspace and batch arrays, sized for the largest step."""
@@ -94,10 +102,9 @@ class CudaBackend:
         # the budget is the sum over layers; plus the logits (prompt logprobs may want every row of a chunk) and
         # kernels' scratch (fp16/int8 copies of activations, attention split partials).
         widest = max(config.hidden_size, config.q_size, config.intermediate_size)
-        per_layer = 4 * (4 * config.hidden_size + 2 * config.q_size + 2 * config.kv_size + 3 * config.intermediate_size)
-        activations = t * (per_layer * config.num_layers + 8 * config.hidden_size + 2 * widest)
+        activations = t * (4 * _layer_floats(config) * config.num_layers + 8 * config.hidden_size + 2 * widest)
         logits = 4 * t * config.vocab_size
-        self.workspace = Workspace(activations + logits + (256 << 20))
+        self.workspace = Workspace(activations + logits + _moe_scratch_bytes(config, t) + (256 << 20))
         self.ops.prepare(config)
         max_len = engine_config.max_model_len or config.context_length
         self.max_blocks_per_seq = -(-min(max_len, config.context_length) // engine_config.block_size) + 1
@@ -119,15 +126,22 @@ class CudaBackend:
     def allocate_kv_cache(
         self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int = 0
     ) -> CudaKVCache:
-        if num_state_slots:  # select_backend keeps hybrid models on the CPU until the GPU has their kernels
-            raise UnsupportedModelError(f"{config.architecture}: the CUDA backend keeps no recurrent state yet")
-        # One extra block at the end: padded rows of a graph-replayed decode step write there.
+        """fp16 KV blocks of every layer that keeps them, and for a hybrid model the float32 recurrent state of
+        num_state_slots sequences beside them (layout: CudaHybridCache)."""
+        # One extra block at the end (and one extra state slot): padded rows of a graph-replayed decode step write
+        # there.
         shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        k = [empty(shape, np.float16) for _ in range(config.num_layers)]
-        v = [empty(shape, np.float16) for _ in range(config.num_layers)]
-        for t in k + v:
+        layers = config.num_layers - config.num_recurrent_layers
+        k = [empty(shape, np.float16) for _ in range(layers)]
+        v = [empty(shape, np.float16) for _ in range(layers)]
+        state = []
+        if config.is_hybrid:
+            state = [empty(s, np.float32) for s in CudaHybridCache.state_shapes(config, num_state_slots + 1)]
+        for t in k + v + state:
             driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
         self._graphs.clear()
+        if config.is_hybrid:
+            return CudaHybridCache(k, v, block_size, num_blocks, *state)
         return CudaKVCache(k, v, block_size, num_blocks)
 
     def capture_graphs(self, model, cache: CudaKVCache) -> None:
@@ -138,7 +152,7 @@ class CudaBackend:
 
         start = time.monotonic()
         if self.use_graphs:
-            steps = [SequenceStep([0], 0, [cache.num_blocks])]
+            steps = [SequenceStep([0], 0, [cache.num_blocks], state_slot=_spare_slot(cache))]
             for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
                 self.forward(model, build_batch(steps * bucket, cache.block_size), cache)
             self.stream.synchronize()
@@ -201,6 +215,7 @@ class CudaBackend:
         rows = pad_to or s
         tokens = pad_to or n
         dummy_block = cache.num_blocks  # the extra block allocate_kv_cache reserved
+        spare_slot = _spare_slot(cache)  # and the extra state slot (-1: no recurrent state)
         lay, host = self._layout, self._staging.array
         if tokens > lay.max_tokens or rows > lay.max_rows or batch.block_tables.shape[1] > lay.max_blocks:
             # Past these the arrays would overrun each other in the staging buffer (and the workspace, sized alike).
@@ -223,8 +238,14 @@ class CudaBackend:
                                       0, np.int32, fill_range=True),
             "context_lens": _padded(batch.context_lens, rows, 1, np.int32),
             "query_starts": np.concatenate([batch.query_starts, np.arange(n + 1, n + 1 + rows - s)]).astype(np.int32),
+            "state_slots": _padded(batch.state_slots, rows, spare_slot, np.int32),
             "block_tables": tables,
         }  # fmt: skip
+        if spare_slot >= 0:
+            fresh = batch.state_slots[batch.context_lens == batch.query_lens]
+            if (batch.state_slots < 0).any():  # -1 would index the spare slot's neighbour: another sequence's state
+                raise ValueError("every sequence of a hybrid model's batch needs a recurrent-state slot")
+            fields["fresh_slots"] = fresh.astype(np.int32)
         if feed is not None:  # read by feed_tokens only
             fields["feed_rows"] = _padded(feed.rows, tokens, -1, np.int32)
         views = {}
@@ -239,6 +260,11 @@ class CudaBackend:
         self._staging_free.record(self.stream)
         if feed is not None:
             embedding.feed_tokens(views["token_ids"], feed.sampled.device_tokens, views.pop("feed_rows"), self.stream)
+        fresh_slots = views.pop("fresh_slots", None)
+        if fresh_slots is not None and fresh_slots.numel:
+            # A new sequence (or one recomputed after preemption) must not see what its slot held: zeroed here, in
+            # the stream before the step, so a replayed decode graph needs no reset of its own.
+            delta_net.reset_states(cache.conv, cache.delta, fresh_slots, self.stream)
         max_context = int(batch.context_lens.max()) if s else 0
         return DeviceBatch(
             **views,
@@ -275,6 +301,13 @@ class CudaBackend:
     def event_timer(self, in_graph: bool = False) -> EventTimer:
         return EventTimer(self.stream, in_graph)
 
+    def copy_state(self, cache: CudaHybridCache, src_slot: int, dst_slot: int) -> None:
+        """Copy a slot's whole recurrent state (every recurrent layer) to another, for sequences that fork."""
+        for t in (cache.conv, cache.delta):
+            slot_bytes = t.nbytes // t.shape[0]
+            driver.copy_device_to_device(t.ptr + dst_slot * slot_bytes, t.ptr + src_slot * slot_bytes, slot_bytes,
+                                         self.stream)  # fmt: skip
+
     def copy_blocks(self, cache: CudaKVCache, pairs: list[tuple[int, int]]) -> None:
         for layer_k, layer_v in zip(cache.k, cache.v, strict=True):
             block_bytes = layer_k.nbytes // layer_k.shape[0]
@@ -282,6 +315,38 @@ class CudaBackend:
                 for t in (layer_k, layer_v):
                     driver.copy_device_to_device(t.ptr + dst * block_bytes, t.ptr + src * block_bytes, block_bytes,
                                                  self.stream)  # fmt: skip
+
+
+def _spare_slot(cache: CudaKVCache) -> int:
+    """The state slot allocate_kv_cache reserved past the last for padded rows; -1 without recurrent state."""
+    return cache.num_state_slots if isinstance(cache, CudaHybridCache) else -1
+
+
+def _layer_floats(config: ModelConfig) -> int:
+    """Floats a token's activations take from the workspace in one layer (over-counted: every intermediate of the
+    widest kind of layer, none freed before the step ends)."""
+    c = config
+    attention = 4 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size
+    mixer = attention
+    if c.is_hybrid:  # [q | gate] doubles q; the contiguous q and the gated output; a delta net's every stage
+        mixer = max(attention + 3 * c.q_size,
+                    2 * c.conv_channels + 3 * c.ssm_inner_size + 2 * c.ssm_group_count * c.ssm_state_size
+                    + 4 * c.ssm_time_step_rank + 3 * c.hidden_size)  # fmt: skip
+    ffn = 3 * c.intermediate_size
+    if c.num_experts:  # router logits, ids and weights, the routed sum; a shared expert's three and its gate
+        ffn = max(ffn, c.num_experts + 2 * c.num_experts_used + 2 * c.hidden_size
+                  + 3 * c.shared_expert_intermediate_size + 1)  # fmt: skip
+    return mixer + ffn
+
+
+def _moe_scratch_bytes(config: ModelConfig, tokens: int) -> int:
+    """The expert pairs' buffers moe_experts carves and gives back within a layer (gate, up, down's outputs, the
+    quantized SwiGLU, the sort): the peak over one layer."""
+    if not config.num_experts:
+        return 0
+    pairs = tokens * config.num_experts_used
+    width = config.expert_intermediate_size
+    return pairs * (4 * (2 * width + config.hidden_size) + 2 * width + 64) + 16 * config.num_experts * 4
 
 
 def _padded(values: np.ndarray, length: int, fill, dtype, fill_range: bool = False) -> np.ndarray:
@@ -299,7 +364,7 @@ class _BatchLayout:
             "token_ids": 4 * max_tokens, "feed_rows": 4 * max_tokens, "positions": 4 * max_tokens,
             "slot_mapping": 8 * max_tokens,
             "logits_indices": 4 * max_tokens, "context_lens": 4 * max_rows, "query_starts": 4 * (max_rows + 1),
-            "block_tables": 4 * max_rows * max_blocks,
+            "state_slots": 4 * max_rows, "fresh_slots": 4 * max_rows, "block_tables": 4 * max_rows * max_blocks,
         }  # fmt: skip
         self.offsets, offset = {}, 0
         for name, size in sizes.items():  # block_tables last: a step's used bytes are one prefix (end_of_tables)

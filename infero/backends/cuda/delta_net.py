@@ -13,12 +13,11 @@ in one fixed order, so a token's numbers are the same however its prompt was spl
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 
 from infero.backends.cuda import driver, runtime
-from infero.backends.cuda.tensor import DeviceTensor
+from infero.backends.cuda.tensor import DeviceTensor, Strided, columns  # noqa: F401  (columns: re-exported)
 
 SOURCE = "delta_net.cu"
 CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
@@ -41,35 +40,6 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_floa
 
 def _kernel(expression: str):
     return runtime.kernel(SOURCE, expression)  # cached there
-
-
-@dataclass(frozen=True)
-class Strided:
-    """float32 rows x cols, row r starting `stride` elements after row r - 1: columns [start, start + cols) of a
-    wider row-major matrix, read in place (no copy)."""
-
-    tensor: DeviceTensor
-    start: int
-    rows: int
-    cols: int
-    stride: int
-
-    @property
-    def ptr(self) -> int:
-        return self.tensor.ptr + 4 * self.start
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.tensor.dtype
-
-
-def columns(t: DeviceTensor, start: int, stop: int) -> Strided:
-    """Columns [start, stop) of t's last dimension, every leading index a row: columns(qkv [n, C], 0, key_size) is
-    q; columns(q_gate [n, heads, 2 head_dim], head_dim, 2 head_dim) each head's output gate."""
-    width = t.shape[-1]
-    if not 0 <= start <= stop <= width:
-        raise ValueError(f"columns [{start}, {stop}) are not within a row of {width}")
-    return Strided(t, start, t.numel // width if width else 0, stop - start, width)
 
 
 def _rows(x: DeviceTensor | Strided, rows: int) -> Strided:
@@ -241,10 +211,15 @@ def gated_rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, gat
     driver.launch(_kernel("gated_rms_norm"), (blocks,), (32 * ROW_WARPS,), args, types, stream, pdl=True)
 
 
-def sigmoid_gate(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor | Strided, stream: driver.Stream) -> None:
-    """out = x * sigmoid(gate) over rows of x's last dim (out may be x); gate has one column per element of a row,
-    or one column for the whole row (the shared expert's gate [n, 1])."""
+def sigmoid_gate(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor | Strided, stream: driver.Stream,
+                 addend: DeviceTensor | None = None) -> None:  # fmt: skip
+    """out = x * sigmoid(gate) over rows of x's last dim (out may be x), plus addend where given (of x's shape; out
+    may be addend); gate has one column per element of a row, or one column for the whole row (the shared expert's
+    gate [n, 1])."""
     _require(out.shape == x.shape and len(x.shape) >= 1, lambda: f"out {out.shape} must have x's shape {x.shape}")
+    if addend is not None:
+        _f32("addend", addend)
+        _require(addend.shape == x.shape, lambda: f"addend {addend.shape} must have x's shape {x.shape}")
     cols = x.shape[-1]
     rows = x.numel // cols if cols else 0
     gate = _rows(gate, rows)
@@ -253,8 +228,9 @@ def sigmoid_gate(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor | Stride
     _require(gate.cols in (cols, 1), lambda: f"gate rows of {gate.cols} must have x's {cols} columns, or 1")
     if x.numel == 0:
         return
-    args = (out.ptr, x.ptr, gate.ptr, x.numel, cols, gate.stride, int(gate.cols == 1 and cols > 1))
-    types = (_P, _P, _P, _L, _I, _I, _I)
+    args = (out.ptr, x.ptr, gate.ptr, addend.ptr if addend is not None else 0, x.numel, cols, gate.stride,
+            int(gate.cols == 1 and cols > 1))  # fmt: skip
+    types = (_P, _P, _P, _P, _L, _I, _I, _I)
     driver.launch(_kernel("sigmoid_gate"), (-(-x.numel // 256),), (256,), args, types, stream, pdl=True)
 
 

@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 
 from infero.backends.cuda import driver, matvec, runtime
-from infero.backends.cuda.tensor import DeviceTensor
+from infero.backends.cuda.tensor import DeviceTensor, Strided
 
 SOURCE = "elementwise.cu"
 NORM_VPT = (1, 2, 4, 8, 16)  # float4 per thread, row per block of 256: dim <= 1024 * VPT
@@ -141,29 +141,36 @@ def rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions
 def qk_norm_rotary_store_kv(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, q_norm: DeviceTensor,
                             k_norm: DeviceTensor, eps: float, positions: DeviceTensor, inv_freq: DeviceTensor,
                             mscale: float, pairing: str, rope_dim: int, k_cache: DeviceTensor, v_cache: DeviceTensor,
-                            slot_mapping: DeviceTensor, stream: driver.Stream) -> None:  # fmt: skip
+                            slot_mapping: DeviceTensor, stream: driver.Stream,
+                            q_in: Strided | None = None) -> None:  # fmt: skip
     """rms_norm of each q head (weight q_norm) and k head (k_norm), then rotary_store_kv, in one launch: bitwise
-    the three launches. q is written in place; k keeps its input values (its normed, rotated values go only to
-    the cache)."""
+    the three launches. q is written in place, or from q_in: the heads of q's shape read as columns of wider rows
+    (Qwen3.5's [q | gate] heads: columns(q_gate, 0, head_dim)); k keeps its input values (its normed, rotated
+    values go only to the cache)."""
     _check_rotary(q, k, v, positions, inv_freq, pairing, rope_dim, k_cache, v_cache, slot_mapping)
     n, heads, head_dim = q.shape
     limit = MAX_ROW_PER_WARP_DIM
     _require(head_dim % 4 == 0 and head_dim <= limit,
              lambda: f"the q/k norm needs head_dim divisible by 4 and <= {limit}, got {head_dim}")  # fmt: skip
+    if q_in is None:
+        q_in = Strided(q, 0, n * heads, head_dim, head_dim)
+    _require(q_in.dtype == np.float32 and q_in.rows == n * heads and q_in.cols == head_dim and q_in.stride % 4 == 0,
+             lambda: f"q_in must be {n * heads} float32 heads of {head_dim} a multiple of 4 floats apart, got "
+                     f"{q_in.rows} of {q_in.cols} ({q_in.stride} apart)")  # fmt: skip
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         _f32(name, w)
         if w.numel != head_dim:
             raise ValueError(f"{name} has {w.numel} elements, heads have {head_dim}")
-    _require(all(t.ptr % 16 == 0 for t in (q, k, q_norm, k_norm)),
-             lambda: "q, k, q_norm and k_norm must be 16-byte aligned (rows are read as float4)")  # fmt: skip
+    _require(all(t.ptr % 16 == 0 for t in (q, q_in, k, q_norm, k_norm)),
+             lambda: "q, q_in, k, q_norm and k_norm must be 16-byte aligned (rows are read as float4)")  # fmt: skip
     if n == 0:
         return
     vpt = next(v for v in ROW_VPT if head_dim <= 128 * v)  # rms_norm's row-per-warp choice: the same sum order
     fn = _kernel(f"qk_norm_rotary_store_kv<{vpt}, {_b(pairing == 'neox')}>")
     kv_heads = k.shape[1]
-    args = (q.ptr, k.ptr, v.ptr, q_norm.ptr, k_norm.ptr, eps, positions.ptr, inv_freq.ptr, mscale, rope_dim // 2,
-            heads, kv_heads, head_dim, k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
-    types = (_P, _P, _P, _P, _P, _F, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
+    args = (q.ptr, q_in.ptr, q_in.stride, k.ptr, v.ptr, q_norm.ptr, k_norm.ptr, eps, positions.ptr, inv_freq.ptr,
+            mscale, rope_dim // 2, heads, kv_heads, head_dim, k_cache.ptr, v_cache.ptr, slot_mapping.ptr)  # fmt: skip
+    types = (_P, _P, _I, _P, _P, _P, _P, _F, _P, _P, _F, _I, _I, _I, _I, _P, _P, _P)
     driver.launch(fn, (n, -(-(heads + kv_heads) // 8)), (256,), args, types, stream, pdl=True)
 
 

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from infero.backends.cuda import attention, elementwise, embedding, gemm, matvec, moe, skinny_gemm, weight_layout
-from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, empty, from_host
+from infero.backends.cuda import (
+    attention,
+    delta_net,
+    elementwise,
+    embedding,
+    gemm,
+    matvec,
+    moe,
+    skinny_gemm,
+    weight_layout,
+)
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Strided, columns, empty, from_host
 from infero.checkpoint.gguf import TensorInfo
 from infero.checkpoint.tensor_types import SUPPORTED_TYPES, GGMLType
 from infero.errors import UnsupportedModelError
@@ -41,6 +51,24 @@ class CudaKVCache:
         self.k, self.v, self.block_size, self.num_blocks = k, v, block_size, num_blocks
 
 
+class CudaHybridCache(CudaKVCache):
+    """A hybrid model's cache, laid out as CpuHybridCache: KV blocks for its full-attention layers only, and per
+    state slot the float32 recurrent state of its Gated DeltaNet layers, conv [slots, recurrent layers, conv
+    channels, kernel - 1] and delta [slots, recurrent layers, value heads, d_k, d_v]. The last slot is a spare that
+    padded rows of a replayed decode graph write."""
+
+    def __init__(self, k, v, block_size: int, num_blocks: int, conv: DeviceTensor, delta: DeviceTensor):
+        super().__init__(k, v, block_size, num_blocks)
+        self.conv, self.delta = conv, delta
+        self.num_state_slots = conv.shape[0] - 1
+
+    @staticmethod
+    def state_shapes(config, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        layers = config.num_recurrent_layers
+        return ((slots, layers, config.conv_channels, config.ssm_conv_kernel - 1),
+                (slots, layers, config.ssm_time_step_rank, config.ssm_state_size, config.linear_v_dim))  # fmt: skip
+
+
 class CudaOps:
     def __init__(self, backend):
         self.backend = backend
@@ -55,14 +83,17 @@ class CudaOps:
         self._act_norms: list = [None, None]
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
+        self._act_width = 0
 
     def prepare(self, config) -> None:
         """The fixed buffers of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
         linear input. Two suffice: the stream runs every mat-vec reading one activation before the kernel that
         quantizes the next, so the next overwrites only what is no longer read, and a kernel whose input is in one
         writes its output to the other."""
-        widest = max(config.hidden_size, config.q_size, config.intermediate_size)
+        widest = max(config.hidden_size, config.q_size, config.intermediate_size, config.ssm_inner_size,
+                     config.shared_expert_intermediate_size)  # fmt: skip
         widest = -(-widest // 32) * 32
+        self._act_width = widest
         arena = self.backend.weights_arena
         q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
         self._act_q = [empty((int(np.prod(q_shape)),), np.int8, arena) for _ in range(2)]
@@ -112,7 +143,8 @@ class CudaOps:
         return matvec.Activation(q, s, norm_ss, eps)
 
     def _quantizable(self, x: DeviceTensor) -> bool:
-        return bool(self._act_q) and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
+        return (bool(self._act_q) and len(x.shape) == 2 and x.shape[0] <= MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0
+                and x.shape[1] <= self._act_width)  # fmt: skip
 
     def _quantized(self, x: DeviceTensor):
         """x in the mat-vec's activation format: a buffer as it is if x was the last activation written there (by a
@@ -141,16 +173,17 @@ class CudaOps:
     def stream(self):
         return self.backend.stream
 
-    def weight(self, tensor: TensorInfo, gathered: bool = False):
+    def weight(self, tensor: TensorInfo, gathered: bool = False, values: bool = False):
         """Matrices stay in their stored encoding (Q4_K and Q6_K linear layers tiled: weight_layout.py; gathered, a
         table whose rows are looked up by token id, in GGUF rows), expert tensors [experts, rows, cols] too, as one
-        matrix of experts x rows GGUF rows (moe.ExpertWeights); vectors (norms, biases) become float32."""
+        matrix of experts x rows GGUF rows (moe.ExpertWeights); vectors (norms, biases) become float32, and so does
+        a table of `values` read elementwise (the delta net's conv taps)."""
         if tensor.ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
             )
         arena = self.backend.weights_arena
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) == 2 and not values:
             rows, cols = tensor.shape
             return weight_layout.upload(tensor.data, tensor.ggml_type, rows, cols, arena, gathered)
         if len(tensor.shape) == 3:
@@ -158,8 +191,8 @@ class CudaOps:
             return moe.upload(tensor.data, tensor.ggml_type, experts, rows, cols, arena)
         from infero.checkpoint.dequantize import dequantize_tensor
 
-        values = dequantize_tensor(tensor) if tensor.ggml_type != GGMLType.F32 else tensor.data.view(np.float32)
-        return from_host(np.asarray(values, np.float32).reshape(tensor.shape), arena)
+        floats = dequantize_tensor(tensor) if tensor.ggml_type != GGMLType.F32 else tensor.data.view(np.float32)
+        return from_host(np.asarray(floats, np.float32).reshape(tensor.shape), arena)
 
     def embedding(self, table: QuantWeight, token_ids: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty((token_ids.shape[0], table.cols), np.float32)
@@ -375,10 +408,15 @@ class CudaOps:
     def qk_norm_rotary_store_kv(self, q, k, v, q_norm, k_norm, eps: float, positions, rotary: Rotary,
                                 cache: CudaKVCache, layer: int, slot_mapping):  # fmt: skip
         """rms_norm of q and k per head, then rotary_store_kv, as one launch (bitwise the three); q is normed and
-        rotated in place and returned."""
+        rotated in place and returned, or, given as columns of wider heads (Qwen3.5's [q | gate]), read there and
+        written to a new contiguous [n, heads, head_dim]."""
+        q_in = None
+        if isinstance(q, Strided):
+            q_in, n = q, k.shape[0]
+            q = self.ws.empty((n, q_in.rows // n if n else 0, q_in.cols), np.float32)
         elementwise.qk_norm_rotary_store_kv(
             q, k, v, q_norm, k_norm, eps, positions, self._inv_freq(rotary), rotary.mscale, rotary.pairing,
-            rotary.rope_dim, cache.k[layer], cache.v[layer], slot_mapping, self.stream,
+            rotary.rope_dim, cache.k[layer], cache.v[layer], slot_mapping, self.stream, q_in,
         )  # fmt: skip
         return q
 
@@ -420,6 +458,56 @@ class CudaOps:
     def gather_rows(self, x: DeviceTensor, rows: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty((rows.shape[0],) + x.shape[1:], np.float32)
         elementwise.gather_rows(out, x, rows, self.stream)
+        return out
+
+    # --- the hybrids' Gated DeltaNet and gated attention (delta_net.py; see CpuOps for each op's definition) -----
+    def columns(self, x: DeviceTensor, start: int, stop: int) -> Strided:
+        """Columns [start, stop) of x's last dim, read in place by the ops that take them."""
+        return columns(x, start, stop)
+
+    def sigmoid_gate(self, x: DeviceTensor, gate, addend: DeviceTensor | None = None) -> DeviceTensor:
+        # Always a new tensor: x may be attention's output, whose quantized copy a decode step's attention wrote.
+        out = self.ws.empty(x.shape, np.float32)
+        delta_net.sigmoid_gate(out, x, gate, self.stream, addend)
+        return out
+
+    def reset_fresh_states(self, cache, batch) -> None:
+        """Nothing to launch: CudaBackend zeroes fresh sequences' slots when it uploads the step (outside any graph,
+        so a replayed decode step, whose sequences may be fresh, needs no reset node)."""
+
+    def causal_conv1d(self, x: DeviceTensor, weight: DeviceTensor, cache, layer: int, batch) -> DeviceTensor:
+        out = self.ws.empty(x.shape, np.float32)
+        delta_net.causal_conv1d(out, x, weight, cache.conv, batch.query_starts, batch.state_slots, layer,
+                                self.stream)  # fmt: skip
+        return out
+
+    def delta_net_gates(self, alpha, beta, dt_bias, a, group: int | None = None):
+        n, heads = beta.shape[0], dt_bias.numel
+        g, beta_out = self.ws.empty((n, heads), np.float32), self.ws.empty((n, heads), np.float32)
+        if alpha is None:  # Qwen3-Next's fused projection: per key head its `group` betas, then its alphas
+            fused = beta
+            delta_net.delta_net_gates(g, beta_out, columns(fused, group, 2 * heads), columns(fused, 0, 2 * heads),
+                                      dt_bias, a, self.stream, group=group, group_stride=2 * group)  # fmt: skip
+        else:
+            delta_net.delta_net_gates(g, beta_out, alpha, beta, dt_bias, a, self.stream)
+        return g, beta_out
+
+    def l2_norm(self, x, head_dim: int, eps: float) -> DeviceTensor:
+        rows, cols = (x.rows, x.cols) if isinstance(x, Strided) else (x.shape[0], x.numel // max(x.shape[0], 1))
+        out = self.ws.empty((rows, cols // head_dim, head_dim), np.float32)
+        delta_net.l2_norm(out, x, head_dim, eps, self.stream)
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache, layer: int, batch):
+        n, v_heads = g.shape
+        out = self.ws.empty((n, v_heads, cache.delta.shape[4]), np.float32)
+        delta_net.gated_delta_rule(out, q, k, v, g, beta, pairing, scale, cache.delta, batch.query_starts,
+                                   batch.state_slots, layer, self.stream)  # fmt: skip
+        return out
+
+    def gated_rms_norm(self, x: DeviceTensor, weight: DeviceTensor, gate, eps: float) -> DeviceTensor:
+        out = self.ws.empty(x.shape, np.float32)
+        delta_net.gated_rms_norm(out, x, weight, gate, eps, self.stream)
         return out
 
 

@@ -53,6 +53,35 @@ class DeviceTensor:
         return self.ptr, ctypes.c_void_p
 
 
+@dataclass(frozen=True)
+class Strided:
+    """float32 rows x cols, row r starting `stride` elements after row r - 1: columns [start, start + cols) of a
+    wider row-major matrix, read in place (no copy)."""
+
+    tensor: DeviceTensor
+    start: int
+    rows: int
+    cols: int
+    stride: int
+
+    @property
+    def ptr(self) -> int:
+        return self.tensor.ptr + 4 * self.start
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tensor.dtype
+
+
+def columns(t: DeviceTensor, start: int, stop: int) -> Strided:
+    """Columns [start, stop) of t's last dimension, every leading index a row: columns(qkv [n, C], 0, key_size) is
+    q; columns(q_gate [n, heads, 2 head_dim], head_dim, 2 head_dim) each head's output gate."""
+    width = t.shape[-1]
+    if not 0 <= start <= stop <= width:
+        raise ValueError(f"columns [{start}, {stop}) are not within a row of {width}")
+    return Strided(t, start, t.numel // width if width else 0, stop - start, width)
+
+
 def empty(shape: tuple[int, ...], dtype, arena: driver.Arena | None = None) -> DeviceTensor:
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if arena is not None:

@@ -249,17 +249,20 @@ extern "C" __global__ void __launch_bounds__(256) gated_rms_norm(float* out, con
 
 // sigmoid_gate. x [rows, cols] (contiguous) -> out (may be x) = x / (1 + exp(-gate)) (numpy's x * sigmoid(gate)),
 // gate element (r, c) at gate[r * gate_stride + c], or gate[r * gate_stride] for every c where broadcast (one
-// column gates a whole row: the shared expert's). A thread an element.
+// column gates a whole row: the shared expert's); plus addend[i] where addend is given (the routed experts' sum
+// the gated shared expert is added to, numpy's routed + gated). A thread an element.
 extern "C" __global__ void __launch_bounds__(256) sigmoid_gate(float* out, const float* x,
-                                                              const float* __restrict__ gate, long long count,
-                                                              int cols, int gate_stride, int broadcast) {
+                                                              const float* __restrict__ gate, const float* addend,
+                                                              long long count, int cols, int gate_stride,
+                                                              int broadcast) {
     pdl_enter();
     const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
     if (i >= count) return;
     const long long r = i / cols;
     const int c = (int)(i % cols);
     const float z = gate[r * gate_stride + (broadcast ? 0 : c)];
-    out[i] = __fdiv_rn(x[i], __fadd_rn(1.0f, expf(-z)));
+    const float gated = __fdiv_rn(x[i], __fadd_rn(1.0f, expf(-z)));
+    out[i] = addend != nullptr ? __fadd_rn(addend[i], gated) : gated;
 }
 
 // reset_states. Zeroes the conv and delta state of every layer of slots[y] (conv_size and delta_size floats a

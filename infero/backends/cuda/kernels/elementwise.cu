@@ -227,8 +227,12 @@ __global__ void __launch_bounds__(256) rotary_store_kv(float* __restrict__ q, fl
 // (a k head's warp also stores its v head), so no warp waits on another head's loads (a decode token is one
 // block per 8 heads, not one block walking all of them). Work item j < head_dim / 2 of a head is
 // rotary_store_kv's (h, j) pair.
+// q head h of a token is read at q_in + (token * heads + h) * q_in_stride and written, contiguous, to q: q_in may be
+// q itself (stride head_dim; each warp reads its head whole before writing it, so neither pointer is __restrict__),
+// or the q half of Qwen3.5's [q | gate] heads (stride 2 head_dim).
 template <int VPT, bool NEOX>
-__global__ void __launch_bounds__(256) qk_norm_rotary_store_kv(float* __restrict__ q, const float* __restrict__ k,
+__global__ void __launch_bounds__(256) qk_norm_rotary_store_kv(float* q, const float* q_in, int q_in_stride,
+                                                              const float* __restrict__ k,
                                                               const float* __restrict__ v,
                                                               const float* __restrict__ q_norm,
                                                               const float* __restrict__ k_norm, float eps,
@@ -261,7 +265,7 @@ __global__ void __launch_bounds__(256) qk_norm_rotary_store_kv(float* __restrict
     for (int h = blockIdx.y * 8 + warp; h < heads + kv_heads; h += gridDim.y * 8) {
         const bool is_q = h < heads;  // warp-uniform
         const int kh = h - heads;
-        const float* src = is_q ? q + (token * heads + h) * head_dim : k + (token * kv_heads + kh) * head_dim;
+        const float* src = is_q ? q_in + (token * heads + h) * q_in_stride : k + (token * kv_heads + kh) * head_dim;
         float4 r[VPT];
         float ss = 0.0f;
 #pragma unroll
