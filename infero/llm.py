@@ -54,7 +54,7 @@ class LLM:
         self.checkpoint = load_checkpoint(self.path)
         self.config = self.checkpoint.config
         self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
-        self.backend = select_backend(device, self.config.architecture, self.config.head_dim)
+        self.backend = select_backend(device, self.config.head_dim)
         compile_kernels = getattr(self.backend, "compile_kernels", None)  # the GPU backend's, before the long load
         if compile_kernels is not None:
             compile_kernels(self.checkpoint)

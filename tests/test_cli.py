@@ -107,10 +107,10 @@ def test_cuda_device_without_a_cuda_backend_is_a_clear_error(capsys, tiny_model_
     assert_one_line_error(code, err, "cuda")
 
 
-def test_cuda_device_refuses_a_hybrid_model_in_one_line(capsys):
-    path = str(Path(__file__).parent / "fixtures" / "models" / "tiny-qwen35.gguf")
+def test_cuda_device_refuses_a_head_dim_its_attention_lacks_in_one_line(capsys):
+    path = str(Path(__file__).parent / "fixtures" / "models" / "tiny-qwen35.gguf")  # heads of 32
     code, _, err = run_cli(capsys, "generate", "--model", path, "--device", "cuda", "x")
-    assert_one_line_error(code, err, "qwen35 runs on the CPU backend only for now: use --device cpu")
+    assert_one_line_error(code, err, "attention heads of 32 run on the CPU backend only")
 
 
 def test_entry_point_runs_as_a_program(tiny_model_path):

@@ -7,22 +7,17 @@ import sys
 from infero.errors import InferoError, UnsupportedModelError
 
 DEVICES = ("auto", "cpu", "cuda")
-# Architectures whose ops only the CPU backend implements (the Qwen3.5 hybrids: the GPU's Gated DeltaNet kernels and
-# recurrent-state cache are not written yet).
-CPU_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 # The head dims the GPU's attention kernels are built for (cuda/attention.py HEAD_DIMS; a test keeps the two equal).
 GPU_HEAD_DIMS = (64, 128, 256)
 
 
-def select_backend(device: str = "auto", architecture: str | None = None, head_dim: int | None = None):
-    """The backend for --device; `auto` takes the GPU when infero can drive one and runs the model (its architecture
-    and its head dim), else the CPU (with a note)."""
+def select_backend(device: str = "auto", head_dim: int | None = None):
+    """The backend for --device; `auto` takes the GPU when infero can drive one and runs the model (its attention's
+    head dim), else the CPU (with a note). Every architecture runs on both backends."""
     if device not in DEVICES:
         raise InferoError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
     reason = None
-    if architecture in CPU_ONLY_ARCHITECTURES:
-        reason = f"{architecture} runs on the CPU backend only for now"
-    elif head_dim is not None and head_dim not in GPU_HEAD_DIMS:
+    if head_dim is not None and head_dim not in GPU_HEAD_DIMS:
         dims = ", ".join(str(d) for d in GPU_HEAD_DIMS[:-1]) + f" or {GPU_HEAD_DIMS[-1]}"
         reason = f"attention heads of {head_dim} run on the CPU backend only (the GPU's take {dims})"
     if reason is not None:
