@@ -6,6 +6,7 @@
 #           llama-3.1-8b Q4_K_M (+ SmolLM2 at batch 1, if present)
 #   serve   bench serve at 1/8/32/64 clients on both synthetic models
 #   moe     synthetic qwen3-30b-a3b Q4_K_M: bench decode --batch 1,8,32 --profile, then bench serve at 1/8/32/64
+#   hybrid  synthetic qwen3.5-35b-a3b Q4_K_M: bench decode --batch 1,8,32 --profile (SERVE_HYBRID=1: bench serve too)
 #   sweep   scripts/sweep_decode_plan.py on both synthetic models (mat-vec variants inside the batch-1 step)
 #   coldstart  scripts/cold_start.py on llama-3.1-8b Q4_K_M: time to ready with an empty kernel cache, then warm
 #   prefix  bench serve --shared-prefix 2000 on llama-3.1-8b Q4_K_M, prefix caching on and off (TTFT)
@@ -74,6 +75,10 @@ for stage in "$@"; do
     f=$(synth qwen3-30b-a3b Q4_K_M)
     python3 -m infero bench decode --model "$f" --device cuda --batch 1,8,32 --profile 2>&1 | tee "$out/bench-moe.txt"
     serve_clients "$f" moe ;;
+  hybrid)
+    f=$(synth qwen3.5-35b-a3b Q4_K_M)
+    python3 -m infero bench decode --model "$f" --device cuda --batch 1,8,32 --profile 2>&1 | tee "$out/bench-hybrid.txt"
+    [ -n "${SERVE_HYBRID:-}" ] && serve_clients "$f" hybrid ;;
   sweep)
     for spec in "qwen2.5-0.5b Q8_0" "llama-3.1-8b Q4_K_M"; do
       python3 scripts/sweep_decode_plan.py --model "$(synth $spec)" 2>&1 | tee "$out/sweep-${spec// /-}.txt"
