@@ -126,8 +126,8 @@ class Qwen35Model(LlamaModel):
         key_size = k_heads * d_k
         # The l2 norm's eps: the file's RMS eps, as llama.cpp reads it (transformers hard-codes 1e-6, which is the
         # published models' RMS eps too).
-        q = ops.l2_norm(ops.columns(qkv, 0, key_size), d_k, c.rms_norm_eps)
-        k = ops.l2_norm(ops.columns(qkv, key_size, 2 * key_size), d_k, c.rms_norm_eps)
+        qk = ops.l2_norm(ops.columns(qkv, 0, 2 * key_size), d_k, c.rms_norm_eps).reshape(n, 2 * key_size)
+        q, k = ops.columns(qk, 0, key_size), ops.columns(qk, key_size, 2 * key_size)
         v = ops.columns(qkv, 2 * key_size, 2 * key_size + v_heads * d_v)
         o = ops.gated_delta_rule(q, k, v, g, beta, self.pairing, 1.0 / math.sqrt(d_k), cache, index, batch)
         return ops.gated_rms_norm(o, w.norm, z, c.rms_norm_eps).reshape(n, -1)

@@ -223,13 +223,13 @@ class CpuOps:
 
     def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache: CpuHybridCache, layer: int,
                          batch: Batch) -> np.ndarray:  # fmt: skip
-        """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads, d_k] (q scaled by `scale`),
+        """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads x d_k] (q scaled by `scale`),
         v [n, value heads x d_v], g and beta [n, value heads]; value head h reads key head h % key heads (pairing
         "tiled") or h // (value heads / key heads) ("grouped"). Run token by token from each sequence's state in
         its slot (the recurrent form: any split of a prompt gives the same bits)."""
-        n, key_heads, v_heads = q.shape[0], q.shape[1], g.shape[1]
-        k_heads = key_head_of(pairing, key_heads, v_heads)
-        v = v.reshape(n, v_heads, -1)
+        (n, v_heads), d_k = g.shape, cache.delta.shape[3]
+        q, k, v = q.reshape(n, -1, d_k), k.reshape(n, -1, d_k), v.reshape(n, v_heads, -1)
+        k_heads = key_head_of(pairing, q.shape[1], v_heads)
         q, k = q[:, k_heads] * np.float32(scale), k[:, k_heads]
         out = np.empty(v.shape, np.float32)
         starts = batch.query_starts

@@ -146,15 +146,14 @@ class CudaBackend:
 
     def capture_graphs(self, model, cache: CudaKVCache) -> None:
         """Capture the decode graph of every batch bucket up to max_seqs before serving, not at the first decode step
-        of each width; the warm-up forward before each capture loads every kernel a decode step runs. The dummy
-        sequences read and write only the block allocate_kv_cache reserved for padded rows."""
+        of each width (_graph)."""
         import time
 
         start = time.monotonic()
         if self.use_graphs:
-            steps = [SequenceStep([0], 0, [cache.num_blocks], state_slot=_spare_slot(cache))]
+            self.ctx.make_current()
             for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
-                self.forward(model, build_batch(steps * bucket, cache.block_size), cache)
+                self._graph(model, cache, bucket)
             self.stream.synchronize()
         self.startup_seconds["graphs"] = time.monotonic() - start
 
@@ -183,16 +182,26 @@ class CudaBackend:
         return model.forward(device_batch, cache)
 
     def _replay(self, model, batch: Batch, cache: CudaKVCache, bucket: int, feed: TokenFeed | None) -> DeviceTensor:
-        device_batch = self._upload(batch, cache, pad_to=bucket, feed=feed)
-        key = (bucket, id(cache))  # a graph holds its cache's addresses (a benchmark may run a second cache)
-        entry = self._graphs.get(key)
-        if entry is None:
-            self.workspace.reset()
-            model.forward(device_batch, cache)  # warm-up: compiles and loads every kernel outside the capture
-            entry = self._graphs[key] = self._capture(model, device_batch, cache)
-        graph, logits = entry
+        graph, logits = self._graph(model, cache, bucket)
+        self._upload(batch, cache, pad_to=bucket, feed=feed)
         graph.replay(self.stream)
         return logits.rows(0, batch.num_seqs)
+
+    def _graph(self, model, cache: CudaKVCache, bucket: int) -> tuple[driver.Graph, DeviceTensor]:
+        """The decode graph of this width over this cache (a graph holds its cache's addresses: a benchmark may run
+        a second cache), captured on first use. Its warm-up forward (which compiles and loads every kernel outside
+        the capture) runs padding rows, which read and write only the block and state slot allocate_kv_cache
+        reserved: on the step's own rows it would advance a hybrid model's recurrent state once more than the
+        replay does."""
+        key = (bucket, id(cache))
+        entry = self._graphs.get(key)
+        if entry is None:
+            padding = [SequenceStep([0], 0, [cache.num_blocks], state_slot=_spare_slot(cache))] * bucket
+            device_batch = self._upload(build_batch(padding, cache.block_size), cache, pad_to=bucket)
+            self.workspace.reset()
+            model.forward(device_batch, cache)
+            entry = self._graphs[key] = self._capture(model, device_batch, cache)
+        return entry
 
     def _capture(self, model, device_batch: DeviceBatch, cache: CudaKVCache) -> tuple[driver.Graph, DeviceTensor]:
         self.workspace.reset()

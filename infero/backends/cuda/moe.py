@@ -32,7 +32,9 @@ ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one
 SORT_THREADS = 1024
 MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)
 
-runtime.declare(SOURCE, ["moe_route", "moe_router", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
+runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
+# The router's fp32 mat-vec also runs every float32 matrix of few rows (CudaOps.linear): a model with any.
+runtime.declare(SOURCE, ["moe_router"], needs=(runtime.weight_type(0),))
 for _t in matvec.QUANT_TYPES:
     _names = [
         f"matvec_experts<{_t}>",

@@ -35,6 +35,8 @@ MATVEC_MAX_TOKENS = 16
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
+# A float32 linear layer of at most this many rows runs moe.router's fp32 mat-vec (_few_float32_rows).
+FEW_FLOAT32_ROWS = 256
 # From this many tokens a mixture-of-experts layer sorts its (token, expert) pairs by expert and reads each chosen
 # expert once per moe.GROUP_TOKENS of its pairs; below it each pair reads its expert's rows (no sort launch): at
 # one token every pair has an expert of its own. qwen3-30b-a3b on the H200: the layer alone ran 8 tokens faster
@@ -221,7 +223,10 @@ class CudaOps:
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
         out = self.ws.empty((n, weight.rows), np.float32)
-        if self._takes_skinny(x, weight):
+        if bias is None and _few_float32_rows(x, weight):
+            self._require_values(x)
+            moe.router(out, x, weight, self.stream)
+        elif self._takes_skinny(x, weight):
             xa = self._skinny_input(x, weight.ggml_type)
             skinny_gemm.skinny_gemm(out, weight, xa, bias, self.stream, self.ws)
         elif n <= MATVEC_MAX_TOKENS and weight.ggml_type not in matvec.FLOAT_TYPES:
@@ -509,6 +514,16 @@ class CudaOps:
         out = self.ws.empty(x.shape, np.float32)
         delta_net.gated_rms_norm(out, x, weight, gate, eps, self.stream)
         return out
+
+
+def _few_float32_rows(x: DeviceTensor, weight: QuantWeight) -> bool:
+    """A float32 matrix of at most FEW_FLOAT32_ROWS rows (Qwen3.5's delta-net alpha and beta, 32 x 2048; its shared
+    expert's gate, 1 x 2048) runs the router's fp32 mat-vec (moe.router): a block a row, its four warps a quarter
+    of the row each, so the row's 8 KiB arrive in one round of loads, where matvec_f gives a row one warp (5-6 us a
+    launch in qwen3.5-35b-a3b's decode step on the H200, 7a704eb); its rows are one expression at every n (the
+    GEMM would round x to fp16 past 16 tokens)."""
+    return (weight.ggml_type == 0 and weight.rows <= FEW_FLOAT32_ROWS and len(x.shape) == 2 and x.shape[1] % 4 == 0
+            and x.ptr % 16 == 0 and weight.data.ptr % 16 == 0 and weight.data.shape[1] == 4 * weight.cols)  # fmt: skip
 
 
 def _launch_groups(weights, indices) -> list[list[int]]:
