@@ -438,10 +438,10 @@ def rule_call(d_k=128, d_v=128, key_heads=2, v_heads=4, n=5, seqs=2, pairing="ti
                                tensor((seqs,), slots_dtype), layer, None)  # fmt: skip
 
 
-def test_the_delta_rule_runs_a_block_per_sequence_and_value_head_of_four_threads_a_column(launches):
+def test_the_delta_rule_runs_a_block_per_sequence_and_32_columns_of_a_value_head_four_threads_a_column(launches):
     rule_call(d_k=128, d_v=128, v_heads=4, seqs=3)
     rule_call(d_k=16, d_v=32, v_heads=4, seqs=1)
-    assert launches == [("gated_delta_rule<128>", (4, 3), (512,)), ("gated_delta_rule<16>", (4, 1), (128,))]
+    assert launches == [("gated_delta_rule<128>", (16, 3), (128,)), ("gated_delta_rule<16>", (4, 1), (128,))]
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,8 @@ SOURCE = "delta_net.cu"
 CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
 KEY_DIMS = (16, 32, 64, 128)  # d_k the delta rule is compiled for (S's rows in registers); 16: the tiny models'
 RULE_PARTS = 4  # threads sharing a column of S (delta_net.cu's dn::RULE_PARTS)
-MAX_DV = 128  # columns of S a block of the delta rule takes (dn::MAX_DV)
+MAX_DV = 128  # the widest value head the delta rule takes (dn::MAX_DV: its shared v tile)
+RULE_COLUMNS = 32  # columns of S a block of the delta rule takes (a multiple of 32 dividing d_v)
 ROW_WARPS = 8  # the norms: a warp a row, 8 rows a block
 PAIRINGS = ("tiled", "grouped")  # which key head serves value head h: h % key heads, or h // (value / key heads)
 
@@ -188,7 +189,8 @@ def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTens
             int(pairing == "tiled"))  # fmt: skip
     types = (_P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I)
     fn = _kernel(f"gated_delta_rule<{d_k}>")
-    driver.launch(fn, (v_heads, seqs), (RULE_PARTS * d_v,), args, types, stream, pdl=True)
+    driver.launch(fn, (v_heads * (d_v // RULE_COLUMNS), seqs), (RULE_PARTS * RULE_COLUMNS,), args, types, stream,
+                  pdl=True)  # fmt: skip
 
 
 def gated_rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, gate: DeviceTensor | Strided,

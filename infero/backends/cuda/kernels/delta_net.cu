@@ -153,9 +153,12 @@ extern "C" __global__ void __launch_bounds__(256) l2_norm(float* out, const floa
 // value heads) or h / (value heads / key heads) (grouped: Qwen3-Next). Per token, as delta_rule_recurrent:
 //   S <- S exp(g); delta = beta (v - S^T k); S <- S + k delta^T; o = S^T (scale q)
 // with numpy's roundings on the elementwise steps (scale q, S exp(g), v - S^T k, times beta, k delta^T, the add).
-// grid (value heads, seqs), a block of RULE_PARTS x dv threads (dv % 32 == 0, <= MAX_DV): thread (j, p) = j
-// RULE_PARTS + p holds S[i, j] for i = p, p + RULE_PARTS, ... (DK / RULE_PARTS floats) in registers for the whole
-// step, so S is read once and written once. A column's dot products: part p's fmaf chain over its i in order, then
+// grid (value heads x dv / cols, seqs), a block of RULE_PARTS x cols threads (cols a multiple of 32 dividing dv,
+// <= MAX_DV) taking columns [c0, c0 + cols) of S: thread (j, p) = (j - c0) RULE_PARTS + p holds S[i, j] for i = p,
+// p + RULE_PARTS, ... (DK / RULE_PARTS floats) in registers for the whole step, so S is read once and written
+// once. Columns are independent (each has its own delta and output), so how many a block takes moves work, not
+// bits: 32 puts a decode token's 32 heads of 128 on 128 blocks, where a block a head left 100 of the H200's 132
+// SMs idle. A column's dot products: part p's fmaf chain over its i in order, then
 // the xor butterfly over the four parts of the warp, (a0 + a1) + (a2 + a3), the same bits in all four (float
 // addition commutes). A whole column a thread took 216 registers at DK = 64 and spilled at 128 (S and the staged k
 // held in registers); four parts take 96 at 128 (ptxas, sm_90a). RULE_TILE tokens' q, k, v, decay and beta are
@@ -171,8 +174,9 @@ __global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
     __shared__ float q_s[dn::RULE_TILE][DK], k_s[dn::RULE_TILE][DK], v_s[dn::RULE_TILE][dn::MAX_DV];
     __shared__ float decay_s[dn::RULE_TILE], beta_s[dn::RULE_TILE];
     pdl_enter();
-    const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x, j = tid / PARTS, p = tid % PARTS;
-    const int threads = PARTS * dv;
+    const int threads = blockDim.x, cols = threads / PARTS, col_blocks = dv / cols;
+    const int h = blockIdx.x / col_blocks, c0 = blockIdx.x % col_blocks * cols, seq = blockIdx.y;
+    const int tid = threadIdx.x, j = c0 + tid / PARTS, p = tid % PARTS;
     const int lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
     const int kh = tiled ? h % key_heads : h / (v_heads / key_heads);
     float* o = out + (size_t)h * dv + j;
@@ -194,8 +198,8 @@ __global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
             q_s[e / DK][i] = __fmul_rn(q[t * q_stride + kh * DK + i], scale);
             k_s[e / DK][i] = k[t * k_stride + kh * DK + i];
         }
-        for (int e = tid; e < count * dv; e += threads)
-            v_s[e / dv][e % dv] = v[(size_t)(t0 + e / dv) * v_stride + (size_t)h * dv + e % dv];
+        for (int e = tid; e < count * cols; e += threads)
+            v_s[e / cols][e % cols] = v[(size_t)(t0 + e / cols) * v_stride + (size_t)h * dv + c0 + e % cols];
         if (tid < count) {
             decay_s[tid] = expf(g[(size_t)(t0 + tid) * v_heads + h]);
             beta_s[tid] = beta[(size_t)(t0 + tid) * v_heads + h];
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
                 s[m] = __fmul_rn(s[m], decay);
                 predicted = fmaf(kt[m * PARTS], s[m], predicted);
             }
-            const float delta = __fmul_rn(__fsub_rn(v_s[tt][j], dn::parts_sum(predicted)), beta_s[tt]);
+            const float delta = __fmul_rn(__fsub_rn(v_s[tt][j - c0], dn::parts_sum(predicted)), beta_s[tt]);
             const float* qt = q_s[tt] + p;
             float acc = 0.0f;  // part p's share of (S^T q)_j
 #pragma unroll
