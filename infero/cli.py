@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--profile",
         action="store_true",
-        help="also time each op of a decode step, of 1 and of each --batch width (GPU, in a graph)",
+        help="also time each op of a decode step, of 1 and of each --batch width (GPU, in a graph), and of the "
+        "prompt's prefill",
     )
     d.add_argument("--batch", type=_batch_sizes, default=[], metavar="B[,B...]",
                    help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
@@ -310,6 +311,9 @@ def _bench(args) -> int:
         for b in [1] + [b for b in args.batch or () if b > 1]:
             print()
             print(decode.format_profile(*decode.profile(llm, args.prompt_tokens, batch=b), batch=b))
+        rows, prefill_us, tokens = decode.profile_prefill(llm, args.prompt_tokens)
+        print()
+        print(decode.format_profile(rows, prefill_us, prefill=tokens))
     return 0
 
 

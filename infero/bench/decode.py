@@ -264,6 +264,44 @@ def profile(llm, prompt_len: int = 512, steps: int = 16, batch: int = 1) -> tupl
     return rows, float(np.median(step_us))
 
 
+def profile_prefill(llm, prompt_len: int = 512, repeats: int = 3) -> tuple[list[tuple[str, float, int]], float, int]:
+    """Where a prompt_len-token prefill (one chunk, eager, as the engine runs a prompt; at most the engine's token
+    budget) spends its GPU time: (op, microseconds, calls), the prefill's GPU time without events between its ops
+    (median of repeats), and its tokens. Eager launches are timed between events on the stream: the host queues a
+    prefill's kernels faster than they run."""
+    backend, model = llm.backend, llm.model
+    if not hasattr(backend, "event_timer"):
+        raise ValueError("--profile needs the CUDA backend")
+    prompt_len = min(prompt_len, llm.engine.config.max_num_batched_tokens)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=prompt_len).tolist()
+    blocks = -(-(prompt_len + 16) // BLOCK_SIZE)
+    cache = backend.allocate_kv_cache(model.config, blocks, BLOCK_SIZE, state_slots(model.config, 1))
+    step = SequenceStep(ids, 0, list(range(blocks)), state_slot=state_slot(model.config, 0))
+    batch = build_batch([step], BLOCK_SIZE)
+    backend.forward(model, batch, cache)  # every kernel loaded
+    timer = backend.event_timer()
+    totals, calls, whole = defaultdict(float), defaultdict(int), []
+    for _ in range(repeats):
+        timed = _TimedOps(model.ops, timer)
+        model.ops = timed
+        try:
+            backend.forward(model, batch, cache)
+        finally:
+            model.ops = timed.ops
+        for label, start, end in timed.marks:
+            totals[label] += timer.elapsed_us(start, end)
+            calls[label] += 1
+        begin = timer.mark()
+        backend.forward(model, batch, cache)
+        whole.append(timer.elapsed_us(begin, timer.mark()))
+    rows = sorted(((k, v / repeats, calls[k] // repeats) for k, v in totals.items()), key=lambda r: -r[1])
+    return rows, float(np.median(whole)), prompt_len
+
+
+# Ops that launch nothing on the GPU (a view of columns; fresh states are zeroed at the upload): not profiled.
+UNTIMED_OPS = ("columns", "reset_fresh_states")
+
+
 class _TimedOps:
     """Wraps each op in a pair of CUDA events; labels linear layers by weight type and shape."""
 
@@ -273,6 +311,9 @@ class _TimedOps:
     def __getattr__(self, name):
         fn = getattr(self.ops, name)
         if not callable(fn):
+            return fn
+
+        if name in UNTIMED_OPS:
             return fn
 
         def timed(*args, **kwargs):
@@ -317,12 +358,17 @@ def format_table(name: str, device: str, r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def format_profile(rows: list[tuple[str, float, int]], step_us: float, batch: int = 1) -> str:
+def format_profile(rows: list[tuple[str, float, int]], step_us: float, batch: int = 1,
+                   prefill: int = 0) -> str:  # fmt: skip
+    """A profile's table: a decode step's of `batch` sequences, or a `prefill`-token prompt's."""
     total = sum(us for _, us, _ in rows)
     title = "op (inside a replayed graph)" if batch == 1 else f"op, {batch} sequences (in a graph)"
+    whole = "step on the GPU (graph without events)"
+    if prefill:
+        title, whole = f"op, prefill of {prefill} tokens (eager)", "prefill on the GPU (without events)"
     width = max([40] + [len(label) for label, _, _ in rows])
     lines = [f"{title:<{width}} {'us/step':>10} {'calls':>6} {'share':>6}"]
     lines += [f"{label:<{width}} {us:>10.1f} {n:>6} {us / total:>6.1%}" for label, us, n in rows]
     lines.append(f"{'sum of the ops':<{width}} {total:>10.1f}")
-    lines.append(f"{'step on the GPU (graph without events)':<{width}} {step_us:>10.1f}")
+    lines.append(f"{whole:<{width}} {step_us:>10.1f}")
     return "\n".join(lines)

@@ -59,6 +59,14 @@ def test_profile_of_several_sequences_times_one_step_of_them_all(llm):
     assert decode.format_profile(rows, step_us, batch=4).splitlines()[0].startswith("op, 4 sequences")
 
 
+def test_prefill_profile_times_every_op_of_an_eager_prompt_chunk(llm):
+    rows, prefill_us, tokens = decode.profile_prefill(llm, prompt_len=96, repeats=2)
+    calls = {label: n for label, _, n in rows}
+    assert tokens == 96 and calls["attention"] == llm.config.num_layers and prefill_us > 0
+    assert all(us > 0 for _, us, _ in rows)
+    assert decode.format_profile(rows, prefill_us, prefill=tokens).splitlines()[0].startswith("op, prefill of 96")
+
+
 def test_graph_step_timer_captures_the_step_anew_on_every_call(llm):
     """The A/B scripts' timer: each call discards the captured graphs and times a fresh capture of the step."""
     step_us = decode.graph_step_timer(llm, prompt_len=32, steps=3)
