@@ -18,9 +18,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from infero.checkpoint import Checkpoint
 from infero.checkpoint.config import ModelConfig
 from infero.checkpoint.dequantize import dequantize_tensor
+from infero.checkpoint.gguf import TensorInfo
 from infero.engine.batch import Batch
 from infero.errors import ModelFileError
 from infero.models.rotary import Rotary, build_rotary
@@ -116,17 +119,29 @@ class LlamaModel:
 def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
     """weight(name, optional=False, gathered=False, values=False): the named tensor handed to the backend (gathered:
     an embedding table; values: read elementwise, not as a linear layer's matrix); a missing one is the file's error
-    unless optional (then None)."""
+    unless optional (then None). A tuple of names: their matrices stacked as one (the rows of each in turn, one
+    linear layer's launch for several), or None where they differ in type or width."""
     config, tensors = checkpoint.config, checkpoint.tensors
 
-    def weight(name: str, optional: bool = False, gathered: bool = False, values: bool = False):
-        if name not in tensors:
-            if optional:
-                return None
-            raise ModelFileError(f"{checkpoint.path}: missing tensor {name!r} for a {config.architecture} model")
-        w = ops.weight(tensors[name], gathered=gathered, values=values)
+    def weight(name: str | tuple[str, ...], optional: bool = False, gathered: bool = False, values: bool = False):
+        names = name if isinstance(name, tuple) else (name,)
+        for n in names:
+            if n not in tensors:
+                if optional:
+                    return None
+                raise ModelFileError(f"{checkpoint.path}: missing tensor {n!r} for a {config.architecture} model")
+        parts = [tensors[n] for n in names]
+        if len(parts) == 1:
+            tensor = parts[0]
+        elif len({(t.ggml_type, t.shape[1:]) for t in parts}) == 1 and len(parts[0].shape) == 2:
+            rows = sum(t.shape[0] for t in parts)
+            tensor = TensorInfo("+".join(names), parts[0].ggml_type, (rows, *parts[0].shape[1:]),
+                                np.concatenate([t.data for t in parts]))  # fmt: skip
+        else:
+            return None
+        w = ops.weight(tensor, gathered=gathered, values=values)
         if progress is not None:
-            progress(tensors[name].nbytes)
+            progress(tensor.nbytes)
         return w
 
     return weight

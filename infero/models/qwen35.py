@@ -44,8 +44,12 @@ from infero.models.qwen3moe import check_expert_shapes
 class DeltaNetWeights:
     qkv: Any  # [conv channels, hidden]: q (key heads x d_k), k (same), v (value heads x d_v)
     gate: Any  # z [value heads x d_v, hidden]
-    alpha: Any  # [value heads, hidden]; None in qwen3next files, whose beta holds both
-    beta: Any  # [value heads, hidden]; qwen3next: [2 value heads, hidden], per key head [its betas | its alphas]
+    # alpha and beta [value heads, hidden] as one matrix: qwen35's alpha rows then beta rows, stacked at load where
+    # they share a type (one launch for both), or qwen3next's ssm_ba, per key head [its betas | its alphas]; None
+    # where alpha and beta stay apart.
+    alpha_beta: Any
+    alpha: Any
+    beta: Any
     conv: Any  # [conv channels, kernel]
     dt_bias: Any  # [value heads]
     a: Any  # [value heads]: -exp(A_log)
@@ -118,8 +122,13 @@ class Qwen35Model(LlamaModel):
         ops, c, n = self.ops, self.config, batch.num_tokens
         k_heads, d_k, v_heads, d_v = c.ssm_group_count, c.ssm_state_size, c.ssm_time_step_rank, c.linear_v_dim
         qkv, z = ops.linears(h, (w.qkv, w.gate))
-        if w.alpha is None:  # qwen3next: per key head its betas, then its alphas
-            g, beta = ops.delta_net_gates(None, ops.linear(h, w.beta), w.dt_bias, w.a, group=v_heads // k_heads)
+        if c.architecture == "qwen3next":
+            ba = ops.linear(h, w.alpha_beta)
+            g, beta = ops.delta_net_gates(None, ba, w.dt_bias, w.a, group=v_heads // k_heads)
+        elif w.alpha_beta is not None:
+            ab = ops.linear(h, w.alpha_beta)
+            alpha, beta = ops.columns(ab, 0, v_heads), ops.columns(ab, v_heads, 2 * v_heads)
+            g, beta = ops.delta_net_gates(alpha, beta, w.dt_bias, w.a)
         else:
             g, beta = ops.delta_net_gates(*ops.linears(h, (w.alpha, w.beta)), w.dt_bias, w.a)
         qkv = ops.causal_conv1d(qkv, w.conv, cache, index, batch)
@@ -172,12 +181,16 @@ def check_layer_kinds(checkpoint: Checkpoint) -> None:
 
 def delta_net_weights(weight, p: str, config) -> DeltaNetWeights:
     """Layer p's Gated DeltaNet tensors; qwen3next files hold beta and alpha in one projection (ssm_ba)."""
+    alpha = beta = None
     if config.architecture == "qwen3next":
-        alpha, beta = None, weight(p + "ssm_ba.weight")
+        alpha_beta = weight(p + "ssm_ba.weight")
     else:
-        alpha, beta = weight(p + "ssm_alpha.weight"), weight(p + "ssm_beta.weight")
-    return DeltaNetWeights(qkv=weight(p + "attn_qkv.weight"), gate=weight(p + "attn_gate.weight"), alpha=alpha,
-                           beta=beta, conv=weight(p + "ssm_conv1d.weight", values=True),
+        alpha_beta = weight((p + "ssm_alpha.weight", p + "ssm_beta.weight"))
+        if alpha_beta is None:
+            alpha, beta = weight(p + "ssm_alpha.weight"), weight(p + "ssm_beta.weight")
+    return DeltaNetWeights(qkv=weight(p + "attn_qkv.weight"), gate=weight(p + "attn_gate.weight"),
+                           alpha_beta=alpha_beta, alpha=alpha, beta=beta,
+                           conv=weight(p + "ssm_conv1d.weight", values=True),
                            dt_bias=weight(p + "ssm_dt.bias"), a=weight(p + "ssm_a"),
                            norm=weight(p + "ssm_norm.weight"), out=weight(p + "ssm_out.weight"))  # fmt: skip
 
