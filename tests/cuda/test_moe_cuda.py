@@ -52,7 +52,8 @@ def gpu_ops(prepared: bool = True):
     backend = SimpleNamespace(workspace=Workspace(256 << 20), stream=runtime.stream(), weights_arena=None)
     ops = CudaOps(backend)
     if prepared:
-        ops.prepare(SimpleNamespace(hidden_size=HIDDEN, q_size=HIDDEN, intermediate_size=EXPERT_FFN))
+        ops.prepare(SimpleNamespace(hidden_size=HIDDEN, q_size=HIDDEN, intermediate_size=EXPERT_FFN,
+                                    ssm_inner_size=0, shared_expert_intermediate_size=0))  # fmt: skip
     return ops
 
 

@@ -487,7 +487,7 @@ class CudaOps:
         return out
 
     def delta_net_gates(self, alpha, beta, dt_bias, a, group: int | None = None):
-        n, heads = beta.shape[0], dt_bias.numel
+        n, heads = beta.rows if isinstance(beta, Strided) else beta.shape[0], dt_bias.numel
         g, beta_out = self.ws.empty((n, heads), np.float32), self.ws.empty((n, heads), np.float32)
         if alpha is None:  # Qwen3-Next's fused projection: per key head its `group` betas, then its alphas
             fused = beta
