@@ -114,7 +114,7 @@ SHAPES = {
     "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=64, interval=4,
                          linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
     "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
-                            experts_used=2, expert_ffn=64, shared_ffn=128, interval=4, linear_k_heads=2,
+                            experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,
                             linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
 }  # fmt: skip
 
@@ -126,9 +126,11 @@ QUANTS = sorted(TYPES) + ["Q4_K_M"]
 def tensor_type(quant: str, name: str, layer: int, num_layers: int, cols: int) -> int:
     """The type llama.cpp's quantizer would pick for a tensor (Q4_K_M's mixture; others uniform)."""
     if quant == "Q4_K_M":
-        # llama.cpp: attn_v and ffn_down get Q6_K on the first and last eighth and every third layer between.
+        # llama.cpp: attn_v and ffn_down get Q6_K on the first and last eighth and every third layer between (every
+        # tensor whose name holds ffn_down: a MoE layer's experts and shared expert alike).
         more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
-        if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits):
+        down = ("attn_v", "ffn_down", "ffn_down_exps", "ffn_down_shexp")
+        if name == "output.weight" or (name.split(".")[-2] in down and more_bits):
             t = TYPES["Q6_K"]
         else:
             t = TYPES["Q4_K"]

@@ -120,7 +120,8 @@ def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
     """weight(name, optional=False, gathered=False, values=False): the named tensor handed to the backend (gathered:
     an embedding table; values: read elementwise, not as a linear layer's matrix); a missing one is the file's error
     unless optional (then None). A tuple of names: their matrices stacked as one (the rows of each in turn, one
-    linear layer's launch for several), or None where they differ in type or width."""
+    linear layer's launch for several; a matrix after a 3-D expert tensor is one more expert), or None where they
+    differ in type or in their rows' (experts': matrices') shape."""
     config, tensors = checkpoint.config, checkpoint.tensors
 
     def weight(name: str | tuple[str, ...], optional: bool = False, gathered: bool = False, values: bool = False):
@@ -133,12 +134,15 @@ def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
         parts = [tensors[n] for n in names]
         if len(parts) == 1:
             tensor = parts[0]
-        elif len({(t.ggml_type, t.shape[1:]) for t in parts}) == 1 and len(parts[0].shape) == 2:
-            rows = sum(t.shape[0] for t in parts)
-            tensor = TensorInfo("+".join(names), parts[0].ggml_type, (rows, *parts[0].shape[1:]),
-                                np.concatenate([t.data for t in parts]))  # fmt: skip
         else:
-            return None
+            # An expert tensor's items are matrices, a matrix's are rows: a matrix joins experts as one more, a
+            # vector joins a matrix's rows as one more.
+            item = parts[0].shape[1:]
+            counts = [t.shape[0] if t.shape[1:] == item else 1 if t.shape == item else 0 for t in parts]
+            if len({t.ggml_type for t in parts}) != 1 or len(item) not in (1, 2) or 0 in counts:
+                return None
+            tensor = TensorInfo("+".join(names), parts[0].ggml_type, (sum(counts), *item),
+                                np.concatenate([t.data for t in parts]))  # fmt: skip
         w = ops.weight(tensor, gathered=gathered, values=values)
         if progress is not None:
             progress(tensor.nbytes)

@@ -119,7 +119,7 @@ def test_synthetic_hybrid_runs_and_inspect_shows_its_layer_kinds(tmp_path, capsy
     capsys.readouterr()
     assert main(["inspect", "--model", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "3 Gated DeltaNet, 1 attention" in text and "a shared expert of width 128" in text
+    assert "3 Gated DeltaNet, 1 attention" in text and "a shared expert of width 64" in text
     assert main(["inspect", "--model", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["layer_kinds"] == {"gated_deltanet": 3, "attention": 1}

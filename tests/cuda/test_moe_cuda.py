@@ -113,6 +113,31 @@ def test_route_picks_numpys_experts_and_weights(gpu, experts, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 17, 64])  # the router's own top-k (up to 4 tokens), then moe_route
+def test_a_folded_shared_expert_is_each_tokens_last_pair_weighted_by_its_sigmoid_gate(gpu, n):
+    """Qwen3.5-MoE's shared expert folded in: the router's last row is its gate; each token gets the numpy routing
+    over the other rows, then (experts, sigmoid(gate))."""
+    from infero.backends.cuda import weight_layout
+    from infero.backends.cuda.tensor import from_host
+
+    experts, k = 256, 8
+    rng = np.random.default_rng(n)
+    h = rng.normal(0, 1, size=(n, HIDDEN)).astype(np.float32)
+    router = rng.normal(0, 0.3, size=(experts + 1, HIDDEN)).astype(np.float32)
+    ref_ids, ref_weights = CpuOps().moe_route(h, router, k, shared=True)
+    ops = gpu_ops()
+    router_w = weight_layout.upload(router.view(np.uint8), int(Q.F32), *router.shape)
+    ids_d, weights_d = ops.moe_route(from_host(h), router_w, k, shared=True)
+    ids, weights = ids_d.to_host(ops.stream), weights_d.to_host(ops.stream)
+    assert ids.shape == weights.shape == (n, k + 1) and (ids[:, k] == experts).all()
+    np.testing.assert_allclose(weights[:, k], ref_weights[:, k], rtol=1e-5)
+    for t in range(n):
+        assert len(set(ids[t])) == k + 1 and (ids[t, :k] < experts).all()
+        if np.array_equal(ids[t], ref_ids[t]):
+            np.testing.assert_allclose(weights[t, :k], ref_weights[t, :k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64), (4096, 8, 64)])
 def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_launch(gpu, experts, k, hidden):
     """moe.router's logits row of a token is the same bits among 1, 3, 17 or 64 rows (and within 1e-5 of numpy's

@@ -104,3 +104,21 @@ def test_a_tokens_expert_output_does_not_depend_on_who_else_chose_its_experts():
     for t in range(len(x)):
         alone = OPS.moe_experts(x[t : t + 1], experts[t : t + 1], weights[t : t + 1], gate, up, down)
         assert np.array_equal(alone[0], together[t])
+
+
+def test_a_shared_expert_folded_in_as_one_more_expert_is_routed_plus_its_sigmoid_gated_output():
+    """Qwen3.5-MoE's shared expert as expert 8 of the stacked experts and its gate as the router's last row: the
+    (k + 1)-th pair of every token, weighted sigmoid(gate), gives routed + sigmoid(gate) shared, as apart."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(0, 1, (5, 16)).astype(np.float32)
+    router, shared_gate = rng.normal(0, 1, (8, 16)).astype(np.float32), rng.normal(0, 1, (1, 16)).astype(np.float32)
+    gate, up, down = random_experts(9, seed=5)  # expert 8: the shared one
+    experts, weights = OPS.moe_route(x, np.concatenate([router, shared_gate]), 2, shared=True)
+    folded = OPS.moe_experts(x, experts, weights, gate, up, down)
+    routed_ids, routed_weights = OPS.moe_route(x, router, 2)
+    assert np.array_equal(experts[:, :2], routed_ids) and (experts[:, 2] == 8).all()
+    assert np.array_equal(weights[:, :2], routed_weights)
+    routed = OPS.moe_experts(x, routed_ids, routed_weights, gate[:8], up[:8], down[:8])
+    shared = OPS.swiglu(x @ gate[8].T, x @ up[8].T) @ down[8].T
+    apart = OPS.sigmoid_gate(shared, OPS.linear(x, shared_gate), addend=routed)
+    assert np.abs(folded - apart).max() < 1e-5 * np.abs(apart).max()

@@ -106,16 +106,28 @@ class CpuOps:
         """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch)."""
         return self.swiglu(*self.linears(x, weights))
 
-    def moe_route(self, x: np.ndarray, router: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def moe_route(self, x: np.ndarray, router: np.ndarray, k: int,
+                  shared: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """Each row's k experts and their weights (Qwen3-MoE routing): softmax over every expert's router logit,
         the k most probable, their probabilities renormalized to sum 1. Experts are int64 [n, k], most probable
-        first; equal probabilities rank the lower expert id first, so a tie always picks the same expert."""
+        first; equal probabilities rank the lower expert id first, so a tie always picks the same expert.
+
+        shared (a shared expert folded in as one more expert, Qwen3.5-MoE's): the router's last row is the shared
+        expert's gate, not an expert's; the routing is over the others, and each row's (k + 1)-th pair is the
+        shared expert (id: the router's last row) with weight sigmoid(its gate logit), not renormalized. The
+        experts' weighted sum then adds it last, as routed + sigmoid(gate) shared."""
         logits = self.linear(x, router)
+        if shared:
+            logits, gate = logits[:, :-1], logits[:, -1:]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         experts = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
         weights = np.take_along_axis(probs, experts, axis=-1)
-        return experts, weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        if not shared:
+            return experts, weights
+        shared_ids = np.full((len(experts), 1), logits.shape[1], experts.dtype)
+        return np.concatenate([experts, shared_ids], 1), np.concatenate([weights, 1.0 / (1.0 + np.exp(-gate))], 1)
 
     def moe_experts(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, w_gate: np.ndarray,
                     w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:  # fmt: skip

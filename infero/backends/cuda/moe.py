@@ -46,12 +46,12 @@ for _t in matvec.FLOAT_TYPES:
     runtime.declare(matvec.SOURCE, [f"matvec_experts_f<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_ROUTE_ARGS = (_P, _P, _P, _I, _I)
+_ROUTE_ARGS = (_P, _P, _P, _I, _I, _I)
 _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
 _Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
 _GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
 _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
-_ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I)
+_ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
@@ -95,28 +95,34 @@ def upload(raw: np.ndarray, ggml_type: int, experts: int, rows: int, cols: int, 
     return ExpertWeights(matrix, experts)
 
 
-def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream: driver.Stream) -> None:
+def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream: driver.Stream,
+          shared: bool = False) -> None:  # fmt: skip
     """ids int32 [n, k] and weights float32 [n, k] from the router's logits float32 [n, experts]: per row the k
     most probable experts of softmax(logits), most probable first (equal probabilities: the lower id first), their
-    probabilities divided by their sum."""
+    probabilities divided by their sum. shared: the logits' last column is a shared expert's gate, not an expert's;
+    the shared expert (id experts - 1) is each row's last pair, weighted sigmoid(gate) (moe.cu: ids and weights
+    [n, k + 1])."""
     n, experts = logits.shape
     k = ids.shape[1] if len(ids.shape) == 2 else -1
     if logits.dtype != np.float32 or not 1 <= k <= experts:
         raise ValueError(f"route: logits must be float32 [n, experts] and 1 <= k <= experts, got {logits.dtype} "
                          f"{logits.shape} and ids {ids.shape}")  # fmt: skip
-    if (ids.dtype, ids.shape, weights.dtype, weights.shape) != (np.int32, (n, k), np.float32, (n, k)):
-        raise ValueError(f"route: ids must be int32 and weights float32 [{n}, {k}], got {ids.dtype} {ids.shape} "
+    width = k + shared
+    if (ids.dtype, ids.shape, weights.dtype, weights.shape) != (np.int32, (n, width), np.float32, (n, width)):
+        raise ValueError(f"route: ids must be int32 and weights float32 [{n}, {width}], got {ids.dtype} {ids.shape} "
                          f"and {weights.dtype} {weights.shape}")  # fmt: skip
     if n:
-        driver.launch(runtime.kernel(SOURCE, "moe_route"), (n,), (32,), (ids.ptr, weights.ptr, logits.ptr, experts, k),
-                      _ROUTE_ARGS, stream, 4 * experts, pdl=True)  # fmt: skip
+        args = (ids.ptr, weights.ptr, logits.ptr, experts, k, int(shared))
+        driver.launch(runtime.kernel(SOURCE, "moe_route"), (n,), (32,), args, _ROUTE_ARGS, stream, 4 * experts,
+                      pdl=True)  # fmt: skip
 
+    experts, k = experts - shared, k - shared
 
 def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: driver.Stream,
-           routed: tuple[DeviceTensor, DeviceTensor] | None = None) -> None:  # fmt: skip
+           routed: tuple[DeviceTensor, DeviceTensor] | None = None, shared: bool = False) -> None:  # fmt: skip
     """logits float32 [n, experts] = h float32 [n, hidden] @ weight^T for a float32 router [experts, hidden], each
-    row the same bits at every n (moe.cu's moe_router). routed: (ids, weights) as route() writes them, in the same
-    launch (n <= ROUTER_WARPS)."""
+    row the same bits at every n (moe.cu's moe_router). routed: (ids, weights) as route() writes them (with
+    `shared`, as route(..., shared=True)), in the same launch (n <= ROUTER_WARPS)."""
     n, hidden = h.shape
     experts = weight.rows
     if weight.ggml_type != 0 or weight.cols != hidden or hidden % 4 or weight.data.ptr % 16 or h.ptr % 16 or (
@@ -127,23 +133,24 @@ def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: d
         raise ValueError(f"router: h and logits float32 [{n}, {experts}], got {h.dtype} and {logits.dtype} "
                          f"{logits.shape}")  # fmt: skip
     ids = weights = None
-    shared = 0
+    smem = 0
     if routed is not None:
         ids, weights = routed
-        k = ids.shape[1] if len(ids.shape) == 2 else -1
-        if n > ROUTER_WARPS or not 1 <= k <= experts or (ids.dtype, ids.shape, weights.dtype, weights.shape) != (
-                np.int32, (n, k), np.float32, (n, k)):  # fmt: skip
+        width = ids.shape[1] if len(ids.shape) == 2 else -1
+        shapes = (ids.dtype, ids.shape, weights.dtype, weights.shape)
+        if n > ROUTER_WARPS or not 1 <= width - shared <= experts - shared or shapes != (
+                np.int32, (n, width), np.float32, (n, width)):  # fmt: skip
             raise ValueError(f"router: routes up to {ROUTER_WARPS} rows into int32 ids and float32 weights [n, k], "
                              f"got {n} rows, ids {ids.dtype} {ids.shape}, weights {weights.shape}")  # fmt: skip
-        shared = 4 * ROUTER_WARPS * experts
+        smem = 4 * ROUTER_WARPS * experts
     if n == 0:
         return
-    k = 0 if ids is None else ids.shape[1]
+    k = 0 if ids is None else ids.shape[1] - shared
     args = (logits.ptr, 0 if ids is None else ids.ptr, 0 if weights is None else weights.ptr, h.ptr, weight.data.ptr,
-            n, hidden, experts, k, int(routed is not None))  # fmt: skip
+            n, hidden, experts, k, int(routed is not None), int(shared))  # fmt: skip
     fn = runtime.kernel(SOURCE, "moe_router")
-    _allow_shared(fn, shared)
-    driver.launch(fn, (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args, _ROUTER_ARGS, stream, shared,
+    _allow_shared(fn, smem)
+    driver.launch(fn, (experts, -(-n // ROUTER_TOKENS)), (32 * ROUTER_WARPS,), args, _ROUTER_ARGS, stream, smem,
                   pdl=True)  # fmt: skip
 
 

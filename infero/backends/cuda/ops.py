@@ -302,22 +302,25 @@ class CudaOps:
         elementwise.swiglu(out, gate, up, self.stream, self._quantize_into(out) if aligned else None)
         return out
 
-    def moe_route(self, h: DeviceTensor, router: QuantWeight, k: int) -> tuple[DeviceTensor, DeviceTensor]:
+    def moe_route(self, h: DeviceTensor, router: QuantWeight, k: int,
+                  shared: bool = False) -> tuple[DeviceTensor, DeviceTensor]:  # fmt: skip
         """Each row's k experts (int32 [n, k], most probable first; equal probabilities: the lower id first) and
-        their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device. A float32
+        their weights (float32 [n, k], the top-k probabilities renormalized to sum 1), on the device; shared: the
+        router's last row is a shared expert's gate, and each row gets the shared expert as a (k + 1)-th pair (see
+        CpuOps.moe_route). A float32
         router (as converters write it) runs moe.router, whose fp32 rows are the same bits at every n (on the GEMM,
         fp16 operands moved the routing weights by up to 3e-3 relative, H200, n = 64); up to moe.ROUTER_WARPS rows
         it routes them in the same launch, more take moe.route after it. Other float routers stay on the fp32
         mat-vec at every n, 16 rows a launch (its rows too are the same bits at every n); quantized ones take
         linear. Then moe.route."""
         n = h.shape[0]
-        ids = self.ws.empty((n, k), np.int32)
-        weights = self.ws.empty((n, k), np.float32)
+        ids = self.ws.empty((n, k + shared), np.int32)
+        weights = self.ws.empty((n, k + shared), np.float32)
         fused = n <= moe.ROUTER_WARPS
         if router.ggml_type == 0 and h.shape[1] % 4 == 0 and router.data.ptr % 16 == 0 and h.ptr % 16 == 0:
             self._require_values(h)
             logits = self.ws.empty((n, router.rows), np.float32)
-            moe.router(logits, h, router, self.stream, (ids, weights) if fused else None)
+            moe.router(logits, h, router, self.stream, (ids, weights) if fused else None, shared)
             if fused:
                 return ids, weights
         elif router.ggml_type in matvec.FLOAT_TYPES and n > MATVEC_MAX_TOKENS:
@@ -328,7 +331,7 @@ class CudaOps:
                 matvec.matvec(logits.rows(a, b), router, h.rows(a, b), None, self.stream, self.ws)
         else:
             logits = self.linear(h, router)
-        moe.route(ids, weights, logits, self.stream)
+        moe.route(ids, weights, logits, self.stream, shared)
         return ids, weights
 
     def moe_experts(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,

@@ -7,6 +7,10 @@
 // stable argsort of -p), their p divided by their sum (added in rank order). A NaN p ranks below every number, so
 // the ids are always k distinct experts. One warp a row (block of 32), p in shared memory [experts]; lane l owns
 // experts l, l + 32, ... and is the only thread to touch their entries.
+// shared (Qwen3.5-MoE's shared expert folded in as expert `experts`): a row's logits are experts + 1 wide, the last
+// the shared expert's gate; the routing is over the first `experts`, and a (k + 1)-th pair follows the k chosen:
+// expert id `experts` with weight sigmoid(gate) = 1 / (1 + exp(-gate)) (numpy's rounding), not renormalized. ids
+// and weights are then [n, k + 1].
 //
 // moe_router. The router's logits, float32 [n, experts] = h float32 [n, hidden] @ router float32 [experts,
 // hidden]^T (hidden % 4 == 0), in one fixed expression: warp w of ROUTER_WARPS sums the float4s of quarter w of
@@ -48,7 +52,7 @@ namespace moe {
 // One row's routing (moe_route's contract) by one warp: l the row's logits (read through L2: in moe_router they
 // are other blocks' output), p the warp's shared memory [experts].
 __device__ __forceinline__ void route_row(int* __restrict__ row_ids, float* __restrict__ row_weights, const float* l, float* p,
-                          int experts, int k, int lane) {
+                          int experts, int k, int lane, int shared) {
   float m = __int_as_float(0xff800000);  // -inf
   for (int e = lane; e < experts; e += 32) {
     p[e] = __ldcg(l + e);
@@ -95,8 +99,13 @@ __device__ __forceinline__ void route_row(int* __restrict__ row_ids, float* __re
       chosen = r == 0 ? best_p : __fadd_rn(chosen, best_p);
     }
   }
-  if (lane == 0)
+  if (lane == 0) {
     for (int r = 0; r < k; ++r) row_weights[r] = __fdiv_rn(row_weights[r], chosen);
+    if (shared) {
+      row_ids[k] = experts;
+      row_weights[k] = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-__ldcg(l + experts))));
+    }
+  }
 }
 
 // moe_router's count of finished blocks (route launches only); the last block sets it back to 0, so every launch,
@@ -105,17 +114,18 @@ __device__ unsigned int router_blocks_done;
 }  // namespace moe
 
 extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids, float* __restrict__ weights,
-                                                           const float* __restrict__ logits, int experts, int k) {
+                                                           const float* __restrict__ logits, int experts, int k,
+                                                           int shared) {
   extern __shared__ float p[];  // [experts]
   const int row = blockIdx.x;
   pdl_enter();
-  moe::route_row(ids + (long long)row * k, weights + (long long)row * k, logits + (long long)row * experts, p, experts,
-                 k, threadIdx.x);
+  moe::route_row(ids + (long long)row * (k + shared), weights + (long long)row * (k + shared),
+                 logits + (long long)row * (experts + shared), p, experts, k, threadIdx.x, shared);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router(
     float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ h,
-    const float* __restrict__ router, int n, int hidden, int experts, int k, int route) {
+    const float* __restrict__ router, int n, int hidden, int experts, int k, int route, int shared) {
   __shared__ float part[moe::ROUTER_WARPS][moe::ROUTER_TOKENS];
   __shared__ int last;
   extern __shared__ float p[];  // route: [ROUTER_WARPS][experts]
@@ -155,9 +165,10 @@ extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router(
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // experts counts the router's rows: with shared, the last is the shared expert's gate.
   for (int t = warp; t < n; t += moe::ROUTER_WARPS)
-    moe::route_row(ids + (long long)t * k, weights + (long long)t * k, logits + (long long)t * experts,
-                   p + warp * experts, experts, k, lane);
+    moe::route_row(ids + (long long)t * (k + shared), weights + (long long)t * (k + shared),
+                   logits + (long long)t * experts, p + warp * experts, experts - shared, k, lane, shared);
   if (threadIdx.x == 0) moe::router_blocks_done = 0;
 }
 
