@@ -29,14 +29,24 @@ def decode_step_bytes(model, backend, context_len: int) -> int:
     its token was not routed to (of a MoE layer's expert tensors, the k of E experts it reads), the KV prefix, and a
     hybrid model's recurrent state (read and written)."""
     c = model.config
-    active = c.num_experts_used / c.num_experts if c.num_experts else 1.0
-    total = sum(_weight_bytes(layer, active) for layer in model.layers)
+    total = sum(_weight_bytes(layer, _active_experts(c, layer)) for layer in model.layers)
     total += model.output.nbytes + model.output_norm.nbytes
     total += model.embedding.nbytes // model.config.vocab_size
     total += backend.kv_block_bytes(model.config, 16) // 16 * context_len
     if model.config.is_hybrid:
         total += 2 * backend.state_bytes_per_slot(model.config)
     return total
+
+
+def _active_experts(config, layer) -> float:
+    """The share of a layer's expert tensors a token reads: k of E, or k + 1 of E + 1 where the shared expert is
+    folded in as one more expert (Qwen3.5-MoE: its feed-forward then has no shexp_gate)."""
+    if not config.num_experts:
+        return 1.0
+    ffn = getattr(layer, "ffn", None)
+    shared = config.shared_expert_intermediate_size > 0
+    folded = int(shared and isinstance(ffn, dict) and "shexp_gate" not in ffn)
+    return (config.num_experts_used + folded) / (config.num_experts + folded)
 
 
 def _weight_bytes(weights, active: float = 1.0) -> int:

@@ -1,6 +1,7 @@
 """`infero bench decode --batch` on the CPU backend: steps of several sequences, and batch sizes the engine cannot
 step are refused with a clear error."""
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,15 @@ def test_a_moe_step_counts_the_chosen_experts_bytes_not_all_of_them(tmp_path):
     every = SimpleNamespace(**{k: getattr(model, k) for k in ("layers", "output", "output_norm", "embedding")},
                             config=replace(model.config, num_experts_used=8))  # fmt: skip
     assert chosen == decode.decode_step_bytes(every, llm.backend, 32) - experts + experts // 4
+
+
+def test_a_folded_shared_expert_counts_as_one_more_expert_every_token_reads():
+    """qwen35moe-tiny's shared expert is as wide as its experts, so it loads as expert 8 of 9: a token reads k + 1 of
+    the 9 (the shared one always), which the step's bytes count as (2 + 1) / (8 + 1) of the expert tensors."""
+    from infero.checkpoint.synthetic import write_synthetic
+
+    path = write_synthetic("qwen35moe-tiny", "Q8_0", Path(tempfile.mkdtemp()) / "moe.gguf", seed=2)
+    llm = LLM(path, device="cpu")
+    ffn = llm.model.layers[0].ffn
+    assert "shexp_gate" not in ffn and ffn["gate_exps"].shape[0] == 9
+    assert decode._active_experts(llm.config, llm.model.layers[0]) == 3 / 9
