@@ -353,7 +353,7 @@ def _moe_scratch_bytes(config: ModelConfig, tokens: int) -> int:
     quantized SwiGLU, the sort): the peak over one layer."""
     if not config.num_experts:
         return 0
-    pairs = tokens * config.num_experts_used
+    pairs = tokens * (config.num_experts_used + (config.shared_expert_intermediate_size > 0))  # a folded shared one
     width = config.expert_intermediate_size
     return pairs * (4 * (2 * width + config.hidden_size) + 2 * width + 64) + 16 * config.num_experts * 4
 
