@@ -64,6 +64,7 @@
 #include "pdl.cuh"
 #include "trace.cuh"
 #include "act_quant.cuh"
+#include "unit_expr.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
 
@@ -371,7 +372,7 @@ struct Unit50 : Block32 {
   __device__ static float dot(const W& w, const Act<2>& a) {
     int i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
     if constexpr (T == GGML_Q5_0) i -= 16 * (a.s[0] + a.s[1]);
-    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
+    return ue::block32(w.d, a.d[0], (float)i);
   }
 };
 template <> struct Unit<GGML_Q5_0> : Unit50<GGML_Q5_0> {};
@@ -439,13 +440,14 @@ struct UnitK45 {
     w.dmin = f16_hi(raw.hd.w[0]);
   }
   __device__ static float dot(const W& w, const Act<2>& a) {
-    float f[2];
+    float scdot[2], ms[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int dot = r == 1 && T == GGML_Q4_K ? dot_run<true>(w.q[1], a, 1) >> 4 : dot_run(w.q[r], a, r);
-      f[r] = __fmaf_rn(w.d, (float)(w.sc[r] * dot), -__fmul_rn(w.dmin, (float)(w.m[r] * a.s[r])));
+      scdot[r] = (float)(w.sc[r] * dot);
+      ms[r] = (float)(w.m[r] * a.s[r]);
     }
-    return __fmaf_rn(a.d[1], f[1], __fmul_rn(a.d[0], f[0]));
+    return ue::k45(w.d, w.dmin, scdot, ms, a.d);
   }
 };
 template <> struct Unit<GGML_Q4_K> : UnitK45<GGML_Q4_K> {};
@@ -493,7 +495,8 @@ struct Unit<GGML_Q6_K> {
     // |dot - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
     const int i0 = w.sc[0] * (dot_run(w.q[0], a, 0) - 32 * a.s[0]);
     const int i1 = w.sc[1] * (dot_run(w.q[1], a, 1) - 32 * a.s[1]);
-    return __fmul_rn(w.d, __fmaf_rn(a.d[1], (float)i1, __fmul_rn(a.d[0], (float)i0)));
+    const float i[2] = {(float)i0, (float)i1};
+    return ue::q6k(w.d, i, a.d);
   }
 };
 
