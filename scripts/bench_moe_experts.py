@@ -1,8 +1,9 @@
 """A mixture-of-experts layer's expert work on the GPU (`CudaOps.moe_experts`: sort, gate + up, SwiGLU, down, combine)
 timed inside a CUDA graph at several token counts, per grouping variant (moe.GROUP_TOKENS pairs a group, moe.GROUP_RPW
-rows a warp) and per pair, with the bandwidth of the distinct chosen experts' bytes (GPU machine).
+rows a warp, on the __dp4a kernel; moe.MMA_GROUP pairs a group on the tensor cores, matvec_experts_mma) and per pair,
+with the bandwidth of the distinct chosen experts' bytes (GPU machine).
 
-    python scripts/bench_moe_experts.py [--n 1,8,32,512] [--variants 8x2,8x4,16x2] [--experts 128 --k 8]
+    python scripts/bench_moe_experts.py [--n 1,8,32,512] [--variants 8x2,8x4,16x2] [--mma 16,32,64] [--experts 128]
 
 The layer has qwen3-30b-a3b's shape (hidden 2048, expert width 768; Q4_K gate and up, Q6_K down as Q4_K_M stores
 them) with random bytes for weights (the kernels' time does not depend on the values) and uniformly random routing.
@@ -36,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", default="1,8,32,512")
     parser.add_argument("--variants", default="8x2,8x4,16x2", help="GROUP_TOKENS x GROUP_RPW pairs")
+    parser.add_argument("--mma", default="16,32,64", help="MMA_GROUP values (the tensor-core kernel's groups)")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
@@ -46,7 +48,10 @@ def main() -> None:
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) / args.experts
     cuda_ops = CudaOps(SimpleNamespace(workspace=Workspace(1 << 30), stream=stream, weights_arena=None))
     variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants.split(",")]
-    declared = (moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_MIN_TOKENS)
+    mma_groups = [int(v) for v in args.mma.split(",") if v]
+    switches = [(moe, "GROUP_TOKENS"), (moe, "GROUP_RPW"), (moe, "MMA_GROUP"), (ops, "MOE_GROUPED_MIN_TOKENS"),
+                (ops, "MOE_MMA_MIN_TOKENS")]  # fmt: skip
+    declared = [getattr(m, name) for m, name in switches]
     print(f"{'tokens':>6} {'experts read':>12}  {'variant':<16} {'us':>9} {'GB/s':>7}")
     for n in (int(v) for v in args.n.split(",")):
         h = from_host(rng.normal(0, 1, size=(n, HIDDEN)).astype(np.float32))
@@ -55,13 +60,19 @@ def main() -> None:
         ids_d, weights_d = from_host(ids), from_host(weights)
         chosen = len(np.unique(ids))
         runs = [("per pair", None)] + [(f"grouped {g}x{r}", (g, r)) for g, r in variants]
+        runs += [(f"tensor cores {g}", g) for g in mma_groups]
         for label, variant in runs:
+            ops.MOE_MMA_MIN_TOKENS = n + 1
             if variant is None:
                 ops.MOE_GROUPED_MIN_TOKENS = n + 1
             else:
-                ops.MOE_GROUPED_MIN_TOKENS, (moe.GROUP_TOKENS, moe.GROUP_RPW) = 1 if n > 1 else 2, variant
                 if n == 1:
                     continue  # one token never groups
+                ops.MOE_GROUPED_MIN_TOKENS = 2
+                if isinstance(variant, int):
+                    ops.MOE_MMA_MIN_TOKENS, moe.MMA_GROUP = 2, variant
+                else:
+                    moe.GROUP_TOKENS, moe.GROUP_RPW = variant
 
             def layer(h=h, ids_d=ids_d, weights_d=weights_d):
                 cuda_ops.ws.offset = 0
@@ -71,7 +82,8 @@ def main() -> None:
             stream.synchronize()
             us = time_in_graph(stream, layer, 1)
             print(f"{n:>6} {chosen:>12}  {label:<16} {us:>9.1f} {chosen * per_expert / us / 1e3:>7.0f}")
-        moe.GROUP_TOKENS, moe.GROUP_RPW, ops.MOE_GROUPED_MIN_TOKENS = declared
+            for (m, name), value in zip(switches, declared, strict=True):
+                setattr(m, name, value)
 
 
 if __name__ == "__main__":

@@ -286,14 +286,15 @@ def test_each_pair_is_bitwise_the_plain_mat_vec_of_its_expert(gpu, qtype):
         assert np.array_equal(got[p], plain.to_host(stream)[0]), f"pair {p} (expert {e})"
 
 
-def _sorted_pairs(ids: np.ndarray, experts: int):
-    """moe.sort of ids on the GPU: (grouping on the device, order, groups [num_groups, 4]) on the host."""
+def _sorted_pairs(ids: np.ndarray, experts: int, run: int | None = None):
+    """moe.sort of ids on the GPU in runs of `run` pairs (moe.GROUP_TOKENS): (grouping on the device, order, groups
+    [num_groups, 4]) on the host."""
     from infero.backends.cuda import moe, runtime
     from infero.backends.cuda.tensor import empty, from_host
 
-    stream, pairs = runtime.stream(), ids.size
-    grouping = moe.Grouping(empty((pairs,), np.int32), empty((moe.max_groups(pairs, experts), 4), np.int32),
-                            empty((1,), np.int32))  # fmt: skip
+    stream, pairs, run = runtime.stream(), ids.size, run or moe.GROUP_TOKENS
+    grouping = moe.Grouping(empty((pairs,), np.int32), empty((moe.max_groups(pairs, experts, run), 4), np.int32),
+                            empty((1,), np.int32), run)  # fmt: skip
     moe.sort(grouping, from_host(ids.reshape(-1).astype(np.int32)), experts, stream)
     count = int(grouping.num_groups.to_host(stream)[0])
     return grouping, grouping.order.to_host(stream), grouping.groups.to_host(stream)[:count]
@@ -302,17 +303,15 @@ def _sorted_pairs(ids: np.ndarray, experts: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", [128, 4096])  # 4096: past the default 48 KiB of shared memory
 @pytest.mark.parametrize("skew", ["uniform", "one expert for all"])
-def test_sort_lists_every_pair_once_in_runs_of_its_expert(gpu, skew, experts):
-    from infero.backends.cuda import moe
-
+@pytest.mark.parametrize("run", [8, 64])  # the __dp4a kernel's groups, the tensor-core kernel's largest
+def test_sort_lists_every_pair_once_in_runs_of_its_expert(gpu, skew, experts, run):
     rng = np.random.default_rng(3)
     pairs = 64 * 8
     ids = rng.integers(0, experts, size=pairs) if skew == "uniform" else np.full(pairs, 77)
-    _, order, groups = _sorted_pairs(ids, experts)
+    _, order, groups = _sorted_pairs(ids, experts, run)
     assert sorted(order) == list(range(pairs))
     counts = np.bincount(ids, minlength=experts)
-    want = [(e, c) for e in range(experts) for c in [min(moe.GROUP_TOKENS, counts[e] - a)
-                                                    for a in range(0, counts[e], moe.GROUP_TOKENS)]]  # fmt: skip
+    want = [(e, c) for e in range(experts) for c in [min(run, counts[e] - a) for a in range(0, counts[e], run)]]
     assert [(g[0], g[2]) for g in groups] == want
     covered = np.concatenate([order[g[1] : g[1] + g[2]] for g in groups])
     assert sorted(covered) == list(range(pairs)) and all((ids[order[g[1] : g[1] + g[2]]] == g[0]).all() for g in groups)
@@ -354,6 +353,78 @@ def test_grouped_pairs_are_bitwise_each_pairs_own_mat_vec(gpu, qtype):
         for a, b in zip(outs["pairs"], outs["grouped"], strict=True):
             a, b = a.to_host(stream), b.to_host(stream)
             assert np.isfinite(b).all() and np.array_equal(a, b), f"per_token {per_token}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [768, 2048, 800], ids=lambda c: f"cols{c}")
+@pytest.mark.parametrize("group", [16, 32, 64], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_tensor_core_groups_are_bitwise_each_pairs_own_mat_vec(gpu, qtype, group, cols):
+    """matvec_experts_mma's row p is expert_matvec's (matvec_q at one token), bit for bit, for runs of 16, 32 and 64
+    pairs: full and short groups (one expert taken by 70 of 80 tokens), experts nobody chose, gate + up in one launch
+    and down (per_token 1), rows that leave a block's tile short; rows of 24 units (lanes 24-31 hold none), 64 (two a
+    lane) and, Q8_0 only, 25; NaN-poisoned outputs all written."""
+    from infero.backends.cuda import driver, matvec, moe, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    if cols % 256 and qtype != Q.Q8_0:
+        pytest.skip("K-quant rows are whole superblocks")
+    experts, k, rows, n = 12, 3, 300, 80
+    gate, _ = upload_experts(qtype, experts, rows, cols, 9)
+    up, _ = upload_experts(qtype, experts, rows, cols, 10)
+    rng = np.random.default_rng(12)
+    x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
+    ids = rng.integers(0, 9, size=(n, k)).astype(np.int32)  # experts 9-11: nobody's
+    ids[:70, 0] = 4
+    stream, ws = runtime.stream(), Workspace(1 << 26)
+    grouping, _, groups = _sorted_pairs(ids, experts, group)
+    assert groups[:, 2].max() == group and (groups[:, 2] < group).any()
+    xd = from_host(x)
+    for per_token, mats in ((k, [gate, up]), (1, [gate])):
+        act_rows = n * k // per_token
+        quantized = (ws.empty(matvec.activation_shapes(act_rows, cols)[0], np.int8),
+                     ws.empty(matvec.activation_shapes(act_rows, cols)[1], np.int32))  # fmt: skip
+        matvec.quantize(*quantized, xd.rows(0, act_rows), stream)
+        outs = {}
+        for how in ("pairs", "tensor cores"):
+            outs[how] = [empty((n * k, rows), np.float32) for _ in mats]
+            for o in outs[how]:
+                driver.memset_d8(o.ptr, 0xFF, o.nbytes, stream)
+            if how == "pairs":
+                moe.expert_matvec(outs[how], mats, from_host(ids.reshape(-1)), per_token, stream, None, quantized)
+            else:
+                moe.grouped_matvec(outs[how], mats, grouping, per_token, stream, quantized)
+        for a, b in zip(outs["pairs"], outs["tensor cores"], strict=True):
+            a, b = a.to_host(stream), b.to_host(stream)
+            assert np.isfinite(b).all() and np.array_equal(a, b), f"per_token {per_token}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8, 64, 512])
+@pytest.mark.parametrize("gate_type, down_type", [(Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K), (Q.Q5_K, Q.Q5_K),
+                                                  (Q.Q6_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)],
+                         ids=lambda q: q.name)  # fmt: skip
+def test_moe_experts_on_the_tensor_cores_are_the_bits_of_every_other_path(gpu, monkeypatch, gate_type, down_type, n):
+    """A layer of 128 experts, k = 8, at 8, 64 and 512 tokens: its output is the same bits pair by pair, grouped
+    on the __dp4a kernel, and grouped on the tensor cores in runs of 16, 32 and 64 pairs (so MOE_MMA_MIN_TOKENS can
+    change no token's bits)."""
+    from infero.backends.cuda import moe
+    from infero.backends.cuda import ops as cuda_ops
+
+    mats, _ = expert_mats(gate_type, down_type, 128)
+    h, _, ids, weights = routed(n, 128, 8, seed=n + int(gate_type))
+    ops = gpu_ops(prepared=False)
+    paths = {"pairs": (n + 1, n + 1, moe.MMA_GROUP), "dp4a": (2, n + 1, moe.MMA_GROUP)}
+    paths |= {f"mma{g}": (2, 1, g) for g in moe.MMA_GROUPS}
+    outs = {}
+    for name, (grouped_from, mma_from, group) in paths.items():
+        monkeypatch.setattr(cuda_ops, "MOE_GROUPED_MIN_TOKENS", grouped_from)
+        monkeypatch.setattr(cuda_ops, "MOE_MMA_MIN_TOKENS", mma_from)
+        monkeypatch.setattr(moe, "MMA_GROUP", group)
+        outs[name] = run_experts(ops, h, ids, weights, mats)
+    assert np.isfinite(outs["pairs"]).all()
+    for name, out in outs.items():
+        assert np.array_equal(out, outs["pairs"]), name
 
 
 @pytest.mark.gpu
@@ -491,14 +562,37 @@ def test_moe_experts_sorts_pairs_once_and_runs_grouped_gate_up_swiglu_down_combi
     assert out.shape == (n, 256) and ops.ws.offset == 1  # the output alone stays
     sort, quantize, gate_up, swiglu, down, combine = calls
     grouping = sort[1]
-    assert sort[2:] == (ids.ptr, 8) and grouping.order.shape == (n * k,)
-    assert grouping.groups.shape == (moe.max_groups(n * k, 8), 4) == (16 + 8, 4)
+    assert sort[2:] == (ids.ptr, 8) and grouping.order.shape == (n * k,) and grouping.run == moe.GROUP_TOKENS == 8
+    assert grouping.groups.shape == (moe.max_groups(n * k, 8, 8), 4) == (16 + 8, 4)
     assert quantize[:2] == ("quantize", h.ptr) and quantize[2] == (2, n, 256)
     (gate, up), h_quantized = gate_up[1], gate_up[5]
     assert gate_up[0] == "grouped" and gate_up[2:5] == ([12, 12], k, grouping) and h_quantized[0].shape == (2, n, 256)
     assert swiglu[1:4] == (gate, gate, up) and swiglu[4][0].shape == (2, n * k, 128)
     assert down[0] == "grouped" and down[2:5] == ([14], 1, grouping) and down[5] is swiglu[4]
     assert combine[1:] == (out.ptr, down[1][0], weights.ptr)
+
+
+def test_moe_experts_sorts_for_the_tensor_cores_from_a_token_count_if_every_type_takes_them(launches, monkeypatch):
+    """From MOE_MMA_MIN_TOKENS tokens a layer of moe.MMA_TYPES sorts its pairs in runs of moe.MMA_GROUP (groups sized
+    for them) and both grouped launches read that grouping; below it, or with a Q3_K down, runs of GROUP_TOKENS."""
+    from infero.backends.cuda import moe
+    from infero.backends.cuda import ops as cuda_ops
+
+    ops, calls = launches
+    monkeypatch.setattr(cuda_ops, "MOE_MMA_MIN_TOKENS", 16)
+    n, k = 16, 4
+    ids, weights = _Tensor(2, (n, k), np.int32), _Tensor(3, (n, k), np.float32)
+    q4k_q6k = (_experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q6_K, 8, 256, 128))
+    q4k_q3k = (*q4k_q6k[:2], _experts(Q.Q3_K, 8, 256, 128))
+    for tokens, mats, run in ((n, q4k_q6k, moe.MMA_GROUP), (n - 1, q4k_q6k, 8), (n, q4k_q3k, 8)):
+        calls.clear()
+        ops.moe_experts(_Tensor(1, (tokens, 256), np.float32), ids.reshape(tokens, k), weights.reshape(tokens, k),
+                        *mats)  # fmt: skip
+        grouping = calls[0][1]
+        assert calls[0][0] == "sort" and grouping.run == run
+        assert grouping.groups.shape == (moe.max_groups(tokens * k, 8, run), 4)
+        assert [c[4] for c in calls if c[0] == "grouped"] == [grouping, grouping]
+    assert moe.MMA_GROUP != moe.GROUP_TOKENS and moe.MMA_GROUP in moe.MMA_GROUPS
 
 
 def test_one_token_runs_each_pair_on_its_own_expert_and_down_with_the_combine(launches):

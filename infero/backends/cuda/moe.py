@@ -1,6 +1,6 @@
 """Launchers for a mixture-of-experts layer on the GPU: routing (kernels/moe.cu's moe_route), the chosen experts'
-mat-vecs (matvec.cu's matvec_experts, matvec_experts_grouped, matvec_experts_f) and the weighted sum of their outputs
-(moe_combine).
+mat-vecs (matvec.cu's matvec_experts, matvec_experts_grouped, matvec_experts_f; moe_mma.cu's matvec_experts_mma) and
+the weighted sum of their outputs (moe_combine).
 
 Every step stays on the device (a decode step is one CUDA graph): the router's logits come from the linear layer,
 moe_route turns each row into k expert ids and weights, and each (token, rank) pair p = t k + r runs the 1-token
@@ -8,7 +8,8 @@ mat-vec of its expert, reading only that expert's rows. A pair's output is bitwi
 expert (matvec_q's, or matvec_f's, arithmetic and reduction order), so a token's output never depends on which or
 how many other tokens chose its experts, nor on the batch (docs/kernels.md, "Batch invariance"). Where tokens share
 experts (prefill, batched steps), moe_sort groups the pairs by expert and matvec_experts_grouped reads each chosen
-expert's rows once per GROUP_TOKENS of its pairs, every pair's row still bitwise its 1-token mat-vec.
+expert's rows once per GROUP_TOKENS of its pairs, every pair's row still bitwise its 1-token mat-vec; for the
+MMA_TYPES, groups of MMA_GROUP pairs can take matvec_experts_mma instead (the int8 tensor cores, the same bits).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ THREADS = 256  # moe_combine's block
 MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
 GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
 GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 152, Q3_K to 255)
+MMA_SOURCE = "moe_mma.cu"
+MMA_TYPES = (12, 13, 14, 8)  # Q4_K, Q5_K, Q6_K, Q8_0: what Q4_K_M / Q5_K_M / Q6_K / Q8_0 files put in their experts
+MMA_GROUPS = (16, 32, 64)  # the pairs a block of matvec_experts_mma computes (each instantiated)
+MMA_GROUP = 32  # the run length CudaOps.moe_experts sorts into for it (must differ from GROUP_TOKENS)
+MMA_WARPS = 4  # matvec_experts_mma's warps a block: G / 16 split the pairs, the others 16 rows each
 COMBINE_MAX_K = 8  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
 ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one routes a token) and tokens a block
 SORT_THREADS = 1024
@@ -44,12 +50,16 @@ for _t in matvec.QUANT_TYPES:
     runtime.declare(matvec.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 for _t in matvec.FLOAT_TYPES:
     runtime.declare(matvec.SOURCE, [f"matvec_experts_f<{_t}>"], needs=(runtime.weight_type(_t), runtime.EXPERTS))
+for _t in MMA_TYPES:
+    _names = [f"matvec_experts_mma<{_t}, {g}>" for g in MMA_GROUPS]
+    runtime.declare(MMA_SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ROUTE_ARGS = (_P, _P, _P, _I, _I, _I)
 _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
 _Q_ARGS = (None, _P, _I, _P, _P, _I, _I, _L)  # None: matvec.Segments by value
 _GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
+_MMA_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
 _ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
@@ -185,39 +195,49 @@ def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: Devi
 
 
 class Grouping(NamedTuple):
-    """moe_sort's output: the pairs by expert (order int32 [pairs]), runs of at most GROUP_TOKENS pairs of one
-    expert (groups int32 [max_groups(pairs, experts), 4]: expert, first index into order, count, 0) and their
-    number (num_groups int32 [1])."""
+    """moe_sort's output: the pairs by expert (order int32 [pairs]), runs of at most `run` pairs of one expert
+    (groups int32 [max_groups(pairs, experts, run), 4]: expert, first index into order, count, 0) and their number
+    (num_groups int32 [1]). run: GROUP_TOKENS for matvec_experts_grouped, one of MMA_GROUPS for
+    matvec_experts_mma."""
 
     order: DeviceTensor
     groups: DeviceTensor
     num_groups: DeviceTensor
+    run: int
+
+
+class ExpertMats(ctypes.Structure):
+    """moe_mma.cu's xm::ExpertMats: the one or two matrices of a launch and their outputs, passed by value."""
+
+    _fields_ = [("weight", _P * 2), ("out", _P * 2)]
 
 
 def _allow_shared(fn, shared: int) -> None:
     """Opt fn in to `shared` bytes of dynamic shared memory where that passes the default 48 KiB (moe_sort and the
-    routing moe_router keep 16 bytes an expert: past 3,072 experts)."""
+    routing moe_router keep 16 bytes an expert: past 3,072 experts; matvec_experts_mma's chunks past ~2,048 columns
+    at 64 pairs)."""
     if shared > _shared_allowed.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _shared_allowed[fn] = shared
 
 
-def max_groups(pairs: int, experts: int) -> int:
-    """The most groups moe_sort can make: each chosen expert's pairs in runs of GROUP_TOKENS, the last one short."""
-    return -(-pairs // GROUP_TOKENS) + min(experts, pairs)
+def max_groups(pairs: int, experts: int, run: int) -> int:
+    """The most groups moe_sort can make: each chosen expert's pairs in runs of `run`, the last one short."""
+    return -(-pairs // run) + min(experts, pairs)
 
 
 def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Stream) -> None:
     """Group the (token, rank) pairs of ids (int32 [n, k] or [pairs], expert ids < experts) by expert."""
     pairs = ids.numel
-    order, groups, num_groups = grouping
+    order, groups, num_groups, _ = grouping
     if not 1 <= experts <= MAX_EXPERTS or ids.dtype != np.int32:
         raise ValueError(f"sort: int32 ids of 1..{MAX_EXPERTS} experts, got {ids.dtype} and {experts} experts")
     shapes = (order.shape, groups.shape, num_groups.shape)
-    if shapes != ((pairs,), (max_groups(pairs, experts), 4), (1,)) or any(t.dtype != np.int32 for t in grouping):
-        raise ValueError(f"sort: order int32 [{pairs}], groups int32 [{max_groups(pairs, experts)}, 4] and "
-                         f"num_groups int32 [1], got {shapes}")  # fmt: skip
-    args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, GROUP_TOKENS)
+    most = max_groups(pairs, experts, max(grouping.run, 1))
+    if grouping.run < 1 or shapes != ((pairs,), (most, 4), (1,)) or any(t.dtype != np.int32 for t in grouping[:3]):
+        raise ValueError(f"sort: runs of at least 1 pair, order int32 [{pairs}], groups int32 [{most}, 4] and "
+                         f"num_groups int32 [1], got run {grouping.run} and {shapes}")  # fmt: skip
+    args = (order.ptr, groups.ptr, num_groups.ptr, ids.ptr, pairs, experts, grouping.run)
     fn = runtime.kernel(SOURCE, "moe_sort")
     _allow_shared(fn, 16 * experts)
     driver.launch(fn, (1,), (SORT_THREADS,), args, _SORT_ARGS, stream, 16 * experts, pdl=True)
@@ -226,7 +246,8 @@ def sort(grouping: Grouping, ids: DeviceTensor, experts: int, stream: driver.Str
 def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping: Grouping, per_token: int,
                    stream: driver.Stream, quantized) -> None:  # fmt: skip
     """expert_matvec's outputs (block formats only), from the pairs grouped by sort: each chosen expert's rows are
-    read once per GROUP_TOKENS of its pairs. Bitwise what expert_matvec gives every pair."""
+    read once per group of its pairs, grouping.run at most: matvec_experts_grouped's GROUP_TOKENS, or one of
+    MMA_GROUPS on the tensor cores (MMA_TYPES). Bitwise what expert_matvec gives every pair."""
     first = mats[0]
     if first.ggml_type not in matvec.QUANT_TYPES:
         raise ValueError(f"grouped_matvec: block formats only, got type {first.ggml_type}")
@@ -234,6 +255,9 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
         raise ValueError(f"grouped_matvec: {error}")
     pairs = grouping.order.numel
     if pairs == 0:
+        return
+    if grouping.run != GROUP_TOKENS:
+        _grouped_mma(outs, mats, grouping, per_token, stream, quantized)
         return
     seg = matvec.segments(outs, [m.matrix for m in mats], [None] * len(mats))
     for i in range(len(mats)):
@@ -246,6 +270,40 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
             xq.shape[1], first.cols, first.matrix.data.shape[1])  # fmt: skip
     fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_grouped<{first.ggml_type}, {GROUP_TOKENS}, {GROUP_RPW}>")
     driver.launch(fn, grid, (32 * per_block,), args, _GROUPED_ARGS, stream, pdl=True)
+
+
+_MMA_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # 16-byte pieces matvec_experts_mma stages a (unit, row): xm::Policy
+
+
+def mma_shared(ggml_type: int, group: int, cols: int) -> int:
+    """matvec_experts_mma's dynamic shared memory: one chunk of ceil(cols / 256) units, each with its activations
+    and scales (80 bytes a pair) and its weights (the format's pieces, and for Q6_K / Q8_0 a word, a row)."""
+    rows = 16 * MMA_WARPS // (group // 16)
+    extra = 4 * rows if ggml_type in (14, 8) else 0
+    return -(-cols // 256) * (80 * group + 16 * _MMA_PIECES[ggml_type] * rows + extra)
+
+
+def _grouped_mma(outs, mats, grouping: Grouping, per_token: int, stream: driver.Stream, quantized) -> None:
+    """grouped_matvec on matvec_experts_mma (arguments checked by grouped_matvec)."""
+    first, group = mats[0], grouping.run
+    if first.ggml_type not in MMA_TYPES or group not in MMA_GROUPS:
+        raise ValueError(f"grouped_matvec: runs other than GROUP_TOKENS ({GROUP_TOKENS}) take the tensor cores: "
+                         f"types {MMA_TYPES}, runs {MMA_GROUPS}; got type {first.ggml_type}, run {group}")  # fmt: skip
+    if grouping.groups.shape[0] > 65535:
+        raise ValueError(f"grouped_matvec: {grouping.groups.shape[0]} groups exceed the launch's grid (65535)")
+    rows = first.rows
+    mats_arg = ExpertMats()
+    for i, (out, m) in enumerate(zip(outs, mats, strict=True)):
+        mats_arg.weight[i], mats_arg.out[i] = m.matrix.data.ptr, out.ptr
+    tiles = -(-rows // (16 * MMA_WARPS // (group // 16)))
+    xq, xs = quantized[0], quantized[1]
+    args = (mats_arg, grouping.order.ptr, grouping.groups.ptr, grouping.num_groups.ptr, per_token, xq.ptr, xs.ptr,
+            xq.shape[1], rows, first.cols, first.matrix.data.shape[1])  # fmt: skip
+    fn = runtime.kernel(MMA_SOURCE, f"matvec_experts_mma<{first.ggml_type}, {group}>")
+    shared = mma_shared(first.ggml_type, group, first.cols)
+    _allow_shared(fn, shared)
+    driver.launch(fn, (tiles * len(mats), grouping.groups.shape[0]), (32 * MMA_WARPS,), args, _MMA_ARGS, stream,
+                  shared, pdl=True)  # fmt: skip
 
 
 def _check(outs, mats, ids, per_token, x, quantized) -> str | None:

@@ -44,6 +44,11 @@ FEW_FLOAT32_ROWS = 256
 # 352.3), but with grouping from 2 pairs an expert (31b548e) the decode step of 8 sequences took 8.55 ms against
 # 7.34 (another machine start, whose batch-1 step was 9% slower) and bench serve at 8 clients 782 tok/s against 851.
 MOE_GROUPED_MIN_TOKENS = 2
+# From this many tokens a mixture-of-experts layer whose quantized expert types are all moe.MMA_TYPES sorts its pairs
+# in runs of moe.MMA_GROUP for the tensor-core expert kernel (matvec_experts_mma); below it, in runs of
+# moe.GROUP_TOKENS for the __dp4a one. Both give every pair its 1-token mat-vec's bits, so this only moves time. Not
+# yet measured: 128 tokens is where qwen3-30b-a3b's 128 experts average 8 pairs (k = 8), a full __dp4a group.
+MOE_MMA_MIN_TOKENS = 128
 
 
 class CudaKVCache:
@@ -339,8 +344,9 @@ class CudaOps:
         """sum_r weights[:, r] * down_e(silu(gate_e h) * up_e h), e = experts[:, r] (see CpuOps.moe_experts): each
         (token, rank) pair's expert mat-vecs, SwiGLU, then moe.combine. From MOE_GROUPED_MIN_TOKENS tokens on, the
         pairs are first sorted by expert so that each chosen expert's rows are read once per moe.GROUP_TOKENS of
-        its pairs (moe.grouped_matvec), else each pair reads its own (moe.expert_matvec), and down and the combine
-        are one launch (moe.down_combine): the same bits every way.
+        its pairs (moe.grouped_matvec; from MOE_MMA_MIN_TOKENS on, where every quantized expert type is one of
+        moe.MMA_TYPES, once per moe.MMA_GROUP on the tensor cores), else each pair reads its own
+        (moe.expert_matvec), and down and the combine are one launch (moe.down_combine): the same bits every way.
         The pairs' buffers are dead once the combine is queued: the workspace takes them back (a replayed graph
         sees the same addresses)."""
         n, k = experts.shape
@@ -348,10 +354,13 @@ class CudaOps:
         mark = self.ws.offset
         pair_ids = experts.reshape(n * k)
         grouping = None
-        if n >= MOE_GROUPED_MIN_TOKENS and any(m.ggml_type in matvec.QUANT_TYPES for m in (gate_exps, down_exps)):
+        quant_types = {m.ggml_type for m in (gate_exps, up_exps, down_exps)} & set(matvec.QUANT_TYPES)
+        if n >= MOE_GROUPED_MIN_TOKENS and quant_types:
+            tensor_cores = n >= MOE_MMA_MIN_TOKENS and quant_types <= set(moe.MMA_TYPES)
+            run = moe.MMA_GROUP if tensor_cores else moe.GROUP_TOKENS
             grouping = moe.Grouping(self.ws.empty((n * k,), np.int32),
-                                    self.ws.empty((moe.max_groups(n * k, gate_exps.experts), 4), np.int32),
-                                    self.ws.empty((1,), np.int32))  # fmt: skip
+                                    self.ws.empty((moe.max_groups(n * k, gate_exps.experts, run), 4), np.int32),
+                                    self.ws.empty((1,), np.int32), run)  # fmt: skip
             moe.sort(grouping, pair_ids, gate_exps.experts, self.stream)
 
         def expert_matvec(outs, mats, per_token, x, quantized):

@@ -1,6 +1,6 @@
 // The inline-PTX pieces the tensor-core kernels share (gemm.cu, skinny_gemm.cu, attention.cu, matvec.cu's
 // matvec_mma): shared-memory addresses, cp.async copies and their groups, ldmatrix, mma.sync.m16n8k16 with fp16
-// inputs and fp32 sums, and mma.sync.m16n8k32 with u8 x s8 inputs and int32 sums.
+// inputs and fp32 sums, and mma.sync.m16n8k32 with u8 or s8 x s8 inputs and int32 sums.
 #pragma once
 
 namespace tc {
@@ -57,6 +57,14 @@ __device__ __forceinline__ void mma_16832_u8s8(int (&d)[4], const unsigned (&a)[
       "{%10, %10, %10, %10};\n"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+// d = a (16x32 s8, row) * b (32x8 s8, col) + c (every element), int32 sums.
+__device__ __forceinline__ void mma_16832_s8s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, int c) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c));
 }
 
 // Two floats -> two fp16 in one register (lo in the low half), rounded to nearest, saturating at +-65504.
