@@ -36,9 +36,9 @@
 // the rows: a block holds 64 (G = 16), 32 (G = 32) or 16 (G = 64) rows. Shared memory per chunk (ceil(units / 8)
 // units): activations [units][2 runs][G][2 planes][16 bytes] (lane (g, j)'s B words at 16 g + 4 j: conflict free),
 // scales [units][G][2 runs], weights [units][pieces][rows][16 bytes] and, for Q6_K / Q8_0, a word a (unit, row).
-// Q6_K and Q8_0 blocks are 2-byte aligned: their 16-byte pieces come from the 4-byte words around them. Each chunk is
-// loaded, then computed, between two block barriers: other blocks on the SM (3 a SM: 118-135 registers, no spill on
-// sm_90a) overlap the loads. Speed on the H200: not measured yet (scripts/bench_moe_experts.py, its --mma groups).
+// Two buffers: chunk c + 1 is copied by cp.async while chunk c's mma work runs, one block barrier a chunk. Q6_K and
+// Q8_0 blocks are 2-byte aligned: their weight pieces come from the 4-byte words around them, through registers, just
+// before their chunk's barrier. Speed on the H200: not measured yet (scripts/bench_moe_experts.py, its --mma groups).
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "unit_expr.cuh"
@@ -55,8 +55,6 @@ struct ExpertMats {
 
 __device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))); }
 __device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
-
-__device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 // 16 bytes at a 2-byte aligned p from the 4-byte words holding them (the last one found from p's byte 15, so no
 // word without a requested byte is read), shifted into place.
@@ -79,15 +77,9 @@ constexpr int EXACT = 0x4B400000;  // 1.5 2^23 as a float's bits
 __device__ __forceinline__ float exact_float(int biased) { return __fsub_rn(__int_as_float(biased), 12582912.f); }
 __device__ __forceinline__ float small_float(int v) { return exact_float(EXACT + v); }
 
-// A pair's staged scales of one run: its activation group's D and its half's sum of 256 x0 + x1, as a float (exact:
-// |s| <= 16 * 32639).
-struct RunScale {
-  float d, s;
-};
-
 // ---- formats ------------------------------------------------------------------------------------------------------
-// Policy<T>: PIECES 16-byte pieces (and with EXTRA a word) staged per (unit, row); piece(row, u, i) / extra(row, u)
-// read them from the GGUF row; act(u, r): run r's activation half (2 group + half, mv::Unit<T>::runs); frag() the
+// Policy<T>: PIECES 16-byte pieces (and with EXTRA a word) staged per (unit, row); piece_at(row, u, i) (ASYNC: 16-byte
+// aligned, copied by cp.async) or piece(row, u, i) and extra(row, u) read them from the GGUF row; act(u, r): run r's activation half (2 group + half, mv::Unit<T>::runs); frag() the
 // lane's A words of m-rows g and g + 8 and their scales (as exact floats) from the staged unit; unit() the unit's
 // float contribution from its run dots (dots(), as floats) and the pair's run scales (unit_expr.cuh).
 
@@ -100,15 +92,14 @@ template <int T>
 struct PolicyK45 {
   static constexpr int BYTES = T == GGML_Q4_K ? 144 : 176, QS = T == GGML_Q4_K ? 16 : 48;
   static constexpr int PIECES = T == GGML_Q4_K ? 2 : 3;  // qs, header (d, dmin, scales) [, qh]
-  static constexpr bool EXTRA = false, SPLIT = true;
+  static constexpr bool EXTRA = false, SPLIT = true, ASYNC = true;
   struct Scale { float d, dmin, sc[2], m[2]; };
   __device__ static int act(int u, int r) { return 2 * ((u >> 3) * 8 + ((u & 7) >> 1) * 2 + r) + (u & 1); }
-  __device__ static uint4 piece(const uint8_t* row, int u, int i) {
+  __device__ static const uint8_t* piece_at(const uint8_t* row, int u, int i) {
     const uint8_t* b = row + (long long)(u >> 3) * BYTES;
     const int k = u & 7;
-    return load16(i == 0 ? b + QS + 16 * k : i == 1 ? b : b + 16 + 16 * (k & 1));
+    return i == 0 ? b + QS + 16 * k : i == 1 ? b : b + 16 + 16 * (k & 1);
   }
-  __device__ static uint32_t extra(const uint8_t*, int) { return 0; }
   __device__ static void frag(uint32_t (&a)[4], Scale (&sc)[2], const uint8_t* unit, const uint32_t*, int rows, int rl,
                               int u, int j) {
     const int c = (u & 7) >> 1;
@@ -153,7 +144,7 @@ template <> struct Policy<GGML_Q5_K> : PolicyK45<GGML_Q5_K> {};
 template <>
 struct Policy<GGML_Q6_K> {
   static constexpr int PIECES = 2;  // ql, qh
-  static constexpr bool EXTRA = true, SPLIT = true;
+  static constexpr bool EXTRA = true, SPLIT = true, ASYNC = false;
   struct Scale { float d, sc[2]; };
   __device__ static int act(int u, int r) { return 2 * ((u >> 3) * 8 + ((u & 7) >> 2) * 4 + ((u & 3) >> 1) + 2 * r) + (u & 1); }
   __device__ static uint4 piece(const uint8_t* row, int u, int i) {
@@ -193,7 +184,7 @@ struct Policy<GGML_Q6_K> {
 template <>
 struct Policy<GGML_Q8_0> {
   static constexpr int PIECES = 2;  // weights 0-15, 16-31
-  static constexpr bool EXTRA = true, SPLIT = false;
+  static constexpr bool EXTRA = true, SPLIT = false, ASYNC = false;
   struct Scale { float d; };
   __device__ static int act(int u, int r) { return 2 * u + r; }
   __device__ static uint4 piece(const uint8_t* row, int u, int i) { return load16_at2(row + 34LL * u + 2 + 16 * i); }
@@ -271,13 +262,12 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   using P = xm::Policy<T>;
   constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4;
   static_assert(G % 16 == 0 && WP <= xm::WARPS, "G: 16, 32 or 64");
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(16) uint8_t smem[];  // two chunk buffers, chunk c in buffer c % 2
   __shared__ int arow[G];
   const int units = cols / 32, chunk = (units + 7) / 8;
-  uint8_t* sb = smem;                                                                   // [chunk][2][G][2][16]
-  xm::RunScale* ss = reinterpret_cast<xm::RunScale*>(smem + 64 * chunk * G);            // [chunk][G][2]
-  uint8_t* sa = smem + 80 * chunk * G;                                                  // [chunk][PIECES][ROWS][16]
-  uint32_t* sx = reinterpret_cast<uint32_t*>(sa + 16 * chunk * P::PIECES * ROWS);       // [chunk][ROWS]
+  // A buffer: activations [chunk][2][G][2][16], scales [chunk][G][2], weights [chunk][PIECES][ROWS][16], words
+  // [chunk][ROWS] (moe.mma_shared).
+  const int act_bytes = 80 * chunk * G, buf_bytes = act_bytes + chunk * ROWS * (16 * P::PIECES + (P::EXTRA ? 4 : 0));
   const int tiles = (rows + ROWS - 1) / ROWS;
   const int seg = blockIdx.x / tiles, row0 = (blockIdx.x % tiles) * ROWS;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
@@ -290,39 +280,58 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   if (tid < G) arow[tid] = order[group.y + min(tid, n - 1)] / per_token;
   const int8_t* xq1 = xq + (long long)act_rows * cols;
   const bool active = 16 * wp < n;
+  __syncthreads();  // arow, for the copies
+
+  // Chunk c's copies into its buffer by cp.async (no registers: they overlap the previous chunk's mma work): the
+  // activation slices, their scales and, where 16-byte aligned (ASYNC), the weight pieces.
+  auto issue = [&](int c) {
+    const int s = ((c & 1) << 2) | (c & 2) | (c >> 2), count = (units - s + 7) / 8;
+    uint8_t* sb = smem + (c & 1) * buf_bytes;
+    ActScale* ss = reinterpret_cast<ActScale*>(sb + 64 * chunk * G);
+    for (int i = tid; i < 4 * count * G; i += 32 * xm::WARPS) {
+      const int plane = i & 1, p = (i >> 1) % G, jr = (i >> 1) / G;
+      tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 16 * P::act(s + 8 * (jr >> 1), jr & 1));
+    }
+    for (int i = tid; i < 2 * count * G; i += 32 * xm::WARPS)
+      tc::cp_async<8>(ss + i, xs + (long long)arow[(i >> 1) % G] * (cols / 16) + P::act(s + 8 * ((i >> 1) / G), i & 1));
+    if constexpr (P::ASYNC) {
+      uint8_t* sa = sb + act_bytes;
+      for (int i = tid; i < count * P::PIECES * ROWS; i += 32 * xm::WARPS) {
+        const int r = i % ROWS, jp = i / ROWS;
+        const uint8_t* row = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+        tc::cp_async<16>(sa + 16 * i, P::piece_at(row, s + 8 * (jp / P::PIECES), jp % P::PIECES));
+      }
+    }
+  };
 
   float cur[2 * NT], level[5][2 * NT];
 #pragma unroll
   for (int b = 0; b < 5; ++b)
 #pragma unroll
     for (int i = 0; i < 2 * NT; ++i) level[b][i] = 0.f;
+  issue(0);
+  tc::cp_async_commit();
   for (int c = 0; c < 8; ++c) {
     const int s = ((c & 1) << 2) | (c & 2) | (c >> 2);  // rev3(c)
     const int count = (units - s + 7) / 8;               // units s, s + 8, ... of a row
-    __syncthreads();  // arow written; every warp done with the previous chunk
+    const uint8_t* sb = smem + (c & 1) * buf_bytes;
+    const ActScale* ss = reinterpret_cast<const ActScale*>(sb + 64 * chunk * G);
+    uint8_t* sa = smem + (c & 1) * buf_bytes + act_bytes;
+    uint32_t* sx = reinterpret_cast<uint32_t*>(sa + 16 * chunk * P::PIECES * ROWS);
+    if constexpr (!P::ASYNC) {  // 2-byte aligned pieces, realigned in registers (the buffer's chunk c - 2 is done)
 #pragma unroll 4
-    for (int i = tid; i < 4 * count * G; i += 32 * xm::WARPS) {
-      const int plane = i & 1, p = (i >> 1) % G, jr = (i >> 1) / G;
-      const int8_t* src = (plane ? xq1 : xq) + (long long)arow[p] * cols + 16 * P::act(s + 8 * (jr >> 1), jr & 1);
-      *reinterpret_cast<uint4*>(sb + 16 * i) = xm::load16(reinterpret_cast<const uint8_t*>(src));
-    }
-#pragma unroll 4
-    for (int i = tid; i < 2 * count * G; i += 32 * xm::WARPS) {
-      const int p = (i >> 1) % G, u = s + 8 * ((i >> 1) / G);
-      const int2 v = __ldg(reinterpret_cast<const int2*>(xs + (long long)arow[p] * (cols / 16) + P::act(u, i & 1)));
-      ss[i] = xm::RunScale{__int_as_float(v.x), (float)v.y};
-    }
-#pragma unroll 4
-    for (int i = tid; i < count * P::PIECES * ROWS; i += 32 * xm::WARPS) {
-      const int r = i % ROWS, jp = i / ROWS;
-      const uint8_t* row = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
-      *reinterpret_cast<uint4*>(sa + 16 * i) = P::piece(row, s + 8 * (jp / P::PIECES), jp % P::PIECES);
-    }
-    if constexpr (P::EXTRA) {
+      for (int i = tid; i < count * P::PIECES * ROWS; i += 32 * xm::WARPS) {
+        const int r = i % ROWS, jp = i / ROWS;
+        const uint8_t* row = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
+        *reinterpret_cast<uint4*>(sa + 16 * i) = P::piece(row, s + 8 * (jp / P::PIECES), jp % P::PIECES);
+      }
       for (int i = tid; i < count * ROWS; i += 32 * xm::WARPS)
         sx[i] = P::extra(weight + (long long)min(row0 + i % ROWS, rows - 1) * row_bytes, s + 8 * (i / ROWS));
     }
-    __syncthreads();
+    tc::cp_async_wait<0>();
+    __syncthreads();  // chunk c landed for every thread; every warp done with chunk c - 1, whose buffer c + 1 takes
+    if (c < 7) issue(c + 1);
+    tc::cp_async_commit();
     if (!active) continue;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // position 4 c + q: lane s + 8 rev2(q), its units s + 8 (rev2(q) + 4 i)
@@ -340,8 +349,9 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
           const uint8_t* b = sb + 32 * (2 * k * G + pb) + 16 * g + 4 * j;
           float dot[2][2];
           xm::dots<P::SPLIT>(dot, a, xm::word(b), xm::word(b + 32 * G));
-          const float4 v = *reinterpret_cast<const float4*>(ss + 2 * (k * G + pb + j));  // {D, s} of runs 0, 1
-          const float ad[2] = {v.x, v.z}, fs[2] = {v.y, v.w};
+          const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * G + pb + j));  // {D, s} of runs 0, 1
+          const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
+          const float fs[2] = {xm::small_float(v.y), xm::small_float(v.w)};  // |s| <= 16 * 32639
 #pragma unroll
           for (int h = 0; h < 2; ++h) cur[2 * nt + h] = __fadd_rn(cur[2 * nt + h], P::unit(sc[h], dot[h], ad, fs));
         }
