@@ -114,6 +114,7 @@ def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream
     [n, k + 1])."""
     n, experts = logits.shape
     k = ids.shape[1] if len(ids.shape) == 2 else -1
+    experts, k = experts - shared, k - shared
     if logits.dtype != np.float32 or not 1 <= k <= experts:
         raise ValueError(f"route: logits must be float32 [n, experts] and 1 <= k <= experts, got {logits.dtype} "
                          f"{logits.shape} and ids {ids.shape}")  # fmt: skip
@@ -126,7 +127,6 @@ def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream
         driver.launch(runtime.kernel(SOURCE, "moe_route"), (n,), (32,), args, _ROUTE_ARGS, stream, 4 * experts,
                       pdl=True)  # fmt: skip
 
-    experts, k = experts - shared, k - shared
 
 def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: driver.Stream,
            routed: tuple[DeviceTensor, DeviceTensor] | None = None, shared: bool = False) -> None:  # fmt: skip
