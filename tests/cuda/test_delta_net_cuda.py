@@ -78,26 +78,24 @@ def carried_states(rng, channels: int, v_heads: int, d_k: int, d_v: int, fresh=(
 # causal_conv1d
 
 
-def run_conv(x, weight, conv, lengths, slots, in_place=False):
+def run_conv(x, weight, conv, lengths, slots):
     from infero.backends.cuda import delta_net
 
     _, starts, slots_d = sequences(lengths, slots)
-    x_d, state = _dev(x), _dev(conv)
-    out = x_d if in_place else _poisoned(x.shape)
-    delta_net.causal_conv1d(out, x_d, _dev(weight), state, starts, slots_d, LAYER, _stream())
+    x_d, state, out = _dev(x), _dev(conv), _poisoned(x.shape)
+    delta_net.causal_conv1d(out, x_d, _dev(weight), state, starts, slots_d, LAYER, _stream(), max(lengths))
     return _host(out), _host(state)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels", [192, 8192])  # the tiny models' q | k | v, Qwen3.5-9B's
-@pytest.mark.parametrize("in_place", [False, True])
-def test_conv1d_matches_numpy_over_sequences_of_1_to_130_tokens_in_one_launch(gpu, channels, in_place):
+def test_conv1d_matches_numpy_over_sequences_of_1_to_130_tokens_in_one_launch(gpu, channels):
     rng = np.random.default_rng(channels)
     n = sum(LENGTHS)
     x = rng.normal(0, 1, (n, channels)).astype(np.float32)
     weight = rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32)
     conv, _ = carried_states(rng, channels, 1, 1, 1)
-    out, state = run_conv(x, weight, conv, LENGTHS, SLOTS, in_place)
+    out, state = run_conv(x, weight, conv, LENGTHS, SLOTS)
     batch, _, _ = sequences(LENGTHS, SLOTS)
     cache = SimpleNamespace(conv=conv.copy())
     expected = CpuOps().causal_conv1d(x, weight, cache, LAYER, batch)
@@ -463,21 +461,26 @@ def test_the_delta_rule_refuses_what_its_kernel_cannot_take(launches, kwargs, me
     assert not launches
 
 
-def test_the_conv1d_runs_a_thread_a_channel_and_sequence_and_refuses_other_kernel_sizes(launches):
+def test_the_conv1d_runs_a_thread_a_channel_sequence_and_16_tokens_and_refuses_other_kernel_sizes(launches):
     from infero.backends.cuda import delta_net
 
-    def call(taps=4, starts=3):
-        delta_net.causal_conv1d(tensor((9, 8192)), tensor((9, 8192)), tensor((8192, taps)),
+    def call(taps=4, starts=3, max_tokens=None, x_ptr=2 << 20):
+        delta_net.causal_conv1d(tensor((40, 8192)), tensor((40, 8192), ptr=x_ptr), tensor((8192, taps)),
                                 tensor((8, 2, 8192, taps - 1)), tensor((starts,), np.int32), tensor((2,), np.int32),
-                                0, None)  # fmt: skip
+                                0, None, max_tokens)  # fmt: skip
 
     call()
-    assert launches == [("causal_conv1d<4>", (64, 2), (128,))]
+    call(max_tokens=33)
+    call(max_tokens=1)
+    assert launches == [("causal_conv1d<4>", (64, 2, 3), (128,)), ("causal_conv1d<4>", (64, 2, 3), (128,)),
+                        ("causal_conv1d<4>", (64, 2, 1), (128,))]  # fmt: skip
+    with pytest.raises(ValueError, match="out must not be x"):
+        call(x_ptr=1 << 20)
     with pytest.raises(ValueError, match=r"compiled for kernels of \(4,\) taps, got 3"):
         call(taps=3)
     with pytest.raises(ValueError, match=r"query_starts must be int32 \[3\]"):
         call(starts=2)
-    assert len(launches) == 1
+    assert len(launches) == 3
 
 
 def test_the_gates_refuse_rows_too_narrow_for_their_head_layout(launches):

@@ -20,6 +20,7 @@ from infero.backends.cuda import driver, runtime
 from infero.backends.cuda.tensor import DeviceTensor, Strided, columns  # noqa: F401  (columns: re-exported)
 
 SOURCE = "delta_net.cu"
+CONV_TOKENS = 16  # tokens of a sequence a thread of the conv1d walks (dn::CONV_TOKENS)
 CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
 KEY_DIMS = (16, 32, 64, 128)  # d_k the delta rule is compiled for (S's rows in registers); 16: the tiny models'
 RULE_PARTS = 4  # threads sharing a column of S (delta_net.cu's dn::RULE_PARTS)
@@ -75,11 +76,13 @@ def _check_sequences(query_starts: DeviceTensor, state_slots: DeviceTensor) -> i
 
 
 def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
-                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
-                  stream: driver.Stream) -> None:  # fmt: skip
+                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int, stream: driver.Stream,
+                  max_tokens: int | None = None) -> None:  # fmt: skip
     """out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps weight [C, K]) over each sequence's
     earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds for recurrent layer `layer` and
-    then holds the sequence's last K - 1 inputs (out may be x)."""
+    then holds the sequence's last K - 1 inputs (out not x). max_tokens: the most tokens a sequence has (default n);
+    its CONV_TOKENS-token chunks run side by side."""
+    _require(out.ptr != x.ptr, lambda: "out must not be x (a chunk reads the inputs before it)")
     for name, t in (("out", out), ("x", x), ("weight", weight), ("conv_state", conv_state)):
         _f32(name, t)
     _require(len(x.shape) == 2 and out.shape == x.shape, lambda: f"x {x.shape} and out {out.shape} must be [n, C]")
@@ -99,8 +102,9 @@ def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv
     args = (out.ptr, x.ptr, weight.ptr, conv_state.ptr, query_starts.ptr, state_slots.ptr, slots, layers, layer,
             channels)  # fmt: skip
     types = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I)
-    driver.launch(_kernel(f"causal_conv1d<{taps}>"), (-(-channels // 128), seqs), (128,), args, types, stream,
-                  pdl=True)  # fmt: skip
+    chunks = max(1, -(-(n if max_tokens is None else max_tokens) // CONV_TOKENS))
+    driver.launch(_kernel(f"causal_conv1d<{taps}>"), (-(-channels // 128), seqs, chunks), (128,), args, types,
+                  stream, pdl=True)  # fmt: skip
 
 
 def delta_net_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | Strided,

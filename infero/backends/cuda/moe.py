@@ -31,7 +31,10 @@ GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 1
 MMA_SOURCE = "moe_mma.cu"
 MMA_TYPES = (12, 13, 14, 8)  # Q4_K, Q5_K, Q6_K, Q8_0: what Q4_K_M / Q5_K_M / Q6_K / Q8_0 files put in their experts
 MMA_GROUPS = (16, 32, 64)  # the pairs a block of matvec_experts_mma computes (each instantiated)
-MMA_GROUP = 32  # the run length CudaOps.moe_experts sorts into for it (must differ from GROUP_TOKENS)
+# The run length CudaOps.moe_experts sorts into for it (must differ from GROUP_TOKENS). One qwen3-30b-a3b layer's
+# experts on the H200 (scripts/bench_moe_experts.py, 2026-12-03, a71277e), us for groups of 16 / 32 / 64 against
+# the __dp4a kernel's 8: 128 tokens 740 / 1,376 / 7,209 against 863; 512 tokens 1,865 / 2,155 / 5,852 against 3,019.
+MMA_GROUP = 16
 MMA_WARPS = 4  # matvec_experts_mma's warps a block: G / 16 split the pairs, the others 16 rows each
 COMBINE_MAX_K = 8  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
 ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one routes a token) and tokens a block

@@ -33,6 +33,7 @@
 
 namespace dn {
 constexpr int ROW_WARPS = 8;  // warp-per-row kernels: rows a block of 256
+constexpr int CONV_TOKENS = 16;  // causal_conv1d: tokens a thread walks (a chunk: grid z)
 constexpr int RULE_TILE = 8;   // gated_delta_rule: tokens whose q, k, v, decay and beta a block stages at a time
 constexpr int RULE_PARTS = 4;  // gated_delta_rule: threads sharing a column of S (neighbouring lanes)
 constexpr int MAX_DV = 128;    // gated_delta_rule: columns of S (RULE_PARTS threads each)
@@ -66,17 +67,20 @@ __device__ __forceinline__ float parts_sum(float x) {
 __device__ __forceinline__ bool bad_slot(int slot, int num_slots) { return slot < 0 || slot >= num_slots; }
 }  // namespace dn
 
-// causal_conv1d. x [n, C] -> out [n, C] (out may be x): per sequence and channel c, out_t = SiLU(sum over taps j of
-// weight[c, j] in_{t - (K - 1) + j}), where in_{-K+1} .. in_{-1} are the slot's conv state; the state is then
-// replaced by the sequence's last K - 1 inputs. Sum order as numpy's: w0 in0, then + w_j in_j for j = 1 .. K - 1,
-// each product and sum rounded. grid (ceil(C / 128), seqs), a thread a (sequence, channel) walking its tokens with
-// the last K - 1 inputs in registers: the state is read once and written once.
+// causal_conv1d. x [n, C] -> out [n, C] (out never x: blocks read inputs other blocks' tokens overwrite): per
+// sequence and channel c, out_t = SiLU(sum over taps j of weight[c, j] in_{t - (K - 1) + j}), where in_{-K+1} ..
+// in_{-1} are the slot's conv state; the state is then replaced by the sequence's last K - 1 inputs. Sum order as
+// numpy's: w0 in0, then + w_j in_j for j = 1 .. K - 1, each product and sum rounded. grid (ceil(C / 128), seqs,
+// chunks of CONV_TOKENS tokens), a thread a (sequence, channel, chunk) walking the chunk's tokens with the last
+// K - 1 inputs in registers, its window starting from x (or the state, before the sequence's first token). Only the
+// first chunk reads the state (CONV_TOKENS >= K - 1), so it alone writes the new one, from x and the old state in
+// its registers: no block reads what another writes. A token's output is the same expression at any chunking.
 template <int K>
-__global__ void __launch_bounds__(128) causal_conv1d(float* out, const float* x,
+__global__ void __launch_bounds__(128) causal_conv1d(float* __restrict__ out, const float* __restrict__ x,
                                                     const float* __restrict__ weight, float* __restrict__ conv,
                                                     const int* __restrict__ starts, const int* __restrict__ slots,
                                                     int num_slots, int layers, int layer, int channels) {
-    static_assert(K >= 2, "the state holds K - 1 inputs");
+    static_assert(K >= 2 && dn::CONV_TOKENS >= K - 1, "the state holds K - 1 inputs, all before the first chunk");
     const int c = blockIdx.x * 128 + threadIdx.x;
     float w[K];
     // The taps are weights (no kernel writes them): loaded before waiting on the previous kernel.
@@ -85,15 +89,23 @@ __global__ void __launch_bounds__(128) causal_conv1d(float* out, const float* x,
     pdl_enter();
     if (c >= channels) return;
     const int seq = blockIdx.y, lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
+    const int t0 = lo + blockIdx.z * dn::CONV_TOKENS, t1 = min(t0 + dn::CONV_TOKENS, hi);
+    if (t0 >= hi) return;
     if (dn::bad_slot(slot, num_slots)) {
-        for (int t = lo; t < hi; ++t) out[(size_t)t * channels + c] = __int_as_float(0x7fc00000);
+        for (int t = t0; t < t1; ++t) out[(size_t)t * channels + c] = __int_as_float(0x7fc00000);
         return;
     }
     float* state = conv + (((size_t)slot * layers + layer) * channels + c) * (K - 1);
+    const bool first = blockIdx.z == 0;
+    float old[K - 1];     // the slot's state (the first chunk's)
     float window[K - 1];  // the K - 1 inputs before token t, oldest first
 #pragma unroll
-    for (int j = 0; j < K - 1; ++j) window[j] = state[j];
-    for (int t = lo; t < hi; ++t) {
+    for (int j = 0; j < K - 1; ++j) {
+        const int p = t0 - (K - 1) + j;
+        old[j] = first ? state[j] : 0.0f;
+        window[j] = p >= lo ? x[(size_t)p * channels + c] : old[j];
+    }
+    for (int t = t0; t < t1; ++t) {
         const float in = x[(size_t)t * channels + c];
         float acc = __fmul_rn(w[0], window[0]);
 #pragma unroll
@@ -104,8 +116,16 @@ __global__ void __launch_bounds__(128) causal_conv1d(float* out, const float* x,
         window[K - 2] = in;
         out[(size_t)t * channels + c] = dn::silu(acc);
     }
+    if (!first) return;
 #pragma unroll
-    for (int j = 0; j < K - 1; ++j) state[j] = window[j];
+    for (int j = 0; j < K - 1; ++j) {  // the sequence's last K - 1 inputs: x, or the old state before its start
+        const int p = hi - (K - 1) + j;
+        float before = 0.0f;  // old[j + (hi - lo)], picked without indexing registers by a runtime value
+#pragma unroll
+        for (int i = 0; i < K - 1; ++i)
+            if (i == j + (hi - lo)) before = old[i];
+        state[j] = p >= lo ? x[(size_t)p * channels + c] : before;
+    }
 }
 
 // delta_net_gates. alpha, beta [n, *] (rows alpha_stride, beta_stride apart) -> g, beta_out [n, heads]:
