@@ -58,16 +58,16 @@ def test_q_may_be_read_from_the_q_half_of_wider_heads_and_no_other_columns(launc
 
     n, heads = 2, 4
     q_gate = tensor((n, heads, 256))
-    elementwise.qk_norm_rotary_store_kv(
-        tensor((n, heads, 128)), tensor((n, 2, 128)), tensor((n, 2, 128)), tensor((128,)), tensor((128,)), 1e-6,
-        tensor((n,), np.int32), tensor((32,)), 1.0, "neox", 64, tensor((3, 16, 2, 128), np.float16),
-        tensor((3, 16, 2, 128), np.float16), tensor((n,), np.int64), None, columns(q_gate, 0, 128),
-    )  # fmt: skip
-    assert len(launches) == 1
-    with pytest.raises(ValueError, match="q_in must be 8 float32 heads of 128"):
+
+    def call_with(q_in):
+        cache = tensor((3, 16, 2, 128), np.float16)
         elementwise.qk_norm_rotary_store_kv(
             tensor((n, heads, 128)), tensor((n, 2, 128)), tensor((n, 2, 128)), tensor((128,)), tensor((128,)), 1e-6,
-            tensor((n,), np.int32), tensor((32,)), 1.0, "neox", 64, tensor((3, 16, 2, 128), np.float16),
-            tensor((3, 16, 2, 128), np.float16), tensor((n,), np.int64), None, columns(q_gate, 0, 64),
+            tensor((n,), np.int32), tensor((32,)), 1.0, "neox", 64, cache, cache, tensor((n,), np.int64), None, q_in,
         )  # fmt: skip
+
+    call_with(columns(q_gate, 0, 128))
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="q_in must be 8 float32 heads of 128"):
+        call_with(columns(q_gate, 0, 64))
     assert len(launches) == 1
