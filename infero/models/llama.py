@@ -18,12 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from infero.checkpoint import Checkpoint
 from infero.checkpoint.config import ModelConfig
 from infero.checkpoint.dequantize import dequantize_tensor
-from infero.checkpoint.gguf import TensorInfo
 from infero.engine.batch import Batch
 from infero.errors import ModelFileError
 from infero.models.rotary import Rotary, build_rotary
@@ -133,7 +130,7 @@ def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
                 raise ModelFileError(f"{checkpoint.path}: missing tensor {n!r} for a {config.architecture} model")
         parts = [tensors[n] for n in names]
         if len(parts) == 1:
-            tensor = parts[0]
+            w = ops.weight(parts[0], gathered=gathered, values=values)
         else:
             # An expert tensor's items are matrices, a matrix's are rows: a matrix joins experts as one more, a
             # vector joins a matrix's rows as one more.
@@ -141,11 +138,9 @@ def weight_loader(checkpoint: Checkpoint, ops: Any, progress=None):
             counts = [t.shape[0] if t.shape[1:] == item else 1 if t.shape == item else 0 for t in parts]
             if len({t.ggml_type for t in parts}) != 1 or len(item) not in (1, 2) or 0 in counts:
                 return None
-            tensor = TensorInfo("+".join(names), parts[0].ggml_type, (sum(counts), *item),
-                                np.concatenate([t.data for t in parts]))  # fmt: skip
-        w = ops.weight(tensor, gathered=gathered, values=values)
+            w = ops.stacked_weight(parts, (sum(counts), *item))
         if progress is not None:
-            progress(tensor.nbytes)
+            progress(sum(t.nbytes for t in parts))
         return w
 
     return weight

@@ -58,6 +58,10 @@ class CpuOps:
         """Every tensor as float32 values (gathered and values matter to the CUDA backend's encodings only)."""
         return dequantize_tensor(tensor)
 
+    def stacked_weight(self, parts: list[TensorInfo], shape: tuple[int, ...]) -> np.ndarray:
+        """Tensors of one type as one of `shape`, each part's items (rows, or an expert tensor's matrices) in turn."""
+        return np.concatenate([dequantize_tensor(t).reshape(-1, *shape[1:]) for t in parts])
+
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         return table[token_ids]
 

@@ -11,6 +11,7 @@ import numpy as np
 from infero.backends.cuda import (
     attention,
     delta_net,
+    driver,
     elementwise,
     embedding,
     gemm,
@@ -181,15 +182,19 @@ class CudaOps:
     def stream(self):
         return self.backend.stream
 
+    @staticmethod
+    def _require_supported(tensor: TensorInfo) -> None:
+        if tensor.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
+            )
+
     def weight(self, tensor: TensorInfo, gathered: bool = False, values: bool = False):
         """Matrices stay in their stored encoding (Q4_K and Q6_K linear layers tiled: weight_layout.py; gathered, a
         table whose rows are looked up by token id, in GGUF rows), expert tensors [experts, rows, cols] too, as one
         matrix of experts x rows GGUF rows (moe.ExpertWeights); vectors (norms, biases) become float32, and so does
         a table of `values` read elementwise (the delta net's conv taps)."""
-        if tensor.ggml_type not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(
-                f"tensor {tensor.name!r} has type {tensor.type_name}, which infero does not run"
-            )
+        self._require_supported(tensor)
         arena = self.backend.weights_arena
         if len(tensor.shape) == 2 and not values:
             rows, cols = tensor.shape
@@ -201,6 +206,25 @@ class CudaOps:
 
         floats = dequantize_tensor(tensor) if tensor.ggml_type != GGMLType.F32 else tensor.data.view(np.float32)
         return from_host(np.asarray(floats, np.float32).reshape(tensor.shape), arena)
+
+    def stacked_weight(self, parts: list[TensorInfo], shape: tuple[int, ...]):
+        """Tensors of one type as one of `shape` (see weight): an expert tensor with one more expert after it (a
+        folded shared expert) copied part by part into one allocation, as moe.upload lays it out, with no host copy
+        of the whole (the 35B-A3B's expert tensors are 150 MB each); other stacks (a few rows) through weight."""
+        first = parts[0]
+        if len(shape) != 3:
+            data = np.concatenate([t.data for t in parts])
+            return self.weight(TensorInfo("+".join(t.name for t in parts), first.ggml_type, shape, data))
+        self._require_supported(first)
+        experts, rows, cols = shape
+        data = empty((sum(t.nbytes for t in parts),), np.uint8, self.backend.weights_arena)
+        offset = 0
+        for t in parts:
+            driver.copy_host_to_device(data.ptr + offset, t.data)
+            offset += t.nbytes
+        matrix = QuantWeight(data.reshape(experts * rows, offset // (experts * rows)), first.ggml_type, experts * rows,
+                             cols)  # fmt: skip
+        return moe.ExpertWeights(matrix, experts)
 
     def embedding(self, table: QuantWeight, token_ids: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty((token_ids.shape[0], table.cols), np.float32)
