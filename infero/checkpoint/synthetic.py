@@ -76,8 +76,8 @@ class Shape:
     experts_used: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0  # the shared expert's width (qwen35moe)
-    # Hybrids (qwen35, qwen35moe): every interval-th layer is gated attention, the others Gated DeltaNet layers
-    # with these key/value heads and head dimensions; a quarter of each attention head rotates.
+    # Hybrids (qwen35, qwen35moe, qwen3next): every interval-th layer is gated attention, the others Gated DeltaNet
+    # layers with these key/value heads and head dimensions; a quarter of each attention head rotates.
     interval: int = 0
     linear_k_heads: int = 0
     linear_v_heads: int = 0
@@ -113,6 +113,10 @@ SHAPES = {
     # of 64, the narrowest the GPU's attention takes.
     "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=64, interval=4,
                          linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
+    # Qwen3-Next's layout (ssm_ba, value heads in transformers' grouped order) at the tiny MoE hybrid's size.
+    "qwen3next-tiny": Shape("qwen3next", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
+                            experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,
+                            linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
     "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
                             experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,
                             linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
@@ -204,7 +208,8 @@ def _add_delta_net_keys(w, s: Shape) -> None:
     w.add_ssm_inner_size(s.linear_v_heads * s.linear_v_dim)
     w.add_full_attention_interval(s.interval)
     w.add_array(f"{s.arch}.attention.recurrent_layers", s.recurrent)
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if s.arch != "qwen3next":  # Qwen3.5's M-RoPE sections; llama.cpp's converter writes none for Qwen3-Next
+        w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
 def tensor_plan(shape_name: str, quant: str) -> list[tuple[str, tuple[int, ...], int]]:
@@ -258,8 +263,11 @@ def _hybrid_layer_plan(s: Shape, i: int, quant: str, head_dim: int) -> list[tupl
     channels = 2 * s.linear_k_heads * s.linear_k_dim + inner
     if s.recurrent[i]:
         vectors = [("ssm_a", (s.linear_v_heads,)), ("ssm_dt.bias", (s.linear_v_heads,)),
-                   ("ssm_norm.weight", (s.linear_v_dim,)), ("ssm_conv1d.weight", (channels, 4)),
-                   ("ssm_alpha.weight", (s.linear_v_heads, d)), ("ssm_beta.weight", (s.linear_v_heads, d))]  # fmt: skip
+                   ("ssm_norm.weight", (s.linear_v_dim,)), ("ssm_conv1d.weight", (channels, 4))]  # fmt: skip
+        if s.arch == "qwen3next":  # one projection: per key head its betas, then its alphas
+            vectors.append(("ssm_ba.weight", (2 * s.linear_v_heads, d)))
+        else:
+            vectors += [("ssm_alpha.weight", (s.linear_v_heads, d)), ("ssm_beta.weight", (s.linear_v_heads, d))]
         matrices = [("attn_qkv", channels, d), ("attn_gate", inner, d), ("ssm_out", d, inner)]
     else:
         vectors = [("attn_q_norm.weight", (head_dim,)), ("attn_k_norm.weight", (head_dim,))]

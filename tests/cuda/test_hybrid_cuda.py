@@ -1,7 +1,7 @@
-"""The Qwen3.5 hybrids on the GPU backend (synthetic tiny models, attention heads of 64): logits track the numpy
-backend at every step shape and batch width; a sequence's decode is the same bits beside other sequences, from a
-copied state, and in a replayed graph; a state slot reused after an aborted request leaks nothing; forks copy the
-state."""
+"""The Qwen3.5 / Qwen3-Next hybrids on the GPU backend (synthetic tiny models, attention heads of 64): logits track
+the numpy backend at every step shape and batch width; a sequence's decode is the same bits beside other sequences,
+from a copied state, and in a replayed graph; a state slot reused after an aborted request leaks nothing; forks copy
+the state."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ NEAR_TIE = 1e-3  # top-1 may differ only where the reference's top two logits ar
 
 
 @pytest.fixture(scope="module", params=[("qwen35-tiny", "Q8_0"), ("qwen35moe-tiny", "Q8_0"),
-                                        ("qwen35-tiny", "Q4_K_M")], ids=lambda p: "-".join(p))  # fmt: skip
+                                        ("qwen35-tiny", "Q4_K_M"), ("qwen3next-tiny", "Q8_0")],
+                ids=lambda p: "-".join(p))  # fmt: skip
 def hybrid_file(request, tmp_path_factory):
     from infero.checkpoint.synthetic import write_synthetic
 
@@ -102,7 +103,7 @@ def test_a_batch_of_mixed_prompts_tracks_the_cpu_backend(gpu, hybrid_file, width
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qwen35-tiny", "qwen35moe-tiny"])
+@pytest.mark.parametrize("shape", ["qwen35-tiny", "qwen35moe-tiny", "qwen3next-tiny"])
 def test_decode_beside_seven_others_from_a_copied_state_is_bitwise_decode_alone(gpu, tmp_path, shape):
     """Eight sequences prefilled into slots 0-7 and their states copied to slots 8-15 (copy_state); one decode step
     of all eight from slots 0-7, then each alone from its copy: the same logits bits. Q4_0, whose linear layers take

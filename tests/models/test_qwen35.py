@@ -19,7 +19,7 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, VOCAB, size=150)]
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 
 
-@pytest.fixture(scope="module", params=["qwen35-tiny", "qwen35moe-tiny", "tiny-qwen3next"])
+@pytest.fixture(scope="module", params=["qwen35-tiny", "qwen35moe-tiny", "qwen3next-tiny", "tiny-qwen3next"])
 def hybrid(request, tmp_path_factory):
     if request.param.startswith("tiny-"):
         path = FIXTURES / f"{request.param}.gguf"
