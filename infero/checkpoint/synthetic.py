@@ -113,6 +113,12 @@ SHAPES = {
     # of 64, the narrowest the GPU's attention takes.
     "qwen35-tiny": Shape("qwen35", 128, 4, 4, 2, 256, 2048, 1e7, 4096, False, head_dim=64, interval=4,
                          linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
+    # Qwen3-Next-80B-A3B as its model card quotes Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: 48 layers of hidden
+    # 2048, every fourth gated attention (16 query / 2 KV heads of 256), the Gated DeltaNets of 16 key / 32 value
+    # heads of 128, 512 experts of 512 (10 active) and a shared expert of 512, vocabulary 151,936, context 262,144.
+    "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 48, 16, 2, 5120, 151936, 1e7, 262144, False, head_dim=256,
+                                experts=512, experts_used=10, expert_ffn=512, shared_ffn=512, interval=4,
+                                linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128),
     # Qwen3-Next's layout (ssm_ba, value heads in transformers' grouped order) at the tiny MoE hybrid's size.
     "qwen3next-tiny": Shape("qwen3next", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
                             experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,

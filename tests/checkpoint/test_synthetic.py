@@ -111,6 +111,20 @@ def test_qwen35_plans_have_the_published_parameter_counts():
     assert shapes["blk.3.attn_q.weight"] == (2 * 16 * 256, 2048) and "blk.3.attn_qkv.weight" not in shapes
 
 
+def test_the_qwen3_next_plan_has_the_published_parameter_counts_and_one_beta_alpha_projection():
+    from math import prod
+
+    from infero.checkpoint.synthetic import tensor_plan
+
+    plan = tensor_plan("qwen3-next-80b-a3b", "Q4_K_M")
+    total = sum(prod(shape) for _, shape, _ in plan)
+    experts = sum(prod(shape) for name, shape, _ in plan if "_exps." in name)
+    active = total - experts * (512 - 10) // 512
+    assert round(total / 1e9) == 80 and 3e9 <= active < 4e9  # 80 B, 3 B active (the name's A3B, rounded down)
+    shapes = {name: shape for name, shape, _ in plan}
+    assert shapes["blk.0.ssm_ba.weight"] == (2 * 32, 2048) and "blk.0.ssm_alpha.weight" not in shapes
+
+
 def test_synthetic_hybrid_runs_and_inspect_shows_its_layer_kinds(tmp_path, capsys):
     import json
 
