@@ -252,7 +252,7 @@ class CudaBackend:
         }  # fmt: skip
         if spare_slot >= 0:
             fresh = batch.state_slots[batch.context_lens == batch.query_lens]
-            if (batch.state_slots < 0).any():  # -1 would index the spare slot's neighbour: another sequence's state
+            if (batch.state_slots < 0).any():  # the delta-net kernels would answer a slotless sequence with NaN
                 raise ValueError("every sequence of a hybrid model's batch needs a recurrent-state slot")
             fields["fresh_slots"] = fresh.astype(np.int32)
         if feed is not None:  # read by feed_tokens only
