@@ -22,3 +22,37 @@ def teacher_forced_logits(llm, ids, steps=None):
         result = backend.forward(model, batch, cache)
         out.append(result if isinstance(result, np.ndarray) else backend.to_host(result, 0, b - a))
     return np.concatenate(out)
+
+
+def stand_in(shape, dtype=np.float32, ptr=1 << 20):
+    """A device tensor as the launchers' checks see it (shape, dtype, numel, address), for tests without a GPU."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype), numel=int(np.prod(shape)), ptr=ptr)
+
+
+def record_launches(monkeypatch, module) -> list:
+    """driver.launch replaced by a record of (kernel expression, grid, block), module's kernel lookups by the
+    expression itself: what a launcher would launch, without a GPU."""
+    from infero.backends.cuda import driver
+
+    calls = []
+    monkeypatch.setattr(driver, "launch", lambda fn, grid, block, *rest, **kw: calls.append((fn, grid, block)))
+    monkeypatch.setattr(module, "_kernel", lambda expression: expression)
+    return calls
+
+
+def assert_graph_replay_is_eager(path, prompts) -> None:
+    """Greedy generations with logprobs on CUDA, decode steps replayed from graphs and all eager: the same tokens
+    and logprobs."""
+    from infero import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    graphs = LLM(path, device="cuda")
+    eager = LLM(path, device="cuda")
+    eager.backend.use_graphs = False
+    a = graphs.generate(prompts, params)
+    b = eager.generate(prompts, params)
+    assert graphs.backend._graphs, "no graph was captured"
+    assert [o.completion_ids for o in a] == [o.completion_ids for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]

@@ -20,7 +20,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import record_launches
 from helpers import relative_error as rel_err
+from helpers import stand_in as tensor
 
 from infero.backends.cpu import delta_net as cpu_delta_net
 from infero.backends.cpu.ops import CpuOps
@@ -408,18 +410,11 @@ def test_reset_zeroes_every_layer_of_the_listed_slots_and_nothing_else(gpu):
 # What runs without a GPU: the launchers' checks and launch geometry, and which models compile the kernels.
 
 
-def tensor(shape, dtype=np.float32, ptr=1 << 20):
-    return SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype), numel=int(np.prod(shape)), ptr=ptr)
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    from infero.backends.cuda import delta_net, driver
+    from infero.backends.cuda import delta_net
 
-    calls = []
-    monkeypatch.setattr(driver, "launch", lambda fn, grid, block, *rest, **kw: calls.append((fn, grid, block)))
-    monkeypatch.setattr(delta_net, "_kernel", lambda expression: expression)
-    return calls
+    return record_launches(monkeypatch, delta_net)
 
 
 def rule_call(d_k=128, d_v=128, key_heads=2, v_heads=4, n=5, seqs=2, pairing="tiled", slots_dtype=np.int32,

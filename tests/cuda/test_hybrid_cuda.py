@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_graph_replay_is_eager
 from helpers import relative_error as rel_err
 
 BLOCK = 16
@@ -130,18 +131,8 @@ def test_decode_beside_seven_others_from_a_copied_state_is_bitwise_decode_alone(
 
 @pytest.mark.gpu
 def test_graph_replay_is_bit_identical_to_eager(gpu, hybrid_file):
-    from infero import LLM, SamplingParams
-
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17][: 1 + i] for i in range(5)]  # one a 1-token prompt
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    graphs = LLM(hybrid_file, device="cuda")
-    eager = LLM(hybrid_file, device="cuda")
-    eager.backend.use_graphs = False
-    a = graphs.generate(prompts, params)
-    b = eager.generate(prompts, params)
-    assert graphs.backend._graphs, "no graph was captured"
-    assert [o.completion_ids for o in a] == [o.completion_ids for o in b]
-    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    assert_graph_replay_is_eager(hybrid_file, prompts)
 
 
 @pytest.mark.gpu

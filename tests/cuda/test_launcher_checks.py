@@ -1,16 +1,12 @@
 """elementwise.qk_norm_rotary_store_kv refuses what its kernel cannot take, in one line, before any launch (no GPU
 needed: the checks read only shapes, dtypes and addresses)."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
+from helpers import record_launches
+from helpers import stand_in as tensor
 
-from infero.backends.cuda import driver, elementwise
-
-
-def tensor(shape, dtype=np.float32, ptr=1 << 20):
-    return SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype), numel=int(np.prod(shape)), ptr=ptr)
+from infero.backends.cuda import elementwise
 
 
 def call(n=2, heads=4, kv_heads=2, head_dim=128, rope_dim=128, q_norm=None, q_ptr=1 << 20):
@@ -24,10 +20,7 @@ def call(n=2, heads=4, kv_heads=2, head_dim=128, rope_dim=128, q_norm=None, q_pt
 
 @pytest.fixture
 def launches(monkeypatch):
-    calls = []
-    monkeypatch.setattr(driver, "launch", lambda fn, grid, block, *rest, **kw: calls.append((fn, grid, block)))
-    monkeypatch.setattr(elementwise, "_kernel", lambda expression: expression)
-    return calls
+    return record_launches(monkeypatch, elementwise)
 
 
 @pytest.mark.parametrize("head_dim,vpt", [(64, 1), (128, 1), (256, 2), (512, 4)])

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from helpers import assert_graph_replay_is_eager, teacher_forced_logits
 from helpers import relative_error as rel_err
-from helpers import teacher_forced_logits
 from tiny_gguf import encode_weight
 
 from infero.backends.cpu.ops import CpuOps
@@ -692,16 +692,5 @@ def test_decode_beside_seven_others_is_bitwise_decode_alone(gpu, tmp_path):
 
 @pytest.mark.gpu
 def test_moe_graph_replay_is_bit_identical_to_eager(gpu, tmp_path):
-    from infero import LLM, SamplingParams
-
-    path = moe_file(tmp_path, Q.Q8_0)
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    graphs = LLM(path, device="cuda")
-    eager = LLM(path, device="cuda")
-    eager.backend.use_graphs = False
-    a = graphs.generate(prompts, params)
-    b = eager.generate(prompts, params)
-    assert graphs.backend._graphs, "no graph was captured"
-    assert [o.completion_ids for o in a] == [o.completion_ids for o in b]
-    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    assert_graph_replay_is_eager(moe_file(tmp_path, Q.Q8_0), prompts)
