@@ -323,18 +323,27 @@ def test_grouped_pairs_are_bitwise_each_pairs_own_mat_vec(gpu, qtype):
     """grouped_matvec's row p is expert_matvec's, bit for bit: pairs of one expert in full and short groups (one
     expert taken by 40 of 50 tokens), experts nobody chose, gate + up in one launch and down (per_token 1);
     NaN-poisoned outputs all written."""
+    assert_grouped_rows_are_each_pairs(qtype, cols=512, n=50, taken=40)
+
+
+def assert_grouped_rows_are_each_pairs(qtype: Q, cols: int, n: int, taken: int, run: int | None = None) -> None:
+    """grouped_matvec (sorted in runs of `run` pairs, or the sort's default) against expert_matvec, bitwise: 12
+    experts of 300 rows, 3 a token, expert 4 taken by the first `taken` tokens, experts 9-11 by none; gate + up in
+    one launch and down (per_token 1); NaN-poisoned outputs all written."""
     from infero.backends.cuda import driver, matvec, moe, runtime
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
-    experts, k, rows, cols, n = 12, 3, 300, 512, 50
+    experts, k, rows = 12, 3, 300
     gate, _ = upload_experts(qtype, experts, rows, cols, 9)
     up, _ = upload_experts(qtype, experts, rows, cols, 10)
     rng = np.random.default_rng(12)
     x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
     ids = rng.integers(0, 9, size=(n, k)).astype(np.int32)  # experts 9-11: nobody's
-    ids[:40, 0] = 4
+    ids[:taken, 0] = 4
     stream, ws = runtime.stream(), Workspace(1 << 26)
-    grouping, _, _ = _sorted_pairs(ids, experts)
+    grouping, _, groups = _sorted_pairs(ids, experts, run)
+    if run is not None:
+        assert groups[:, 2].max() == run and (groups[:, 2] < run).any()  # full and short groups
     xd = from_host(x)
     for per_token, mats in ((k, [gate, up]), (1, [gate])):
         act_rows = n * k // per_token
@@ -368,37 +377,7 @@ def test_tensor_core_groups_are_bitwise_each_pairs_own_mat_vec(gpu, qtype, group
     pairs: full and short groups (one expert taken by 70 of 80 tokens), experts nobody chose, gate + up in one launch
     and down (per_token 1), rows that leave a block's tile short; rows of 24 units (lanes 24-31 hold none), 64 (two a
     lane) and, Q8_0 only, 25; NaN-poisoned outputs all written."""
-    from infero.backends.cuda import driver, matvec, moe, runtime
-    from infero.backends.cuda.tensor import Workspace, empty, from_host
-
-    experts, k, rows, n = 12, 3, 300, 80
-    gate, _ = upload_experts(qtype, experts, rows, cols, 9)
-    up, _ = upload_experts(qtype, experts, rows, cols, 10)
-    rng = np.random.default_rng(12)
-    x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
-    ids = rng.integers(0, 9, size=(n, k)).astype(np.int32)  # experts 9-11: nobody's
-    ids[:70, 0] = 4
-    stream, ws = runtime.stream(), Workspace(1 << 26)
-    grouping, _, groups = _sorted_pairs(ids, experts, group)
-    assert groups[:, 2].max() == group and (groups[:, 2] < group).any()
-    xd = from_host(x)
-    for per_token, mats in ((k, [gate, up]), (1, [gate])):
-        act_rows = n * k // per_token
-        quantized = (ws.empty(matvec.activation_shapes(act_rows, cols)[0], np.int8),
-                     ws.empty(matvec.activation_shapes(act_rows, cols)[1], np.int32))  # fmt: skip
-        matvec.quantize(*quantized, xd.rows(0, act_rows), stream)
-        outs = {}
-        for how in ("pairs", "tensor cores"):
-            outs[how] = [empty((n * k, rows), np.float32) for _ in mats]
-            for o in outs[how]:
-                driver.memset_d8(o.ptr, 0xFF, o.nbytes, stream)
-            if how == "pairs":
-                moe.expert_matvec(outs[how], mats, from_host(ids.reshape(-1)), per_token, stream, None, quantized)
-            else:
-                moe.grouped_matvec(outs[how], mats, grouping, per_token, stream, quantized)
-        for a, b in zip(outs["pairs"], outs["tensor cores"], strict=True):
-            a, b = a.to_host(stream), b.to_host(stream)
-            assert np.isfinite(b).all() and np.array_equal(a, b), f"per_token {per_token}"
+    assert_grouped_rows_are_each_pairs(qtype, cols=cols, n=80, taken=70, run=group)
 
 
 @pytest.mark.gpu
