@@ -26,6 +26,7 @@ from helpers import stand_in as tensor
 
 from infero.backends.cpu import delta_net as cpu_delta_net
 from infero.backends.cpu.ops import CpuOps
+from infero.backends.cuda.tensor import columns
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 LENGTHS = (1, 7, 64, 130)
@@ -162,7 +163,7 @@ def test_gates_match_numpy(gpu, fused):
     if fused:
         ba = np.stack([beta.reshape(n, key_heads, per), alpha.reshape(n, key_heads, per)], axis=2).reshape(n, -1)
         ba_d = _dev(ba)
-        alpha_d, beta_d = delta_net.columns(ba_d, per, 2 * v_heads), delta_net.columns(ba_d, 0, 2 * v_heads)
+        alpha_d, beta_d = columns(ba_d, per, 2 * v_heads), columns(ba_d, 0, 2 * v_heads)
         delta_net.delta_net_gates(g, beta_out, alpha_d, beta_d, _dev(dt_bias), _dev(a), _stream(), per, 2 * per)
     else:
         delta_net.delta_net_gates(g, beta_out, _dev(alpha), _dev(beta), _dev(dt_bias), _dev(a), _stream())
@@ -187,7 +188,7 @@ def test_l2_norm_of_q_and_k_read_in_place_from_the_conv_output_matches_numpy(gpu
     wide_d = _dev(wide)
     got = []
     for lo in (0, key):  # q, then k
-        x = delta_net.columns(wide_d, lo, lo + key)
+        x = columns(wide_d, lo, lo + key)
         out = x if in_place else _poisoned((n, key_heads, d_k))
         delta_net.l2_norm(out, x, d_k, 1e-6, _stream())
         got.append(_host(wide_d)[:, lo : lo + key] if in_place else _host(out).reshape(n, key))
@@ -235,11 +236,11 @@ def gpu_rule(wide_d, g, beta, key_heads, d_k, state, lengths, slots, pairing, co
     n = wide_d.shape[0]
     _, _, v_heads, _, d_v = state.shape
     key = key_heads * d_k
-    q, k = (delta_net.columns(wide_d, lo, lo + key) for lo in (0, key))
+    q, k = (columns(wide_d, lo, lo + key) for lo in (0, key))
     if contiguous_qk:
         wide = _host(wide_d)
         q, k = (_dev(wide[:, lo : lo + key].reshape(n, key_heads, d_k)) for lo in (0, key))
-    v = delta_net.columns(wide_d, 2 * key, 2 * key + v_heads * d_v)
+    v = columns(wide_d, 2 * key, 2 * key + v_heads * d_v)
     _, starts, slots_d = sequences(lengths, slots)
     out = _poisoned((n, v_heads, d_v))
     delta_net.gated_delta_rule(out, q, k, v, _dev(g), _dev(beta), pairing, 1 / np.sqrt(d_k), state, starts,
@@ -351,7 +352,7 @@ def test_gated_rms_norm_matches_numpy(gpu, d_v, in_place):
     weight = (1 + 0.1 * rng.normal(0, 1, d_v)).astype(np.float32)
     x_d = _dev(x)
     out = x_d if in_place else _poisoned(x.shape)
-    gate = delta_net.columns(_dev(z), heads * d_v, 2 * heads * d_v)
+    gate = columns(_dev(z), heads * d_v, 2 * heads * d_v)
     delta_net.gated_rms_norm(out, x_d, _dev(weight), gate, 1e-6, _stream())
     expected = CpuOps().gated_rms_norm(x, weight, z[:, heads * d_v : 2 * heads * d_v].reshape(n, heads, d_v), 1e-6)
     got = _host(out)
@@ -376,7 +377,7 @@ def test_sigmoid_gate_matches_numpy(gpu, case):
         gate_d, expected_gate = _dev(gate), gate
     else:  # gated attention's q_gate [n, heads, 2 head_dim]: each head's second half
         q_gate = rng.normal(0, 3, (n, heads, 2 * head_dim)).astype(np.float32)
-        gate_d, expected_gate = delta_net.columns(_dev(q_gate), head_dim, 2 * head_dim), q_gate[..., head_dim:]
+        gate_d, expected_gate = columns(_dev(q_gate), head_dim, 2 * head_dim), q_gate[..., head_dim:]
     expected = CpuOps().sigmoid_gate(x, expected_gate)
     if case == "added to a sum":  # qwen35moe's routed experts + the gated shared expert, written over the sum
         routed = rng.normal(0, 1, x.shape).astype(np.float32)
@@ -423,9 +424,9 @@ def rule_call(d_k=128, d_v=128, key_heads=2, v_heads=4, n=5, seqs=2, pairing="ti
 
     key = key_heads * d_k
     wide = tensor((n, 2 * key + v_heads * d_v))
-    q = delta_net.columns(wide, 0, key)
-    k = delta_net.columns(wide, key, key + (k_cols or key))
-    v = delta_net.columns(wide, 2 * key, wide.shape[1])
+    q = columns(wide, 0, key)
+    k = columns(wide, key, key + (k_cols or key))
+    v = columns(wide, 2 * key, wide.shape[1])
     delta_net.gated_delta_rule(tensor((n, v_heads, d_v)), q, k, v, tensor((n, v_heads)), tensor((n, v_heads)),
                                pairing, 0.1, tensor((8, 2, v_heads, d_k, d_v)), tensor((seqs + 1,), np.int32),
                                tensor((seqs,), slots_dtype), layer, None)  # fmt: skip
@@ -484,9 +485,9 @@ def test_the_gates_refuse_rows_too_narrow_for_their_head_layout(launches):
     ba = tensor((3, 32))
     g = tensor((3, 16))
     args = (tensor((16,)), tensor((16,)), None)
-    delta_net.delta_net_gates(g, g, delta_net.columns(ba, 4, 32), delta_net.columns(ba, 0, 32), *args, 4, 8)
+    delta_net.delta_net_gates(g, g, columns(ba, 4, 32), columns(ba, 0, 32), *args, 4, 8)
     with pytest.raises(ValueError, match="hold no head 15 at column 27"):  # from column 8, 24 columns are left
-        delta_net.delta_net_gates(g, g, delta_net.columns(ba, 8, 32), delta_net.columns(ba, 0, 32), *args, 4, 8)
+        delta_net.delta_net_gates(g, g, columns(ba, 8, 32), columns(ba, 0, 32), *args, 4, 8)
     with pytest.raises(ValueError, match="group 5 must divide the 16 value heads"):
         delta_net.delta_net_gates(g, g, ba, ba, *args, 5, 8)
     assert launches == [("delta_net_gates", (1,), (256,))]
@@ -496,20 +497,19 @@ def test_the_sigmoid_gate_takes_a_gate_column_a_row_or_one_a_row_element_and_not
     from infero.backends.cuda import delta_net
 
     x = tensor((5, 4, 64))
-    delta_net.sigmoid_gate(x, x, delta_net.columns(tensor((5, 4, 128)), 64, 128), None)
+    delta_net.sigmoid_gate(x, x, columns(tensor((5, 4, 128)), 64, 128), None)
     delta_net.sigmoid_gate(tensor((5, 256)), tensor((5, 256)), tensor((5, 1)), None)
     with pytest.raises(ValueError, match="must have x's 64 columns, or 1"):
-        delta_net.sigmoid_gate(x, x, delta_net.columns(tensor((5, 4, 128)), 64, 96), None)
+        delta_net.sigmoid_gate(x, x, columns(tensor((5, 4, 128)), 64, 96), None)
     with pytest.raises(ValueError, match="must be float32"):
         delta_net.sigmoid_gate(x, x, tensor((5, 4, 64), np.float16), None)
     assert launches == [("sigmoid_gate", (5,), (256,)), ("sigmoid_gate", (5,), (256,))]
 
 
 def test_columns_refuses_a_range_outside_the_row():
-    from infero.backends.cuda import delta_net
 
     with pytest.raises(ValueError, match=r"columns \[60, 70\) are not within a row of 64"):
-        delta_net.columns(tensor((3, 64)), 60, 70)
+        columns(tensor((3, 64)), 60, 70)
 
 
 @pytest.mark.parametrize("name, hybrid", [("tiny-qwen35", True), ("tiny-qwen3next", True), ("tiny-qwen3", False)])

@@ -17,7 +17,7 @@ import ctypes
 import numpy as np
 
 from infero.backends.cuda import driver, runtime
-from infero.backends.cuda.tensor import DeviceTensor, Strided, columns  # noqa: F401  (columns: re-exported)
+from infero.backends.cuda.tensor import DeviceTensor, Strided
 
 SOURCE = "delta_net.cu"
 CONV_TOKENS = 16  # tokens of a sequence a thread of the conv1d walks (dn::CONV_TOKENS)
