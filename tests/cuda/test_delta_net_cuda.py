@@ -68,11 +68,11 @@ def sequences(lengths, slots):
     return SimpleNamespace(query_starts=starts, state_slots=slots), _dev(starts), _dev(slots)
 
 
-def carried_states(rng, channels: int, v_heads: int, d_k: int, d_v: int, fresh=(0,)):
+def carried_states(rng, channels: int, v_heads: int, d_k: int, d_v: int, fresh=(0,), slots: int = NUM_SLOTS):
     """conv [slots, layers, C, K - 1] and delta [slots, layers, v_heads, d_k, d_v]: earlier steps' random state in
     every slot but the `fresh` ones (zero, as reset_states leaves a new sequence's)."""
-    conv = rng.normal(0, 1, (NUM_SLOTS, LAYERS, channels, CONV_KERNEL - 1)).astype(np.float32)
-    delta = rng.normal(0, 0.1, (NUM_SLOTS, LAYERS, v_heads, d_k, d_v)).astype(np.float32)
+    conv = rng.normal(0, 1, (slots, LAYERS, channels, CONV_KERNEL - 1)).astype(np.float32)
+    delta = rng.normal(0, 0.1, (slots, LAYERS, v_heads, d_k, d_v)).astype(np.float32)
     conv[list(fresh)] = 0.0
     delta[list(fresh)] = 0.0
     return conv, delta
@@ -198,6 +198,176 @@ def test_l2_norm_of_q_and_k_read_in_place_from_the_conv_output_matches_numpy(gpu
         assert rel_err(result, expected) < NORM_BOUND
     if in_place:  # v's columns untouched
         assert np.array_equal(_host(wide_d)[:, 2 * key :], wide[:, 2 * key :])
+
+
+# delta_net_inputs
+
+# (key heads, value heads, d_k, d_v): Qwen3.5's heads of 128; heads of 64 whose q | k fill three blocks of 128
+# channels and whose channels end inside a block; the tiny models' heads of 16, q | k and v sharing a block.
+INPUT_SHAPES = [(2, 4, 128, 128), (3, 6, 64, 32), (2, 4, 16, 32)]
+# alpha and beta: two projections; one [alpha | beta] projection read as its columns (qwen35's stacked); Qwen3-Next's
+# ba, per key head its betas, then its alphas (alpha None).
+LAYOUTS = ["apart", "stacked", "fused"]
+PREFILL_LENGTHS = (1, 7, 16, 17, 64, 150)  # one chunk, a part of one, two, and several side by side
+PREFILL_SLOTS = (4, 0, 7, 2, 5, 1)  # out of order, with slots 3 and 6 left alone
+EPS = 1e-6
+
+
+class _PoisonedWorkspace:
+    """The ops' workspace: every tensor starts as NaN, so an element the kernel leaves unwritten fails."""
+
+    generation = 0
+
+    def empty(self, shape, dtype):
+        return _poisoned(shape) if dtype == np.float32 else _dev(np.zeros(shape, dtype))
+
+
+def layer_inputs(rng, n: int, shape, layout: str):
+    """One delta-net layer's projections of n tokens and its weights, on the host; alpha and beta as the op takes
+    them in `layout` (with `group` for the fused one)."""
+    key_heads, v_heads, d_k, d_v = shape
+    channels = 2 * key_heads * d_k + v_heads * d_v
+    alpha = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
+    alpha[:1, :4] = (0.0, 30.0, -30.0, -0.0)  # softplus at 0 (numpy: log 2), far into both branches
+    beta = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
+    group = None
+    if layout == "stacked":
+        ab = np.concatenate([alpha, beta], axis=1)
+        alpha, beta = ab[:, :v_heads], ab[:, v_heads:]
+    elif layout == "fused":
+        group = v_heads // key_heads
+        halves = (beta.reshape(n, key_heads, group), alpha.reshape(n, key_heads, group))
+        alpha, beta = None, np.stack(halves, axis=2).reshape(n, 2 * v_heads)
+    return SimpleNamespace(qkv=rng.normal(0, 1, (n, channels)).astype(np.float32), alpha=alpha, beta=beta,
+                           group=group, layout=layout,
+                           conv_weight=rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32),
+                           dt_bias=rng.normal(0, 0.5, v_heads).astype(np.float32),
+                           a=-np.exp(rng.normal(0, 1, v_heads)).astype(np.float32))  # fmt: skip
+
+
+def numpy_inputs(p, shape, conv, lengths, slots):
+    """CpuOps.delta_net_inputs' conv output, g and beta, and the conv state it leaves (conv is copied)."""
+    key_heads, _, d_k, _ = shape
+    batch, _, _ = sequences(lengths, slots)
+    cache = SimpleNamespace(conv=conv.copy())
+    out = CpuOps().delta_net_inputs(p.qkv, p.alpha, p.beta, p.conv_weight, p.dt_bias, p.a, key_heads, d_k, EPS,
+                                    cache, LAYER, batch, p.group)  # fmt: skip
+    return (*out, cache.conv)
+
+
+def gpu_inputs(p, shape, state, lengths, slots):
+    """CudaOps.delta_net_inputs' conv output, g and beta on the host; state (device) is updated in place."""
+    from infero.backends.cuda.ops import CudaOps
+
+    key_heads, v_heads, d_k, _ = shape
+    alpha, beta = (None if p.alpha is None else _dev(p.alpha)), _dev(p.beta)
+    if p.layout == "stacked":
+        ab = _dev(np.concatenate([p.alpha, p.beta], axis=1))
+        alpha, beta = columns(ab, 0, v_heads), columns(ab, v_heads, 2 * v_heads)
+    _, starts, slots_d = sequences(lengths, slots)
+    batch = SimpleNamespace(query_starts=starts, state_slots=slots_d, max_query_len=max(lengths))
+    ops = CudaOps(SimpleNamespace(workspace=_PoisonedWorkspace(), stream=_stream(), weights_arena=None))
+    out = ops.delta_net_inputs(_dev(p.qkv), alpha, beta, _dev(p.conv_weight), _dev(p.dt_bias), _dev(p.a),
+                               key_heads, d_k, EPS, SimpleNamespace(conv=state), LAYER, batch, p.group)  # fmt: skip
+    return tuple(_host(t) for t in out)
+
+
+def assert_inputs_match(got, expected, normed: int):
+    out, g, beta = got
+    expected_out, expected_g, expected_beta = expected[:3]
+    assert np.isfinite(out).all() and np.isfinite(g).all() and np.isfinite(beta).all()
+    np.testing.assert_allclose(out[:, normed:], expected_out[:, normed:], rtol=ELEMENTWISE_BOUND, atol=1e-7)
+    assert rel_err(out[:, :normed], expected_out[:, :normed]) < NORM_BOUND
+    np.testing.assert_allclose(g, expected_g, rtol=ELEMENTWISE_BOUND, atol=0)
+    np.testing.assert_allclose(beta, expected_beta, rtol=ELEMENTWISE_BOUND, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", INPUT_SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_delta_net_inputs_match_numpy_over_prompts_of_1_to_150_tokens_in_one_launch(gpu, shape, layout):
+    rng = np.random.default_rng(shape[2])
+    p = layer_inputs(rng, sum(PREFILL_LENGTHS), shape, layout)
+    conv, _ = carried_states(rng, p.qkv.shape[1], 1, 1, 1, fresh=(PREFILL_SLOTS[1],), slots=8)
+    state = _dev(conv)
+    got = gpu_inputs(p, shape, state, PREFILL_LENGTHS, PREFILL_SLOTS)
+    expected = numpy_inputs(p, shape, conv, PREFILL_LENGTHS, PREFILL_SLOTS)
+    assert_inputs_match(got, expected, 2 * shape[0] * shape[2])
+    assert np.array_equal(_host(state), expected[3])  # the last inputs, copied: every slot's, touched or not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", INPUT_SHAPES[:2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_delta_net_inputs_match_numpy_in_a_decode_step_of_40_sequences(gpu, shape, layout):
+    rng = np.random.default_rng(40 + shape[2])
+    slots = rng.permutation(48)[:40]
+    p = layer_inputs(rng, 40, shape, layout)
+    conv, _ = carried_states(rng, p.qkv.shape[1], 1, 1, 1, fresh=(slots[3],), slots=48)
+    state = _dev(conv)
+    got = gpu_inputs(p, shape, state, [1] * 40, slots)
+    expected = numpy_inputs(p, shape, conv, [1] * 40, slots)
+    assert_inputs_match(got, expected, 2 * shape[0] * shape[2])
+    assert np.array_equal(_host(state), expected[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_delta_net_inputs_are_the_same_bits_however_the_prompt_is_split(gpu, chunk):
+    shape, total = INPUT_SHAPES[0], 150
+    rng = np.random.default_rng(chunk)
+    prompt = layer_inputs(rng, total, shape, "stacked")
+    conv, _ = carried_states(rng, prompt.qkv.shape[1], 1, 1, 1)
+    whole_state = _dev(conv)
+    whole = gpu_inputs(prompt, shape, whole_state, [total], [1])
+
+    state = _dev(conv)
+    parts = []
+
+    def launch(pieces, slots):
+        (lo, hi), other = pieces
+        o = layer_inputs(rng, other, shape, "stacked")
+        step = SimpleNamespace(**{k: getattr(prompt, k) for k in ("conv_weight", "dt_bias", "a", "group", "layout")})
+        step.qkv, step.alpha, step.beta = (np.concatenate([getattr(prompt, k)[lo:hi], getattr(o, k)])
+                                           for k in ("qkv", "alpha", "beta"))  # fmt: skip
+        parts.append([t[: hi - lo] for t in gpu_inputs(step, shape, state, [hi - lo, other], slots)])
+
+    run_split(launch, total, chunk, other_slot=3, other_lengths=(2, 0, 9))
+    for i, name in enumerate(("conv output", "g", "beta")):
+        assert np.array_equal(np.concatenate([part[i] for part in parts]), whole[i]), name
+    assert np.array_equal(_host(state)[1], _host(whole_state)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_delta_net_inputs_are_bitwise_the_conv1d_l2_norm_and_gates_kernels(gpu, layout):
+    from infero.backends.cuda import delta_net
+
+    shape = INPUT_SHAPES[1]
+    key_heads, v_heads, d_k, _ = shape
+    rng = np.random.default_rng(9)
+    p = layer_inputs(rng, sum(PREFILL_LENGTHS), shape, layout)
+    conv, _ = carried_states(rng, p.qkv.shape[1], 1, 1, 1, fresh=(PREFILL_SLOTS[1],), slots=8)
+    fused_state, state = _dev(conv), _dev(conv)
+    fused = gpu_inputs(p, shape, fused_state, PREFILL_LENGTHS, PREFILL_SLOTS)
+
+    _, starts, slots_d = sequences(PREFILL_LENGTHS, PREFILL_SLOTS)
+    out = _poisoned(p.qkv.shape)
+    delta_net.causal_conv1d(out, _dev(p.qkv), _dev(p.conv_weight), state, starts, slots_d, LAYER, _stream(),
+                            max(PREFILL_LENGTHS))  # fmt: skip
+    qk = columns(out, 0, 2 * key_heads * d_k)
+    delta_net.l2_norm(qk, qk, d_k, EPS, _stream())
+    n = len(p.qkv)
+    g, beta_out = _poisoned((n, v_heads)), _poisoned((n, v_heads))
+    if layout == "fused":
+        ba, per = _dev(p.beta), p.group
+        alpha, beta = columns(ba, per, 2 * v_heads), columns(ba, 0, 2 * v_heads)
+        delta_net.delta_net_gates(g, beta_out, alpha, beta, _dev(p.dt_bias), _dev(p.a), _stream(), per, 2 * per)
+    else:
+        delta_net.delta_net_gates(g, beta_out, _dev(p.alpha), _dev(p.beta), _dev(p.dt_bias), _dev(p.a), _stream())
+    for got, expected in zip(fused, (_host(out), _host(g), _host(beta_out)), strict=True):
+        assert np.array_equal(got, expected)
+    assert np.array_equal(_host(fused_state), _host(state))
 
 
 # gated_delta_rule

@@ -237,6 +237,18 @@ class CpuOps:
         """Each head of x [n, heads x head_dim] over its L2 norm: [n, heads, head_dim]."""
         return delta_net.l2_norm(x.reshape(x.shape[0], -1, head_dim), eps)
 
+    def delta_net_inputs(self, qkv, alpha, beta, conv_weight, dt_bias, a, key_heads: int, d_k: int, eps: float,
+                         cache: CpuHybridCache, layer: int, batch: Batch,
+                         group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """What the delta rule reads, from the projections qkv [n, channels] (q | k | v) and alpha, beta [n, value
+        heads]: the conv output [n, channels], the causal conv1d then SiLU (causal_conv1d) with q and k (the first
+        2 key_heads x d_k channels) L2-normed per head of d_k (l2_norm); the log decay g and write strength beta
+        [n, value heads] (delta_net_gates; alpha None: beta is Qwen3-Next's fused projection, `group` as there)."""
+        out = self.causal_conv1d(qkv, conv_weight, cache, layer, batch)
+        normed = 2 * key_heads * d_k
+        out[:, :normed] = self.l2_norm(out[:, :normed], d_k, eps).reshape(len(out), normed)
+        return (out, *self.delta_net_gates(alpha, beta, dt_bias, a, group))
+
     def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache: CpuHybridCache, layer: int,
                          batch: Batch) -> np.ndarray:  # fmt: skip
         """o [n, value heads, d_v] of the gated delta rule for q, k [n, key heads x d_k] (q scaled by `scale`),

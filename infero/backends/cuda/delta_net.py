@@ -21,6 +21,7 @@ from infero.backends.cuda.tensor import DeviceTensor, Strided
 
 SOURCE = "delta_net.cu"
 CONV_TOKENS = 16  # tokens of a sequence a thread of the conv1d walks (dn::CONV_TOKENS)
+CONV_CHANNELS = 128  # channels a block of delta_net_inputs takes (dn::CONV_CHANNELS): whole heads of q and k
 CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
 KEY_DIMS = (16, 32, 64, 128)  # d_k the delta rule is compiled for (S's rows in registers); 16: the tiny models'
 RULE_PARTS = 4  # threads sharing a column of S (delta_net.cu's dn::RULE_PARTS)
@@ -32,6 +33,7 @@ PAIRINGS = ("tiled", "grouped")  # which key head serves value head h: h % key h
 runtime.declare(
     SOURCE,
     [f"causal_conv1d<{k}>" for k in CONV_KERNELS]
+    + [f"delta_net_inputs<{k}>" for k in CONV_KERNELS]
     + [f"gated_delta_rule<{d}>" for d in KEY_DIMS]
     + ["delta_net_gates", "l2_norm", "gated_rms_norm", "sigmoid_gate", "reset_states"],
     needs=(runtime.DELTA_NET,),
@@ -75,13 +77,10 @@ def _check_sequences(query_starts: DeviceTensor, state_slots: DeviceTensor) -> i
     return seqs
 
 
-def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
-                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int, stream: driver.Stream,
-                  max_tokens: int | None = None) -> None:  # fmt: skip
-    """out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps weight [C, K]) over each sequence's
-    earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds for recurrent layer `layer` and
-    then holds the sequence's last K - 1 inputs (out not x). max_tokens: the most tokens a sequence has (default n);
-    its CONV_TOKENS-token chunks run side by side."""
+def _check_conv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
+                layer: int) -> tuple[int, int, int]:  # fmt: skip
+    """(n, C, taps) of a conv1d of x [n, C] into out, taps weight [C, taps], over conv_state [slots, layers, C,
+    taps - 1]."""
     _require(out.ptr != x.ptr, lambda: "out must not be x (a chunk reads the inputs before it)")
     for name, t in (("out", out), ("x", x), ("weight", weight), ("conv_state", conv_state)):
         _f32(name, t)
@@ -94,8 +93,43 @@ def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv
              lambda: f"the GPU's conv1d is compiled for kernels of {CONV_KERNELS} taps, got {taps}")  # fmt: skip
     _require(len(conv_state.shape) == 4 and conv_state.shape[2:] == (channels, taps - 1),
              lambda: f"conv_state {conv_state.shape} must be [slots, layers, {channels}, {taps - 1}]")  # fmt: skip
-    slots, layers = conv_state.shape[:2]
+    layers = conv_state.shape[1]
     _require(0 <= layer < layers, lambda: f"layer {layer} is not one of the state's {layers} recurrent layers")
+    return n, channels, taps
+
+
+def _check_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | Strided,
+                 beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, group: int | None,
+                 group_stride: int) -> tuple[int, int, Strided, Strided]:  # fmt: skip
+    """(value heads, group, alpha rows, beta rows) of gates g, beta_out [n, value heads] read from alpha and beta
+    (delta_net_gates)."""
+    _require(len(g.shape) == 2 and beta_out.shape == g.shape,
+             lambda: f"g {g.shape} and beta_out {beta_out.shape} must be [n, value heads]")  # fmt: skip
+    n, heads = g.shape
+    group = heads if group is None else group
+    _require(group > 0 and heads % group == 0, lambda: f"group {group} must divide the {heads} value heads")
+    span = (heads // group - 1) * group_stride + group if heads else 0  # columns a row's last head needs, + 1
+    alpha, beta = _rows(alpha, n), _rows(beta, n)
+    for name, t in (("g", g), ("beta_out", beta_out), ("alpha", alpha), ("beta", beta), ("dt_bias", dt_bias),
+                    ("a", a)):  # fmt: skip
+        _f32(name, t)
+    narrow = min(alpha.cols, beta.cols)
+    _require(narrow >= span, lambda: f"alpha and beta rows of {narrow} columns hold no head {heads - 1} at column "
+                                     f"{span - 1}")  # fmt: skip
+    _require(dt_bias.numel == heads and a.numel == heads,
+             lambda: f"dt_bias ({dt_bias.numel}) and a ({a.numel}) must have one value a head ({heads})")  # fmt: skip
+    return heads, group, alpha, beta
+
+
+def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
+                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int, stream: driver.Stream,
+                  max_tokens: int | None = None) -> None:  # fmt: skip
+    """out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps weight [C, K]) over each sequence's
+    earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds for recurrent layer `layer` and
+    then holds the sequence's last K - 1 inputs (out not x). max_tokens: the most tokens a sequence has (default n);
+    its CONV_TOKENS-token chunks run side by side."""
+    n, channels, taps = _check_conv(out, x, weight, conv_state, layer)
+    slots, layers = conv_state.shape[:2]
     seqs = _check_sequences(query_starts, state_slots)
     if seqs == 0 or channels == 0:
         return
@@ -113,21 +147,8 @@ def delta_net_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor
     """g = a * softplus(alpha + dt_bias) and beta_out = sigmoid(beta), float32 [n, value heads]. Value head h reads
     column h of its alpha and beta rows, or with `group` column (h // group) * group_stride + h % group (Qwen3-Next's
     fused projection: alpha = columns(ba, group, 2 heads), beta = columns(ba, 0, 2 heads), group_stride 2 group)."""
-    _require(len(g.shape) == 2 and beta_out.shape == g.shape,
-             lambda: f"g {g.shape} and beta_out {beta_out.shape} must be [n, value heads]")  # fmt: skip
-    n, heads = g.shape
-    group = heads if group is None else group
-    _require(group > 0 and heads % group == 0, lambda: f"group {group} must divide the {heads} value heads")
-    span = (heads // group - 1) * group_stride + group if heads else 0  # columns a row's last head needs, + 1
-    alpha, beta = _rows(alpha, n), _rows(beta, n)
-    for name, t in (("g", g), ("beta_out", beta_out), ("alpha", alpha), ("beta", beta), ("dt_bias", dt_bias),
-                    ("a", a)):  # fmt: skip
-        _f32(name, t)
-    narrow = min(alpha.cols, beta.cols)
-    _require(narrow >= span, lambda: f"alpha and beta rows of {narrow} columns hold no head {heads - 1} at column "
-                                     f"{span - 1}")  # fmt: skip
-    _require(dt_bias.numel == heads and a.numel == heads,
-             lambda: f"dt_bias ({dt_bias.numel}) and a ({a.numel}) must have one value a head ({heads})")  # fmt: skip
+    heads, group, alpha, beta = _check_gates(g, beta_out, alpha, beta, dt_bias, a, group, group_stride)
+    n = g.shape[0]
     if n * heads == 0:
         return
     args = (g.ptr, beta_out.ptr, alpha.ptr, beta.ptr, dt_bias.ptr, a.ptr, n, heads, alpha.stride, beta.stride, group,
@@ -152,6 +173,36 @@ def l2_norm(out: DeviceTensor | Strided, x: DeviceTensor | Strided, head_dim: in
     args = (out.ptr, x.ptr, n, heads, head_dim, x.stride, out.stride, eps)
     types = (_P, _P, _I, _I, _I, _I, _I, _F)
     driver.launch(_kernel("l2_norm"), (-(-n * heads // ROW_WARPS),), (32 * ROW_WARPS,), args, types, stream, pdl=True)
+
+
+def delta_net_inputs(out: DeviceTensor, g: DeviceTensor, beta_out: DeviceTensor, x: DeviceTensor,
+                     weight: DeviceTensor, conv_state: DeviceTensor, alpha: DeviceTensor | Strided,
+                     beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, d_k: int, normed: int,
+                     eps: float, query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
+                     stream: driver.Stream, group: int | None = None, group_stride: int = 0,
+                     max_tokens: int | None = None) -> None:  # fmt: skip
+    """What the delta rule reads, in one launch: out [n, C] = causal_conv1d's SiLU outputs of x [n, C] (out not x;
+    the slot's conv state read and replaced as there), the first `normed` channels (q | k) divided per head of d_k
+    by sqrt(sum of squares + eps) as l2_norm divides; g and beta_out [n, value heads] as delta_net_gates (alpha,
+    beta, group, group_stride as there). max_tokens: the most tokens a sequence has (default n)."""
+    n, channels, taps = _check_conv(out, x, weight, conv_state, layer)
+    _require(len(g.shape) == 2 and g.shape[0] == n, lambda: f"g {g.shape} must be [{n}, value heads]")
+    heads, group, alpha, beta = _check_gates(g, beta_out, alpha, beta, dt_bias, a, group, group_stride)
+    _require(d_k > 0 and CONV_CHANNELS % d_k == 0,
+             lambda: f"d_k must divide {CONV_CHANNELS} (a block's channels: whole heads), got {d_k}")  # fmt: skip
+    _require(0 <= normed <= channels and normed % d_k == 0,
+             lambda: f"the normed channels ({normed}) must be whole heads of {d_k} within the {channels}")  # fmt: skip
+    seqs = _check_sequences(query_starts, state_slots)
+    if seqs == 0 or channels == 0:
+        return
+    slots, layers = conv_state.shape[:2]
+    args = (out.ptr, g.ptr, beta_out.ptr, x.ptr, weight.ptr, conv_state.ptr, alpha.ptr, beta.ptr, dt_bias.ptr,
+            a.ptr, query_starts.ptr, state_slots.ptr, slots, layers, layer, channels, normed, d_k, eps, heads,
+            alpha.stride, beta.stride, group, group_stride)  # fmt: skip
+    types = (_P,) * 12 + (_I,) * 6 + (_F,) + (_I,) * 5
+    chunks = max(1, -(-(n if max_tokens is None else max_tokens) // CONV_TOKENS))
+    driver.launch(_kernel(f"delta_net_inputs<{taps}>"), (-(-channels // CONV_CHANNELS) + 1, seqs, chunks),
+                  (CONV_CHANNELS,), args, types, stream, pdl=True)  # fmt: skip
 
 
 def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTensor | Strided,

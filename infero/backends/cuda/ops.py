@@ -540,6 +540,20 @@ class CudaOps:
         delta_net.l2_norm(out, x, head_dim, eps, self.stream)
         return out
 
+    def delta_net_inputs(self, qkv: DeviceTensor, alpha, beta, conv_weight: DeviceTensor, dt_bias: DeviceTensor,
+                         a: DeviceTensor, key_heads: int, d_k: int, eps: float, cache, layer: int, batch,
+                         group: int | None = None) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:  # fmt: skip
+        n, heads = qkv.shape[0], dt_bias.numel
+        out = self.ws.empty(qkv.shape, np.float32)
+        g, beta_out = self.ws.empty((n, heads), np.float32), self.ws.empty((n, heads), np.float32)
+        group_stride = 0
+        if alpha is None:  # Qwen3-Next's fused projection: per key head its `group` betas, then its alphas
+            alpha, beta, group_stride = columns(beta, group, 2 * heads), columns(beta, 0, 2 * heads), 2 * group
+        delta_net.delta_net_inputs(out, g, beta_out, qkv, conv_weight, cache.conv, alpha, beta, dt_bias, a, d_k,
+                                   2 * key_heads * d_k, eps, batch.query_starts, batch.state_slots, layer,
+                                   self.stream, group, group_stride, batch.max_query_len)  # fmt: skip
+        return out, g, beta_out
+
     def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache, layer: int, batch):
         n, v_heads = g.shape
         out = self.ws.empty((n, v_heads, cache.delta.shape[4]), np.float32)

@@ -34,6 +34,7 @@
 namespace dn {
 constexpr int ROW_WARPS = 8;  // warp-per-row kernels: rows a block of 256
 constexpr int CONV_TOKENS = 16;  // causal_conv1d: tokens a thread walks (a chunk: grid z)
+constexpr int CONV_CHANNELS = 128;  // delta_net_inputs: channels a block takes (whole heads of q and k)
 constexpr int RULE_TILE = 8;   // gated_delta_rule: tokens whose q, k, v, decay and beta a block stages at a time
 constexpr int RULE_PARTS = 4;  // gated_delta_rule: threads sharing a column of S (neighbouring lanes)
 constexpr int MAX_DV = 128;    // gated_delta_rule: columns of S (RULE_PARTS threads each)
@@ -165,6 +166,107 @@ extern "C" __global__ void __launch_bounds__(256) l2_norm(float* out, const floa
     float* o = out + (size_t)t * out_stride + (size_t)h * dim;
     const float norm = __fsqrt_rn(__fadd_rn(dn::row_sum_squares(xr, dim, lane), eps));
     for (int i = lane; i < dim; i += 32) o[i] = __fdiv_rn(xr[i], norm);
+}
+
+namespace dn {
+// delta_net_gates' expressions for tokens [t0, t1), the block's threads striding over (token, value head).
+__device__ __forceinline__ void gates(float* __restrict__ g, float* __restrict__ beta_out,
+                                      const float* __restrict__ alpha, const float* __restrict__ beta,
+                                      const float* __restrict__ dt_bias, const float* __restrict__ a, int t0, int t1,
+                                      int heads, int alpha_stride, int beta_stride, int group, int group_stride) {
+    for (int i = threadIdx.x; i < (t1 - t0) * heads; i += blockDim.x) {
+        const int t = t0 + i / heads, h = i % heads;
+        const int col = (h / group) * group_stride + h % group;
+        const float z = __fadd_rn(alpha[(size_t)t * alpha_stride + col], dt_bias[h]);
+        const float softplus = __fadd_rn(fmaxf(z, 0.0f), log1pf(expf(-fabsf(z))));
+        g[(size_t)t * heads + h] = __fmul_rn(a[h], softplus);
+        beta_out[(size_t)t * heads + h] = sigmoid(beta[(size_t)t * beta_stride + col]);
+    }
+}
+}  // namespace dn
+
+// delta_net_inputs. Everything the delta rule reads but its state, in one launch, bitwise what causal_conv1d,
+// l2_norm on q and k, and delta_net_gates give: x = q | k | v [n, C] -> out [n, C] (never x), causal_conv1d's SiLU
+// outputs with the first `normed` channels (q and k) divided per head of d_k as l2_norm divides; and g, beta_out
+// [n, heads] as delta_net_gates. grid (ceil(C / CONV_CHANNELS) + 1, seqs, chunks of CONV_TOKENS tokens). A block
+// of x below the last takes CONV_CHANNELS channels of one sequence's chunk, a thread a channel as in causal_conv1d
+// (the same sum order, only the first chunk reading and writing the state). d_k divides CONV_CHANNELS, so the block
+// holds whole heads: its q and k outputs wait in shared memory for the block's barrier, then each warp norms
+// (token, head) rows in turn, lane l summing the squares of elements l, l + 32, ... in order, then the butterfly,
+// as l2_norm's warp a row did. The last block of x computes the gates of its chunk's tokens. A sequence whose slot
+// is bad gets NaN in out (its gates are still computed: they need no state). Three launches became one: the 30
+// delta-net layers of Qwen3.5-35B-A3B ran the three in 4.3 + 5.0 + 4.2 us of its batch-1 decode step on the H200.
+// ptxas (sm_90a, K = 4): 40 registers, 8 KiB shared memory, no spill.
+template <int K>
+__global__ void __launch_bounds__(dn::CONV_CHANNELS) delta_net_inputs(
+    float* __restrict__ out, float* __restrict__ g, float* __restrict__ beta_out, const float* __restrict__ x,
+    const float* __restrict__ weight, float* __restrict__ conv, const float* __restrict__ alpha,
+    const float* __restrict__ beta, const float* __restrict__ dt_bias, const float* __restrict__ a,
+    const int* __restrict__ starts, const int* __restrict__ slots, int num_slots, int layers, int layer,
+    int channels, int normed, int d_k, float eps, int heads, int alpha_stride, int beta_stride, int group,
+    int group_stride) {
+    static_assert(K >= 2 && dn::CONV_TOKENS >= K - 1, "the state holds K - 1 inputs, all before the first chunk");
+    __shared__ float qk_s[dn::CONV_TOKENS][dn::CONV_CHANNELS];  // the chunk's SiLU outputs of q and k channels
+    const bool gate_block = blockIdx.x == gridDim.x - 1;
+    const int tid = threadIdx.x, c0 = blockIdx.x * dn::CONV_CHANNELS, c = c0 + tid;
+    const bool live = !gate_block && c < channels;
+    float w[K];
+    // The taps are weights (no kernel writes them): loaded before waiting on the previous kernel.
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = live ? __ldg(weight + (size_t)c * K + j) : 0.0f;
+    pdl_enter();
+    const int seq = blockIdx.y, lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
+    const int t0 = lo + blockIdx.z * dn::CONV_TOKENS, t1 = min(t0 + dn::CONV_TOKENS, hi);
+    if (t0 >= hi) return;
+    if (gate_block) {
+        dn::gates(g, beta_out, alpha, beta, dt_bias, a, t0, t1, heads, alpha_stride, beta_stride, group,
+                  group_stride);
+        return;
+    }
+    if (dn::bad_slot(slot, num_slots)) {
+        for (int t = t0; live && t < t1; ++t) out[(size_t)t * channels + c] = __int_as_float(0x7fc00000);
+        return;
+    }
+    if (live) {
+        float* state = conv + (((size_t)slot * layers + layer) * channels + c) * (K - 1);
+        float window[K - 1];  // the K - 1 inputs before token t, oldest first (before lo: the state, first chunk)
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) {
+            const int p = t0 - (K - 1) + j;
+            window[j] = p >= lo ? x[(size_t)p * channels + c] : state[j];
+        }
+        for (int t = t0; t < t1; ++t) {
+            const float in = x[(size_t)t * channels + c];
+            float acc = __fmul_rn(w[0], window[0]);
+#pragma unroll
+            for (int j = 1; j < K - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(w[j], window[j]));
+            acc = __fadd_rn(acc, __fmul_rn(w[K - 1], in));
+#pragma unroll
+            for (int j = 0; j < K - 2; ++j) window[j] = window[j + 1];
+            window[K - 2] = in;
+            if (c < normed)
+                qk_s[t - t0][tid] = dn::silu(acc);
+            else
+                out[(size_t)t * channels + c] = dn::silu(acc);
+        }
+        // The sequence's last K - 1 inputs: the window, where this chunk is its last; else all of x (it is longer
+        // than CONV_TOKENS >= K - 1 tokens).
+        if (blockIdx.z == 0) {
+#pragma unroll
+            for (int j = 0; j < K - 1; ++j)
+                state[j] = t1 == hi ? window[j] : x[(size_t)(hi - (K - 1) + j) * channels + c];
+        }
+    }
+    if (c0 >= normed) return;  // the whole block: v channels only
+    __syncthreads();
+    const int lane = tid % 32, per_token = min(dn::CONV_CHANNELS, normed - c0) / d_k;
+    for (int r = tid / 32; r < (t1 - t0) * per_token; r += dn::CONV_CHANNELS / 32) {
+        const int tt = r / per_token, col = r % per_token * d_k;
+        const float* row = qk_s[tt] + col;
+        const float norm = __fsqrt_rn(__fadd_rn(dn::row_sum_squares(row, d_k, lane), eps));
+        float* o = out + (size_t)(t0 + tt) * channels + c0 + col;
+        for (int i = lane; i < d_k; i += 32) o[i] = __fdiv_rn(row[i], norm);
+    }
 }
 
 // gated_delta_rule. q, k [n, key heads x DK] (rows q_stride, k_stride apart), v [n, value heads x dv] (rows
