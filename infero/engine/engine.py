@@ -103,7 +103,8 @@ class Engine:
         self.states = StatePool(num_state_slots) if num_state_slots else None
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size, num_state_slots)
         self.max_model_len = min(limit, num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.states)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.states,
+                                   model.prefill_alignment)  # fmt: skip
         self._seqs: dict[tuple[str, int], _Sequence] = {}
         self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()

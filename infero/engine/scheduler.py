@@ -10,7 +10,8 @@ default: see EngineConfig), and a new prompt starts while the running streams go
 admitted while budget, blocks and the sequence limit allow, and for a hybrid model a free recurrent-state slot
 (state_pool.py): a request that fits in blocks but finds no slot waits, whole. When blocks run out, the newest
 running request not yet scheduled in the step is preempted: its blocks (and state slot) are freed and it is
-recomputed later from its tokens, never left with a corrupt cache.
+recomputed later from its tokens, never left with a corrupt cache. A prompt chunk that leaves some of the prompt
+for later steps ends at a multiple of the model's prefill_alignment (a hybrid's 64-position delta-rule chunks).
 
 With prefix caching (kv_cache.py) a request is admitted with the longest run of cached full blocks that
 begins its tokens, and computes from there; never all of them, since its last token must run to give logits.
@@ -47,9 +48,10 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         states: StatePool | None = None,  # a hybrid model's recurrent-state slots; None: the model has none
+        prefill_alignment: int = 1,  # a prompt chunk that leaves some of the prompt ends at a multiple of this
     ):
         self.pool, self.max_num_seqs, self.max_num_batched_tokens = pool, max_num_seqs, max_num_batched_tokens
-        self.states = states
+        self.states, self.prefill_alignment = states, prefill_alignment
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,14 +69,16 @@ class Scheduler:
         scheduled: set[int] = set()
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         # Prompt tokens this step: what the decodes leave of the budget, but never less than a quarter of it, so that
-        # as many streams as the budget holds cannot keep a new prompt from starting until one of them ends.
-        budget = max(self.max_num_batched_tokens - len(decodes), -(-self.max_num_batched_tokens // 4))
+        # as many streams as the budget holds cannot keep a new prompt from starting until one of them ends (nor
+        # less than one aligned chunk, which a prompt may need to move at all).
+        floor = max(-(-self.max_num_batched_tokens // 4), self.prefill_alignment)
+        budget = max(self.max_num_batched_tokens - len(decodes), floor)
         for req in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
             if req not in self.running:  # preempted below to make room for an older request
                 continue
             self._register_computed(req)
             left = req.num_tokens - req.num_computed_tokens
-            n = left if left == 1 else min(left, budget)
+            n = left if left == 1 else self._prompt_chunk(req.num_computed_tokens, left, budget)
             if n == 0 or not self._make_room(req, n, scheduled):
                 continue
             chunks.append(ScheduledChunk(req, n))
@@ -126,7 +130,9 @@ class Scheduler:
             return None
         hits = self._cached_prefix(req)
         start = len(hits) * self.pool.block_size
-        n = min(req.num_tokens - start, budget)
+        n = self._prompt_chunk(start, req.num_tokens - start, budget)
+        if n == 0:
+            return None
         needed = self.pool.blocks_for(start + n) - len(hits)
         if needed + self.pool.num_free_among(hits) > self.pool.num_free:
             return None
@@ -139,6 +145,16 @@ class Scheduler:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += start
         return n
+
+    def _prompt_chunk(self, start: int, left: int, budget: int) -> int:
+        """Tokens of a prompt chunk from position `start` with `left` tokens to go: what the budget allows, ending at
+        a multiple of prefill_alignment unless it ends the prompt (0 when the budget reaches no such multiple). A
+        hybrid model's delta net computes whole 64-position chunks in their chunked form and the rest token by
+        token, so splits on those multiples give a prompt the same bits however the budget cuts it."""
+        n = min(left, budget)
+        if n < left:
+            n = (start + n) // self.prefill_alignment * self.prefill_alignment - start
+        return max(n, 0)
 
     def _make_room(self, req: Request, n: int, scheduled: set[int]) -> bool:
         """Blocks for n more tokens of a running request, preempting the newest requests not yet scheduled this

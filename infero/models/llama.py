@@ -53,6 +53,7 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     layer_weights = LayerWeights
+    prefill_alignment = 1  # where the scheduler may end a prompt chunk: anywhere (no op's bits depend on it)
 
     @staticmethod
     def feed_forward_weights(weight, p: str) -> dict:

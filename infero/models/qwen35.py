@@ -76,6 +76,11 @@ class HybridLayer:
 
 
 class Qwen35Model(LlamaModel):
+    # The backends' delta rule takes whole 64-position chunks (from the sequence's start) in its chunked form and
+    # the other tokens one by one, so prompt chunks that end on those multiples give a prompt the same bits
+    # however the scheduler splits it (docs/kernels.md, batch invariance rule 4).
+    prefill_alignment = 64
+
     @classmethod
     def load(cls, checkpoint: Checkpoint, ops: Any, progress=None) -> Qwen35Model:
         c = checkpoint.config

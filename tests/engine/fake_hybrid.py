@@ -38,6 +38,8 @@ class HybridModel:
     """state <- tanh(state @ A + E[token]) token by token; logits = state @ W. float64, one order: a sequence's
     numbers are the same however its prompt is chunked and whatever shares its step."""
 
+    prefill_alignment = 1
+
     def __init__(self, vocab_size: int, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.config = HybridConfig(vocab_size)

@@ -55,11 +55,24 @@ def test_a_request_after_an_aborted_one_gives_its_fresh_engine_tokens(llm):
     assert tokens(llm, [prompt(1)]) == want
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64])
+@pytest.mark.parametrize("budget", [1, 100, 130])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(llm, budget):
-    prompts = [prompt(10 + i, 30 + 17 * i) for i in range(3)]
+    prompts = [prompt(10 + i, 30 + 70 * i) for i in range(3)]
     want = tokens(load(max_num_batched_tokens=512), prompts)
     assert tokens(load(max_num_batched_tokens=budget), prompts) == want
+
+
+def test_prompt_chunks_end_on_the_delta_rules_chunk_boundaries(llm):
+    from infero.backends.cpu.delta_net import DELTA_RULE_CHUNK
+
+    small = load(max_num_batched_tokens=100)
+    assert small.engine.scheduler.prefill_alignment == DELTA_RULE_CHUNK == 64
+    small.engine.add_request("long", prompt(7, 200), GREEDY)
+    computed = []
+    while small.engine.has_unfinished():
+        small.engine.step()
+        computed.append(small.engine.scheduler.running[0].num_computed_tokens if small.engine.scheduler.running else 0)
+    assert computed[:3] == [64, 128, 200]  # a budget of 100 cut back to a whole chunk; the last 72 end the prompt
 
 
 def test_forks_continue_from_the_parents_state(llm):

@@ -124,3 +124,43 @@ def test_a_decode_behind_a_prefilling_request_still_runs_first():
     short.output_ids.append(7)
     chunks = s.schedule()
     assert [(c.request, c.num_tokens) for c in chunks] == [(short, 1), (long, 7)]
+
+
+def test_aligned_prompt_chunks_end_on_multiples_of_the_alignment_or_at_the_prompt_end():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_num_batched_tokens=150, prefill_alignment=64)
+    decoding, long = request(0, 3), request(1, 300)
+    s.add(decoding)
+    advance(s.schedule())
+    s.add(long)
+    ends = []
+    while long.num_computed_tokens < 300:
+        chunks = s.schedule()
+        assert chunks[0].request is decoding  # the decode still runs first, every step
+        advance(chunks)
+        ends.append(long.num_computed_tokens)
+    assert ends == [128, 256, 300]  # 149 tokens of budget each step, cut back to the last multiple of 64
+
+
+def test_an_aligned_prompt_moves_by_one_chunk_when_decodes_take_the_budget():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=64, max_num_batched_tokens=80, prefill_alignment=64)
+    streams = [request(i, 2) for i in range(40)]
+    for r in streams:
+        s.add(r)
+    advance(s.schedule())
+    long = request(99, 200)
+    s.add(long)
+    advance(s.schedule())  # 40 decodes leave 40 of 80 tokens: the floor is one whole chunk, not a quarter (20)
+    assert long.num_computed_tokens == 64
+
+
+def test_a_waiting_prompt_is_not_admitted_with_less_than_a_chunk_left():
+    s = Scheduler(BlockPool(64, 16, enable_caching=False), max_num_seqs=8, max_num_batched_tokens=100,
+                  prefill_alignment=64)  # fmt: skip
+    first, second = request(0, 90), request(1, 200)
+    s.add(first)
+    s.add(second)
+    chunks = s.schedule()  # first takes 90 (its whole prompt); 10 left reach no multiple of 64 for second
+    assert [(c.request, c.num_tokens) for c in chunks] == [(first, 90)] and second.status is Status.WAITING
+    advance(chunks)
+    chunks = s.schedule()
+    assert [(c.request, c.num_tokens) for c in chunks] == [(first, 1), (second, 64)]
