@@ -40,23 +40,46 @@ constexpr float TAKEN = -2.f;  // a chosen expert's p in shared memory (p is in 
 constexpr int ROUTER_WARPS = 4;   // moe_router: a block's warps, one quarter of the router row each
 constexpr int ROUTER_TOKENS = 16;  // moe_router: tokens a block computes (a grid row); routes up to this many
 
-// The order of the top-k: (p, id) before (p', id') iff p > p', or p == p' and id < id'; NaN p as -1 (below all).
-__device__ __forceinline__ bool before(float p, int id, float q, int jd) {
-  return jd < 0 || (id >= 0 && (p > q || (p == q && id < jd)));
-}
-
-__device__ __forceinline__ float key(float p) { return p >= 0.f ? p : -1.f; }
 }  // namespace moe
 
 namespace moe {
+// A p's rank as an unsigned key (larger ranks first): 0 taken, 1 NaN (below every number), else p's bits + 2 (p is
+// >= 0, so its bits order as it does). Equal keys are equal p: the lower expert id goes first.
+__device__ __forceinline__ unsigned rank_key(float v) {
+  return v == TAKEN ? 0u : (v >= 0.f ? __float_as_uint(v) + 2u : 1u);
+}
+
+// The best untaken expert of a lane (its experts lane, lane + 32, ...): the largest key, the first (lowest id) of
+// equal keys. id -1 where the lane has none.
+__device__ __forceinline__ void lane_best(const float* p, int experts, int lane, unsigned& best, int& best_id) {
+  best = 0u;
+  best_id = -1;
+  for (int e = lane; e < experts; e += 32) {
+    const unsigned key = rank_key(p[e]);
+    if (key > best) {
+      best = key;
+      best_id = e;
+    }
+  }
+}
+
 // One row's routing (moe_route's contract) by one warp: l the row's logits (read through L2: in moe_router they
-// are other blocks' output), p the warp's shared memory [experts].
+// are other blocks' output), p the warp's shared memory [experts]. The top-k keeps each lane's best untaken expert;
+// a rank is the warp's largest key (__reduce_max_sync) and, among lanes holding it, the lowest id
+// (__reduce_min_sync); only the winning lane looks for its next best. Ranks: the larger p first, equal p the lower id first, NaN last.
 __device__ __forceinline__ void route_row(int* __restrict__ row_ids, float* __restrict__ row_weights, const float* l, float* p,
                           int experts, int k, int lane, int shared) {
+  constexpr int LOADS = 8;  // logits a lane loads before it waits on them
   float m = __int_as_float(0xff800000);  // -inf
-  for (int e = lane; e < experts; e += 32) {
-    p[e] = __ldcg(l + e);
-    m = fmaxf(m, p[e]);
+  for (int e0 = lane; e0 < experts; e0 += 32 * LOADS) {
+    float v[LOADS];
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) v[u] = e0 + 32 * u < experts ? __ldcg(l + e0 + 32 * u) : m;
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+      if (e0 + 32 * u < experts) p[e0 + 32 * u] = v[u];
+      m = fmaxf(m, v[u]);
+    }
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
@@ -69,34 +92,22 @@ __device__ __forceinline__ void route_row(int* __restrict__ row_ids, float* __re
   for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, off));
   for (int e = lane; e < experts; e += 32) p[e] = __fdiv_rn(p[e], sum);
 
+  unsigned best;
+  int best_id;
+  lane_best(p, experts, lane, best, best_id);
   float chosen = 0.f;  // lane 0: the sum of the chosen p, in rank order
   for (int r = 0; r < k; ++r) {
-    float best = -1.f, best_p = 0.f;  // best: the key of best_id's p
-    int best_id = -1;
-    for (int e = lane; e < experts; e += 32) {
-      const float v = p[e];
-      if (v != TAKEN && before(key(v), e, best, best_id)) {
-        best = key(v);
-        best_p = v;
-        best_id = e;
-      }
+    const unsigned top = __reduce_max_sync(0xFFFFFFFFu, best);
+    const int id = __reduce_min_sync(0xFFFFFFFFu, best == top && best_id >= 0 ? best_id : 0x7FFFFFFF);
+    const float top_p = top >= 2u ? __uint_as_float(top - 2u) : __int_as_float(0x7fc00000);
+    if (lane == (id & 31)) {
+      p[id] = TAKEN;
+      lane_best(p, experts, lane, best, best_id);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, off);
-      const float other_p = __shfl_xor_sync(0xFFFFFFFFu, best_p, off);
-      const int other_id = __shfl_xor_sync(0xFFFFFFFFu, best_id, off);
-      if (before(other, other_id, best, best_id)) {
-        best = other;
-        best_p = other_p;
-        best_id = other_id;
-      }
-    }
-    if (lane == (best_id & 31)) p[best_id] = TAKEN;
     if (lane == 0) {
-      row_ids[r] = best_id;
-      row_weights[r] = best_p;
-      chosen = r == 0 ? best_p : __fadd_rn(chosen, best_p);
+      row_ids[r] = id;
+      row_weights[r] = top_p;
+      chosen = r == 0 ? top_p : __fadd_rn(chosen, top_p);
     }
   }
   if (lane == 0) {
