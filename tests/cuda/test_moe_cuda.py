@@ -409,13 +409,13 @@ def test_moe_experts_on_the_tensor_cores_are_the_bits_of_every_other_path(gpu, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3, 9, 16])
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
 def test_down_and_combine_in_one_launch_are_bitwise_the_two_launches(gpu, qtype, k):
     from infero.backends.cuda import driver, matvec, moe, runtime
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
-    experts, rows, cols, n = 10, 300, 256, 3
+    experts, rows, cols, n = 20, 300, 256, 3
     down, _ = upload_experts(qtype, experts, rows, cols, 21)
     rng = np.random.default_rng(k)
     x = rng.normal(0, 1, size=(n * k, cols)).astype(np.float32)
@@ -578,17 +578,19 @@ def test_moe_experts_sorts_for_the_tensor_cores_from_a_token_count_if_every_type
 
 def test_one_token_runs_each_pair_on_its_own_expert_and_down_with_the_combine(launches):
     """A decode step of one token: no sort; gate + up pair by pair; SwiGLU quantized for down; down and the combine
-    in one launch (k = 8); a k past COMBINE_MAX_K keeps them apart."""
+    in one launch (k = 8, and 9: Qwen3.5-MoE's eight and its folded shared expert); a k past COMBINE_MAX_K keeps
+    them apart."""
     ops, calls = launches
     h, ids, weights = _Tensor(1, (1, 256), np.float32), _Tensor(2, (1, 8), np.int32), _Tensor(3, (1, 8), np.float32)
     mats = [_experts(t, 16, r, c) for t, r, c in ((Q.Q4_K, 128, 256), (Q.Q4_K, 128, 256), (Q.Q6_K, 256, 128))]
     out = ops.moe_experts(h, ids, weights, *mats)
     assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", "down_combine"]
     assert calls[3][1:5] == (out.ptr, 14, ids.ptr, weights.ptr) and calls[3][5] is calls[2][4]
-    calls.clear()
-    ids, weights = _Tensor(2, (1, 9), np.int32), _Tensor(3, (1, 9), np.float32)
-    ops.moe_experts(h, ids, weights, *mats)
-    assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", "experts", "combine"]
+    for k, kinds in ((9, ["down_combine"]), (17, ["experts", "combine"])):
+        calls.clear()
+        ids, weights = _Tensor(2, (1, k), np.int32), _Tensor(3, (1, k), np.float32)
+        ops.moe_experts(h, ids, weights, *mats)
+        assert [c[0] for c in calls] == ["quantize", "experts", "swiglu", *kinds]
 
 
 def test_moe_experts_runs_gate_and_up_of_other_types_apart_and_float_experts_unquantized(launches):

@@ -36,7 +36,7 @@ MMA_GROUPS = (16, 32, 64)  # the pairs a block of matvec_experts_mma computes (e
 # the __dp4a kernel's 8: 128 tokens 740 / 1,376 / 7,209 against 863; 512 tokens 1,865 / 2,155 / 5,852 against 3,019.
 MMA_GROUP = 16
 MMA_WARPS = 4  # matvec_experts_mma's warps a block: G / 16 split the pairs, the others 16 rows each
-COMBINE_MAX_K = 8  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
+COMBINE_MAX_K = 16  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
 ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one routes a token) and tokens a block
 SORT_THREADS = 1024
 MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)

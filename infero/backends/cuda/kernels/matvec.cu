@@ -1044,7 +1044,7 @@ __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv
 // expert as matvec_experts does (the pair's y bitwise), then two threads add the k ranks' products in rank order as
 // moe_combine does: out[t, row] = w0 y0 + w1 y1 + ..., each product rounded, so out is bitwise down + moe_combine.
 // Activation: the pairs' quantized SwiGLU outputs, row p for pair p (act_rows = pairs).
-constexpr int COMBINE_MAX_K = 8;
+constexpr int COMBINE_MAX_K = 16;
 template <int T>
 __global__ void __launch_bounds__(32 * COMBINE_MAX_K) matvec_experts_combine(
     float* __restrict__ out, const uint8_t* __restrict__ weight, const int* __restrict__ ids,
