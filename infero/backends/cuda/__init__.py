@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infero.backends.cuda import delta_net, driver, embedding, runtime
+from infero.backends.cuda import delta_net, delta_rule_chunked, driver, embedding, runtime
 from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.compiler import compile_parallel
@@ -42,6 +42,9 @@ class DeviceBatch:
     max_query_len: int
     max_context_len: int
     num_decode_seqs: int  # sequences with exactly one new token
+    # Whole 64-position chunks the sequences' tokens fill (hybrid models): the delta rule launches its chunked
+    # kernel only where there is one, so a decode step stays one recurrent launch.
+    num_whole_chunks: int
 
 
 class CudaBackend:
@@ -275,6 +278,7 @@ class CudaBackend:
             # the stream before the step, so a replayed decode graph needs no reset of its own.
             delta_net.reset_states(cache.conv, cache.delta, fresh_slots, self.stream)
         max_context = int(batch.context_lens.max()) if s else 0
+        chunks = delta_rule_chunked.whole_chunks(batch.positions, batch.query_starts) if spare_slot >= 0 else 0
         return DeviceBatch(
             **views,
             num_tokens=tokens,
@@ -283,6 +287,7 @@ class CudaBackend:
             # A graph is replayed for any context length: launch its attention for the longest possible one.
             max_context_len=(self.max_blocks_per_seq - 1) * cache.block_size if pad_to else max_context,
             num_decode_seqs=int(np.sum(batch.query_lens == 1)) + rows - s,
+            num_whole_chunks=chunks,
         )
 
     # --- after the step -------------------------------------------------------------------------------

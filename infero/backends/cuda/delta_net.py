@@ -13,6 +13,7 @@ in one fixed order, so a token's numbers are the same however its prompt was spl
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,9 @@ MAX_DV = 128  # the widest value head the delta rule takes (dn::MAX_DV: its shar
 RULE_COLUMNS = 32  # columns of S a block of the delta rule takes (a multiple of 32 dividing d_v)
 ROW_WARPS = 8  # the norms: a warp a row, 8 rows a block
 PAIRINGS = ("tiled", "grouped")  # which key head serves value head h: h % key heads, or h // (value / key heads)
+# gated_delta_rule's tokens of a sequence (delta_chunks.cuh's dchunk::Part): all, those before its first whole
+# 64-position chunk, those after its last.
+PARTS = ("all", "head", "tail")
 
 runtime.declare(
     SOURCE,
@@ -205,14 +209,26 @@ def delta_net_inputs(out: DeviceTensor, g: DeviceTensor, beta_out: DeviceTensor,
                   (CONV_CHANNELS,), args, types, stream, pdl=True)  # fmt: skip
 
 
-def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTensor | Strided,
-                     v: DeviceTensor | Strided, g: DeviceTensor, beta: DeviceTensor, pairing: str, scale: float,
-                     delta_state: DeviceTensor, query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
-                     stream: driver.Stream) -> None:  # fmt: skip
-    """out [n, value heads, d_v] of the gated delta rule, token by token from each sequence's S in its slot of
-    delta_state [slots, layers, value heads, d_k, d_v] (updated in place): q, k [n, key heads x d_k] (q scaled by
-    `scale`), v [n, value heads x d_v], g and beta [n, value heads]; value head h reads key head h % key heads
-    (pairing "tiled") or h // (value heads / key heads) ("grouped")."""
+@dataclass(frozen=True)
+class RuleShapes:
+    """A delta rule launch's inputs as checked: q, k, v as row views and the sizes its kernels take."""
+
+    q: Strided
+    k: Strided
+    v: Strided
+    slots: int
+    layers: int
+    v_heads: int
+    d_k: int
+    d_v: int
+    key_heads: int
+    seqs: int
+
+
+def rule_shapes(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTensor | Strided, v: DeviceTensor | Strided,
+                g: DeviceTensor, beta: DeviceTensor, pairing: str, delta_state: DeviceTensor,
+                query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int) -> RuleShapes:  # fmt: skip
+    """The checks both forms of the delta rule share (gated_delta_rule's arguments; ValueError)."""
     _f32("delta_state", delta_state)
     _require(len(delta_state.shape) == 5,
              lambda: f"delta_state {delta_state.shape} must be [slots, layers, value heads, d_k, d_v]")  # fmt: skip
@@ -223,10 +239,9 @@ def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTens
     q, k, v = _rows(q, n), _rows(k, n), _rows(v, n)
     for name, t in (("out", out), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _f32(name, t)
-    _require(d_k in KEY_DIMS, lambda: f"the GPU's delta rule is compiled for d_k in {KEY_DIMS}, got {d_k}")
     _require(d_v % 32 == 0 and 0 < d_v <= MAX_DV,
              lambda: f"the GPU's delta rule needs d_v a multiple of 32 up to {MAX_DV}, got {d_v}")  # fmt: skip
-    _require(q.cols == k.cols and q.cols % d_k == 0,
+    _require(d_k > 0 and q.cols == k.cols and q.cols % d_k == 0,
              lambda: f"q rows of {q.cols} and k rows of {k.cols} must be the same whole heads of {d_k}")  # fmt: skip
     key_heads = q.cols // d_k
     _require(key_heads > 0 and v_heads % key_heads == 0,
@@ -237,15 +252,42 @@ def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTens
     _require(pairing in PAIRINGS, lambda: f"pairing must be one of {PAIRINGS}, got {pairing!r}")
     _require(0 <= layer < layers, lambda: f"layer {layer} is not one of the state's {layers} recurrent layers")
     seqs = _check_sequences(query_starts, state_slots)
-    if seqs == 0:
+    return RuleShapes(q, k, v, slots, layers, v_heads, d_k, d_v, key_heads, seqs)
+
+
+def check_positions(positions: DeviceTensor | None, n: int) -> None:
+    """positions int32 [n]: each token's position in its sequence (what splits a step's tokens into chunks)."""
+    _require(positions is not None and positions.dtype == np.int32 and positions.shape == (n,),
+             lambda: f"positions must be int32 [{n}], got "
+                     f"{None if positions is None else (positions.dtype, positions.shape)}")  # fmt: skip
+
+
+def gated_delta_rule(out: DeviceTensor, q: DeviceTensor | Strided, k: DeviceTensor | Strided,
+                     v: DeviceTensor | Strided, g: DeviceTensor, beta: DeviceTensor, pairing: str, scale: float,
+                     delta_state: DeviceTensor, query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
+                     stream: driver.Stream, part: str = "all",
+                     positions: DeviceTensor | None = None) -> None:  # fmt: skip
+    """out [n, value heads, d_v] of the gated delta rule, token by token from each sequence's S in its slot of
+    delta_state [slots, layers, value heads, d_k, d_v] (updated in place): q, k [n, key heads x d_k] (q scaled by
+    `scale`), v [n, value heads x d_v], g and beta [n, value heads]; value head h reads key head h % key heads
+    (pairing "tiled") or h // (value heads / key heads) ("grouped"). part "head" takes only each sequence's tokens
+    before its first whole 64-position chunk (all of them where it has none), "tail" those after its last (none
+    where it has none), by positions int32 [n] (delta_chunks.cuh); delta_rule_chunked takes the chunks between.
+    Every part runs a token with the same arithmetic."""
+    r = rule_shapes(out, q, k, v, g, beta, pairing, delta_state, query_starts, state_slots, layer)
+    _require(r.d_k in KEY_DIMS, lambda: f"the GPU's delta rule is compiled for d_k in {KEY_DIMS}, got {r.d_k}")
+    _require(part in PARTS, lambda: f"part must be one of {PARTS}, got {part!r}")
+    if part != "all":
+        check_positions(positions, out.shape[0])
+    if r.seqs == 0:
         return
-    args = (out.ptr, q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, delta_state.ptr, query_starts.ptr, state_slots.ptr,
-            scale, slots, layers, layer, key_heads, v_heads, d_v, q.stride, k.stride, v.stride,
-            int(pairing == "tiled"))  # fmt: skip
-    types = (_P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I)
-    fn = _kernel(f"gated_delta_rule<{d_k}>")
-    driver.launch(fn, (v_heads * (d_v // RULE_COLUMNS), seqs), (RULE_PARTS * RULE_COLUMNS,), args, types, stream,
-                  pdl=True)  # fmt: skip
+    args = (out.ptr, r.q.ptr, r.k.ptr, r.v.ptr, g.ptr, beta.ptr, delta_state.ptr, query_starts.ptr, state_slots.ptr,
+            scale, r.slots, r.layers, layer, r.key_heads, r.v_heads, r.d_v, r.q.stride, r.k.stride, r.v.stride,
+            int(pairing == "tiled"), positions.ptr if part != "all" else 0, PARTS.index(part))  # fmt: skip
+    types = (_P,) * 9 + (_F,) + (_I,) * 10 + (_P, _I)
+    fn = _kernel(f"gated_delta_rule<{r.d_k}>")
+    driver.launch(fn, (r.v_heads * (r.d_v // RULE_COLUMNS), r.seqs), (RULE_PARTS * RULE_COLUMNS,), args, types,
+                  stream, pdl=True)  # fmt: skip
 
 
 def gated_rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, gate: DeviceTensor | Strided,

@@ -11,6 +11,7 @@ import numpy as np
 from infero.backends.cuda import (
     attention,
     delta_net,
+    delta_rule_chunked,
     driver,
     elementwise,
     embedding,
@@ -555,10 +556,21 @@ class CudaOps:
         return out, g, beta_out
 
     def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache, layer: int, batch):
+        """CpuOps.gated_delta_rule's output, each sequence's whole 64-position chunks by the chunked kernel and
+        its other tokens by the recurrent one: those before its first whole chunk, then the chunks, then those
+        after its last (docs/kernels.md, batch invariance rule 4). A step without a whole chunk (every decode
+        step) or a d_k without the chunked kernel is one recurrent launch."""
         n, v_heads = g.shape
         out = self.ws.empty((n, v_heads, cache.delta.shape[4]), np.float32)
-        delta_net.gated_delta_rule(out, q, k, v, g, beta, pairing, scale, cache.delta, batch.query_starts,
-                                   batch.state_slots, layer, self.stream)  # fmt: skip
+        rule = (out, q, k, v, g, beta, pairing, scale, cache.delta, batch.query_starts, batch.state_slots, layer,
+                self.stream)  # fmt: skip
+        if batch.num_whole_chunks == 0 or not delta_rule_chunked.takes(cache.delta.shape[3]):
+            delta_net.gated_delta_rule(*rule)
+            return out
+        delta_net.gated_delta_rule(*rule, part="head", positions=batch.positions)
+        delta_rule_chunked.delta_rule_chunked(out, q, k, v, g, beta, pairing, scale, cache.delta, batch.query_starts,
+                                              batch.positions, batch.state_slots, layer, self.stream)  # fmt: skip
+        delta_net.gated_delta_rule(*rule, part="tail", positions=batch.positions)
         return out
 
     def gated_rms_norm(self, x: DeviceTensor, weight: DeviceTensor, gate, eps: float) -> DeviceTensor:

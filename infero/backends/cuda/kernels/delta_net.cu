@@ -29,6 +29,7 @@
 //
 // Speed: not measured; written on 2026-12-03 without a GPU (its tests, tests/cuda/test_delta_net_cuda.py, ran
 // then only against a numpy transcription of these kernels).
+#include "delta_chunks.cuh"
 #include "pdl.cuh"
 
 namespace dn {
@@ -284,13 +285,16 @@ __global__ void __launch_bounds__(dn::CONV_CHANNELS) delta_net_inputs(
 // the xor butterfly over the four parts of the warp, (a0 + a1) + (a2 + a3), the same bits in all four (float
 // addition commutes). A whole column a thread took 216 registers at DK = 64 and spilled at 128 (S and the staged k
 // held in registers); four parts take 96 at 128 (ptxas, sm_90a). RULE_TILE tokens' q, k, v, decay and beta are
-// staged in shared memory at a time.
+// staged in shared memory at a time. `part` (dchunk::Part) picks a sequence's tokens: all of them, or only those
+// before its first whole 64-position chunk (HEAD) or after its last (TAIL), by positions[] (delta_chunks.cuh;
+// delta_rule_chunked.cu takes the chunks between); it only moves the range, each token's arithmetic is the same.
 template <int DK>
 __global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
     float* __restrict__ out, const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ delta_state,
     const int* __restrict__ starts, const int* __restrict__ slots, float scale, int num_slots, int layers, int layer,
-    int key_heads, int v_heads, int dv, int q_stride, int k_stride, int v_stride, int tiled) {
+    int key_heads, int v_heads, int dv, int q_stride, int k_stride, int v_stride, int tiled,
+    const int* __restrict__ positions, int part) {
     constexpr int PARTS = dn::RULE_PARTS, OWN = DK / PARTS;
     static_assert(DK % PARTS == 0, "a part owns every PARTS-th row of S");
     __shared__ float q_s[dn::RULE_TILE][DK], k_s[dn::RULE_TILE][DK], v_s[dn::RULE_TILE][dn::MAX_DV];
@@ -299,7 +303,16 @@ __global__ void __launch_bounds__(dn::RULE_PARTS * dn::MAX_DV) gated_delta_rule(
     const int threads = blockDim.x, cols = threads / PARTS, col_blocks = dv / cols;
     const int h = blockIdx.x / col_blocks, c0 = blockIdx.x % col_blocks * cols, seq = blockIdx.y;
     const int tid = threadIdx.x, j = c0 + tid / PARTS, p = tid % PARTS;
-    const int lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
+    const int slot = slots[seq];
+    int lo = starts[seq], hi = starts[seq + 1];
+    if (part != dchunk::ALL && hi > lo) {
+        int head, tail;
+        dchunk::whole_chunks(positions[lo], hi - lo, head, tail);
+        if (part == dchunk::HEAD)
+            hi = lo + head;
+        else
+            lo += tail;
+    }
     const int kh = tiled ? h % key_heads : h / (v_heads / key_heads);
     float* o = out + (size_t)h * dv + j;
     const size_t out_row = (size_t)v_heads * dv;
