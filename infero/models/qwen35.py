@@ -128,24 +128,30 @@ class Qwen35Model(LlamaModel):
         ops, c, n = self.ops, self.config, batch.num_tokens
         k_heads, d_k, v_heads, d_v = c.ssm_group_count, c.ssm_state_size, c.ssm_time_step_rank, c.linear_v_dim
         qkv, z = ops.linears(h, (w.qkv, w.gate))
-        if c.architecture == "qwen3next":
-            ba = ops.linear(h, w.alpha_beta)
-            g, beta = ops.delta_net_gates(None, ba, w.dt_bias, w.a, group=v_heads // k_heads)
-        elif w.alpha_beta is not None:
-            ab = ops.linear(h, w.alpha_beta)
-            alpha, beta = ops.columns(ab, 0, v_heads), ops.columns(ab, v_heads, 2 * v_heads)
-            g, beta = ops.delta_net_gates(alpha, beta, w.dt_bias, w.a)
-        else:
-            g, beta = ops.delta_net_gates(*ops.linears(h, (w.alpha, w.beta)), w.dt_bias, w.a)
-        qkv = ops.causal_conv1d(qkv, w.conv, cache, index, batch)
+        alpha, beta, group = self.gate_projections(w, h)
+        # silu(conv1d) of q | k | v with q and k l2-normed, and the gates, in one op. The l2 norm's eps: the file's
+        # RMS eps, as llama.cpp reads it (transformers hard-codes 1e-6, which is the published models' RMS eps too).
+        qkv, g, beta = ops.delta_net_inputs(qkv, alpha, beta, w.conv, w.dt_bias, w.a, k_heads, d_k, c.rms_norm_eps,
+                                            cache, index, batch, group)  # fmt: skip
         key_size = k_heads * d_k
-        # The l2 norm's eps: the file's RMS eps, as llama.cpp reads it (transformers hard-codes 1e-6, which is the
-        # published models' RMS eps too).
-        qk = ops.l2_norm(ops.columns(qkv, 0, 2 * key_size), d_k, c.rms_norm_eps).reshape(n, 2 * key_size)
-        q, k = ops.columns(qk, 0, key_size), ops.columns(qk, key_size, 2 * key_size)
+        q, k = ops.columns(qkv, 0, key_size), ops.columns(qkv, key_size, 2 * key_size)
         v = ops.columns(qkv, 2 * key_size, 2 * key_size + v_heads * d_v)
         o = ops.gated_delta_rule(q, k, v, g, beta, self.pairing, 1.0 / math.sqrt(d_k), cache, index, batch)
         return ops.gated_rms_norm(o, w.norm, z, c.rms_norm_eps).reshape(n, -1)
+
+    def gate_projections(self, w: DeltaNetWeights, h: Any) -> tuple[Any, Any, int | None]:
+        """(alpha, beta, group) of the normed h for delta_net_inputs: alpha and beta [n, value heads], columns of
+        one stacked projection or two; qwen3next's ba as beta with alpha None and group the value heads per key
+        head (ba holds per key head its `group` betas, then its alphas)."""
+        ops, c = self.ops, self.config
+        v_heads = c.ssm_time_step_rank
+        if c.architecture == "qwen3next":
+            return None, ops.linear(h, w.alpha_beta), v_heads // c.ssm_group_count
+        if w.alpha_beta is not None:
+            ab = ops.linear(h, w.alpha_beta)
+            return ops.columns(ab, 0, v_heads), ops.columns(ab, v_heads, 2 * v_heads), None
+        alpha, beta = ops.linears(h, (w.alpha, w.beta))
+        return alpha, beta, None
 
     def gated_attention(self, index: int, w: GatedAttentionWeights, h: Any, batch: Batch, cache: Any) -> Any:
         """Attention layer `index`'s gated attention of the normed h over the cache: [n, q_size], before Wo."""

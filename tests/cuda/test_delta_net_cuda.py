@@ -2,15 +2,17 @@
 CpuOps, and the launchers' refusals (those run without a GPU).
 
 Bounds, all fp32: the conv1d's and the gates' sums are numpy's, rounded step by step as numpy rounds them, so only
-expf and log1pf differ (an ulp or two of each element): 1e-6 relative per element. The norms sum squares in
-another order than numpy's pairwise sum (a few ulp of the row's norm): 1e-6 relative. The delta rule's dot products
-run in another order than numpy's BLAS (a few ulp of each token's S^T k and S^T q), and the state carries those
-through 130 tokens: 1e-5 relative over a sequence's outputs and its final state (each step's update I - beta k k^T
-with |k| = 1 and 0 < beta < 1, times a decay below 1, shrinks an earlier error rather than growing it).
+expf and log1pf differ (an ulp or two of each element): 1e-6 relative per element. The norms (of q and k, of the
+output) sum squares in another order than numpy's pairwise sum (a few ulp of the row's norm): 1e-6 relative. The
+delta rule's dot products run in another order than numpy's BLAS (a few ulp of each token's S^T k and S^T q), and
+the state carries those through 130 tokens: 1e-5 relative over a sequence's outputs and its final state (each step's
+update I - beta k k^T with |k| = 1 and 0 < beta < 1, times a decay below 1, shrinks an earlier error rather than
+growing it).
 
-Every output buffer starts as NaN, so an element a kernel leaves unwritten fails the comparison. The conv1d and
-the delta rule are bitwise the same whether a prompt runs in one step or in steps of 1, 7 or 64 tokens beside
-another sequence's tokens (the state carried through device memory, read and written once a step).
+Every output buffer starts as NaN, so an element a kernel leaves unwritten fails the comparison. The delta rule's
+inputs (conv1d, q/k norm, gates) and the delta rule are bitwise the same whether a prompt runs in one step or in
+steps of 1, 7 or 64 tokens beside another sequence's tokens (the state carried through device memory, read and
+written once a step).
 """
 
 from __future__ import annotations
@@ -78,126 +80,12 @@ def carried_states(rng, channels: int, v_heads: int, d_k: int, d_v: int, fresh=(
     return conv, delta
 
 
-# causal_conv1d
-
-
-def run_conv(x, weight, conv, lengths, slots):
-    from infero.backends.cuda import delta_net
-
-    _, starts, slots_d = sequences(lengths, slots)
-    x_d, state, out = _dev(x), _dev(conv), _poisoned(x.shape)
-    delta_net.causal_conv1d(out, x_d, _dev(weight), state, starts, slots_d, LAYER, _stream(), max(lengths))
-    return _host(out), _host(state)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("channels", [192, 8192])  # the tiny models' q | k | v, Qwen3.5-9B's
-def test_conv1d_matches_numpy_over_sequences_of_1_to_130_tokens_in_one_launch(gpu, channels):
-    rng = np.random.default_rng(channels)
-    n = sum(LENGTHS)
-    x = rng.normal(0, 1, (n, channels)).astype(np.float32)
-    weight = rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32)
-    conv, _ = carried_states(rng, channels, 1, 1, 1)
-    out, state = run_conv(x, weight, conv, LENGTHS, SLOTS)
-    batch, _, _ = sequences(LENGTHS, SLOTS)
-    cache = SimpleNamespace(conv=conv.copy())
-    expected = CpuOps().causal_conv1d(x, weight, cache, LAYER, batch)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, expected, rtol=ELEMENTWISE_BOUND, atol=1e-7)
-    assert np.array_equal(state, cache.conv)  # the last inputs, copied: every slot's, touched or not
-
-
 def run_split(launch, total: int, chunk: int, other_slot: int, other_lengths):
     """launch(pieces, slots) for each step: this sequence's next `chunk` tokens (slot 1) beside another sequence's
     tokens (other_slot, a different length each step)."""
     for i, lo in enumerate(range(0, total, chunk)):
         other = other_lengths[i % len(other_lengths)]
         launch([(lo, min(lo + chunk, total)), other], [1, other_slot])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_conv1d_output_and_state_are_the_same_bits_however_the_prompt_is_split(gpu, chunk):
-    from infero.backends.cuda import delta_net
-
-    rng = np.random.default_rng(chunk)
-    channels, total = 192, 130
-    prompt = rng.normal(0, 1, (total, channels)).astype(np.float32)
-    weight = _dev(rng.normal(0, 0.5, (channels, CONV_KERNEL)).astype(np.float32))
-    conv, _ = carried_states(rng, channels, 1, 1, 1)
-    whole_out, whole_state = run_conv(prompt, _host(weight), conv, [total], [1])
-
-    state = _dev(conv)
-    outs = []
-
-    def launch(pieces, slots):
-        (lo, hi), other = pieces
-        x = np.concatenate([prompt[lo:hi], rng.normal(0, 1, (other, channels)).astype(np.float32)])
-        _, starts, slots_d = sequences([hi - lo, other], slots)
-        out = _poisoned(x.shape)
-        delta_net.causal_conv1d(out, _dev(x), weight, state, starts, slots_d, LAYER, _stream())
-        outs.append(_host(out)[: hi - lo])
-
-    run_split(launch, total, chunk, other_slot=3, other_lengths=(2, 0, 9))
-    assert np.array_equal(np.concatenate(outs), whole_out)
-    assert np.array_equal(_host(state)[1], whole_state[1])
-
-
-# delta_net_gates
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])  # Qwen3-Next's ba: per key head its betas, then its alphas
-def test_gates_match_numpy(gpu, fused):
-    from infero.backends.cuda import delta_net
-
-    rng = np.random.default_rng(7)
-    n, key_heads, v_heads = 70, 4, 16
-    per = v_heads // key_heads
-    alpha = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
-    alpha[0, :4] = (0.0, 30.0, -30.0, -0.0)  # softplus at 0 (numpy: log 2), far into both branches
-    beta = rng.normal(0, 4, (n, v_heads)).astype(np.float32)
-    dt_bias = rng.normal(0, 0.5, v_heads).astype(np.float32)
-    a = -np.exp(rng.normal(0, 1, v_heads)).astype(np.float32)
-    g, beta_out = _poisoned((n, v_heads)), _poisoned((n, v_heads))
-    if fused:
-        ba = np.stack([beta.reshape(n, key_heads, per), alpha.reshape(n, key_heads, per)], axis=2).reshape(n, -1)
-        ba_d = _dev(ba)
-        alpha_d, beta_d = columns(ba_d, per, 2 * v_heads), columns(ba_d, 0, 2 * v_heads)
-        delta_net.delta_net_gates(g, beta_out, alpha_d, beta_d, _dev(dt_bias), _dev(a), _stream(), per, 2 * per)
-    else:
-        delta_net.delta_net_gates(g, beta_out, _dev(alpha), _dev(beta), _dev(dt_bias), _dev(a), _stream())
-    expected_g, expected_beta = CpuOps().delta_net_gates(alpha, beta, dt_bias, a)
-    np.testing.assert_allclose(_host(g), expected_g, rtol=ELEMENTWISE_BOUND, atol=0)
-    np.testing.assert_allclose(_host(beta_out), expected_beta, rtol=ELEMENTWISE_BOUND, atol=0)
-
-
-# l2_norm
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("d_k", [16, 128])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_l2_norm_of_q_and_k_read_in_place_from_the_conv_output_matches_numpy(gpu, d_k, in_place):
-    from infero.backends.cuda import delta_net
-
-    rng = np.random.default_rng(d_k)
-    n, key_heads, v_size = 130, 2, 4 * 32
-    key = key_heads * d_k
-    wide = rng.normal(0, 1, (n, 2 * key + v_size)).astype(np.float32)
-    wide_d = _dev(wide)
-    got = []
-    for lo in (0, key):  # q, then k
-        x = columns(wide_d, lo, lo + key)
-        out = x if in_place else _poisoned((n, key_heads, d_k))
-        delta_net.l2_norm(out, x, d_k, 1e-6, _stream())
-        got.append(_host(wide_d)[:, lo : lo + key] if in_place else _host(out).reshape(n, key))
-    for lo, result in zip((0, key), got, strict=True):
-        expected = cpu_delta_net.l2_norm(wide[:, lo : lo + key].reshape(n, key_heads, d_k), 1e-6).reshape(n, key)
-        assert np.isfinite(result).all()
-        assert rel_err(result, expected) < NORM_BOUND
-    if in_place:  # v's columns untouched
-        assert np.array_equal(_host(wide_d)[:, 2 * key :], wide[:, 2 * key :])
 
 
 # delta_net_inputs
@@ -297,7 +185,7 @@ def test_delta_net_inputs_match_numpy_over_prompts_of_1_to_150_tokens_in_one_lau
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", INPUT_SHAPES[:2])
+@pytest.mark.parametrize("shape", [(16, 32, 128, 128), INPUT_SHAPES[1]])  # Qwen3.5's: 8,192 channels
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_delta_net_inputs_match_numpy_in_a_decode_step_of_40_sequences(gpu, shape, layout):
     rng = np.random.default_rng(40 + shape[2])
@@ -312,7 +200,7 @@ def test_delta_net_inputs_match_numpy_in_a_decode_step_of_40_sequences(gpu, shap
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [7, 64])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_delta_net_inputs_are_the_same_bits_however_the_prompt_is_split(gpu, chunk):
     shape, total = INPUT_SHAPES[0], 150
     rng = np.random.default_rng(chunk)
@@ -336,38 +224,6 @@ def test_delta_net_inputs_are_the_same_bits_however_the_prompt_is_split(gpu, chu
     for i, name in enumerate(("conv output", "g", "beta")):
         assert np.array_equal(np.concatenate([part[i] for part in parts]), whole[i]), name
     assert np.array_equal(_host(state)[1], _host(whole_state)[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_delta_net_inputs_are_bitwise_the_conv1d_l2_norm_and_gates_kernels(gpu, layout):
-    from infero.backends.cuda import delta_net
-
-    shape = INPUT_SHAPES[1]
-    key_heads, v_heads, d_k, _ = shape
-    rng = np.random.default_rng(9)
-    p = layer_inputs(rng, sum(PREFILL_LENGTHS), shape, layout)
-    conv, _ = carried_states(rng, p.qkv.shape[1], 1, 1, 1, fresh=(PREFILL_SLOTS[1],), slots=8)
-    fused_state, state = _dev(conv), _dev(conv)
-    fused = gpu_inputs(p, shape, fused_state, PREFILL_LENGTHS, PREFILL_SLOTS)
-
-    _, starts, slots_d = sequences(PREFILL_LENGTHS, PREFILL_SLOTS)
-    out = _poisoned(p.qkv.shape)
-    delta_net.causal_conv1d(out, _dev(p.qkv), _dev(p.conv_weight), state, starts, slots_d, LAYER, _stream(),
-                            max(PREFILL_LENGTHS))  # fmt: skip
-    qk = columns(out, 0, 2 * key_heads * d_k)
-    delta_net.l2_norm(qk, qk, d_k, EPS, _stream())
-    n = len(p.qkv)
-    g, beta_out = _poisoned((n, v_heads)), _poisoned((n, v_heads))
-    if layout == "fused":
-        ba, per = _dev(p.beta), p.group
-        alpha, beta = columns(ba, per, 2 * v_heads), columns(ba, 0, 2 * v_heads)
-        delta_net.delta_net_gates(g, beta_out, alpha, beta, _dev(p.dt_bias), _dev(p.a), _stream(), per, 2 * per)
-    else:
-        delta_net.delta_net_gates(g, beta_out, _dev(p.alpha), _dev(p.beta), _dev(p.dt_bias), _dev(p.a), _stream())
-    for got, expected in zip(fused, (_host(out), _host(g), _host(beta_out)), strict=True):
-        assert np.array_equal(got, expected)
-    assert np.array_equal(_host(fused_state), _host(state))
 
 
 # gated_delta_rule
@@ -485,8 +341,6 @@ def test_delta_rule_output_and_state_are_the_same_bits_however_the_prompt_is_spl
 @pytest.mark.gpu
 def test_a_sequence_without_a_valid_slot_gets_nan_and_touches_no_state(gpu):
     """A slot outside the state (the CPU op raises before it runs) must not corrupt another slot's memory."""
-    from infero.backends.cuda import delta_net
-
     key_heads, v_heads, d_k, d_v = RULE_SHAPES[2]
     rng = np.random.default_rng(5)
     wide, g, beta = rule_inputs(rng, 10, key_heads, v_heads, d_k, d_v)
@@ -497,12 +351,11 @@ def test_a_sequence_without_a_valid_slot_gets_nan_and_touches_no_state(gpu):
     after = _host(state)
     assert np.array_equal(np.delete(after, 2, axis=0), np.delete(delta, 2, axis=0))
 
-    _, starts, slots_d = sequences([4, 6], [-1, 2])
-    conv_d, out = _dev(conv), _poisoned(wide.shape)
-    weight = _dev(rng.normal(0, 0.5, (wide.shape[1], CONV_KERNEL)).astype(np.float32))
-    delta_net.causal_conv1d(out, _dev(wide), weight, conv_d, starts, slots_d, LAYER, _stream())
-    got = _host(out)
-    assert np.isnan(got[:4]).all() and np.isfinite(got[4:]).all()
+    conv_d = _dev(conv)
+    inputs = layer_inputs(rng, 13, INPUT_SHAPES[2], "fused")
+    out, g, beta_out = gpu_inputs(inputs, INPUT_SHAPES[2], conv_d, [4, 6, 3], [-1, 2, NUM_SLOTS])
+    assert np.isnan(out[:4]).all() and np.isfinite(out[4:10]).all() and np.isnan(out[10:]).all()
+    assert np.isfinite(g).all() and np.isfinite(beta_out).all()  # the gates need no state
     assert np.array_equal(np.delete(_host(conv_d), 2, axis=0), np.delete(conv, 2, axis=0))
 
 
@@ -627,40 +480,50 @@ def test_the_delta_rule_refuses_what_its_kernel_cannot_take(launches, kwargs, me
     assert not launches
 
 
-def test_the_conv1d_runs_a_thread_a_channel_sequence_and_16_tokens_and_refuses_other_kernel_sizes(launches):
+def inputs_call(n=40, channels=8192, heads=32, taps=4, d_k=128, normed=4096, starts=3, max_tokens=None,
+                x_ptr=2 << 20, alpha_start=None, group=None, group_stride=0):  # fmt: skip
+    """delta_net_inputs on stand-ins: Qwen3.5's 8,192 channels and 32 value heads by default, alpha and beta the
+    columns of one [alpha | beta] projection; with alpha_start, Qwen3-Next's ba (beta from column 0)."""
     from infero.backends.cuda import delta_net
 
-    def call(taps=4, starts=3, max_tokens=None, x_ptr=2 << 20):
-        delta_net.causal_conv1d(tensor((40, 8192)), tensor((40, 8192), ptr=x_ptr), tensor((8192, taps)),
-                                tensor((8, 2, 8192, taps - 1)), tensor((starts,), np.int32), tensor((2,), np.int32),
-                                0, None, max_tokens)  # fmt: skip
-
-    call()
-    call(max_tokens=33)
-    call(max_tokens=1)
-    assert launches == [("causal_conv1d<4>", (64, 2, 3), (128,)), ("causal_conv1d<4>", (64, 2, 3), (128,)),
-                        ("causal_conv1d<4>", (64, 2, 1), (128,))]  # fmt: skip
-    with pytest.raises(ValueError, match="out must not be x"):
-        call(x_ptr=1 << 20)
-    with pytest.raises(ValueError, match=r"compiled for kernels of \(4,\) taps, got 3"):
-        call(taps=3)
-    with pytest.raises(ValueError, match=r"query_starts must be int32 \[3\]"):
-        call(starts=2)
-    assert len(launches) == 3
+    ab = tensor((n, 2 * heads))
+    alpha, beta = columns(ab, 0, heads), columns(ab, heads, 2 * heads)
+    if alpha_start is not None:
+        alpha, beta = columns(ab, alpha_start, 2 * heads), columns(ab, 0, 2 * heads)
+    delta_net.delta_net_inputs(tensor((n, channels)), tensor((n, heads)), tensor((n, heads)),
+                               tensor((n, channels), ptr=x_ptr), tensor((channels, taps)),
+                               tensor((8, 2, channels, taps - 1)), alpha, beta, tensor((heads,)), tensor((heads,)), d_k,
+                               normed, 1e-6, tensor((starts,), np.int32), tensor((2,), np.int32), 0, None, group,
+                               group_stride, max_tokens)  # fmt: skip
 
 
-def test_the_gates_refuse_rows_too_narrow_for_their_head_layout(launches):
-    from infero.backends.cuda import delta_net
+def test_delta_net_inputs_runs_128_channels_of_a_sequence_and_16_tokens_a_block_and_one_more_for_the_gates(launches):
+    inputs_call()
+    inputs_call(max_tokens=33)
+    inputs_call(max_tokens=1, alpha_start=16, group=16, group_stride=32)
+    inputs_call(channels=192, d_k=16, normed=64, max_tokens=16)  # the tiny models': q | k and v share block 0
+    grids = [(65, 2, 3), (65, 2, 3), (65, 2, 1), (3, 2, 1)]
+    assert launches == [("delta_net_inputs<4>", grid, (128,)) for grid in grids]
 
-    ba = tensor((3, 32))
-    g = tensor((3, 16))
-    args = (tensor((16,)), tensor((16,)), None)
-    delta_net.delta_net_gates(g, g, columns(ba, 4, 32), columns(ba, 0, 32), *args, 4, 8)
-    with pytest.raises(ValueError, match="hold no head 15 at column 27"):  # from column 8, 24 columns are left
-        delta_net.delta_net_gates(g, g, columns(ba, 8, 32), columns(ba, 0, 32), *args, 4, 8)
-    with pytest.raises(ValueError, match="group 5 must divide the 16 value heads"):
-        delta_net.delta_net_gates(g, g, ba, ba, *args, 5, 8)
-    assert launches == [("delta_net_gates", (1,), (256,))]
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(x_ptr=1 << 20), "out must not be x"),
+        (dict(taps=3), r"compiled for kernels of \(4,\) taps, got 3"),
+        (dict(starts=2), r"query_starts must be int32 \[3\]"),
+        (dict(d_k=256), "d_k must divide 128"),
+        (dict(d_k=48, normed=4032), "d_k must divide 128"),
+        (dict(normed=4000), "must be whole heads of 128 within the 8192"),
+        (dict(normed=8320), "must be whole heads of 128 within the 8192"),
+        (dict(alpha_start=24, group=16, group_stride=32), "hold no head 31 at column 47"),  # 40 columns left
+        (dict(group=5), "group 5 must divide the 32 value heads"),
+    ],
+)
+def test_delta_net_inputs_refuses_what_its_kernel_cannot_take(launches, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        inputs_call(**kwargs)
+    assert not launches
 
 
 def test_the_sigmoid_gate_takes_a_gate_column_a_row_or_one_a_row_element_and_nothing_else(launches):
@@ -690,5 +553,5 @@ def test_only_a_hybrid_model_compiles_the_delta_net_kernels(name, hybrid):
     needs = runtime.checkpoint_needs(load_checkpoint(FIXTURES / f"{name}.gguf"))
     assert (runtime.DELTA_NET in needs) == hybrid
     names = {n for u, ns in runtime.needed_units(needs).items() if u.filename == delta_net.SOURCE for n in ns}
-    expected = {"gated_delta_rule<16>", "causal_conv1d<4>", "reset_states", "sigmoid_gate"} if hybrid else set()
+    expected = {"gated_delta_rule<16>", "delta_net_inputs<4>", "reset_states", "sigmoid_gate"} if hybrid else set()
     assert expected <= names and bool(names) == hybrid

@@ -212,42 +212,27 @@ class CpuOps:
         cache.conv[fresh] = 0.0
         cache.delta[fresh] = 0.0
 
-    def causal_conv1d(self, x: np.ndarray, weight: np.ndarray, cache: CpuHybridCache, layer: int,
-                      batch: Batch) -> np.ndarray:  # fmt: skip
-        """SiLU of the causal depthwise conv1d of x [n, channels] (taps weight [channels, kernel]) over each
-        sequence's earlier inputs, kept in its slot's conv state for recurrent layer `layer`."""
-        out = np.empty_like(x)
-        starts = batch.query_starts
-        for s, slot in enumerate(batch.state_slots):
-            lo, hi = int(starts[s]), int(starts[s + 1])
-            out[lo:hi] = delta_net.causal_conv1d(x[lo:hi], weight, cache.conv[slot, layer])
-        return out
-
-    def delta_net_gates(self, alpha, beta, dt_bias, a, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The delta rule's log decay g = a * softplus(alpha + dt_bias) (a = -exp(A_log) < 0) and its write
-        strength sigmoid(beta), from the [n, value heads] projections. alpha None: beta is Qwen3-Next's fused
-        projection, per key head its `group` betas then its `group` alphas."""
-        if alpha is None:
-            n, heads = beta.shape[0], dt_bias.shape[0]
-            fused = beta.reshape(n, heads // group, 2, group)
-            beta, alpha = fused[:, :, 0].reshape(n, heads), fused[:, :, 1].reshape(n, heads)
-        return a * np.logaddexp(np.float32(0.0), alpha + dt_bias), 1.0 / (1.0 + np.exp(-beta))
-
-    def l2_norm(self, x: np.ndarray, head_dim: int, eps: float) -> np.ndarray:
-        """Each head of x [n, heads x head_dim] over its L2 norm: [n, heads, head_dim]."""
-        return delta_net.l2_norm(x.reshape(x.shape[0], -1, head_dim), eps)
-
     def delta_net_inputs(self, qkv, alpha, beta, conv_weight, dt_bias, a, key_heads: int, d_k: int, eps: float,
                          cache: CpuHybridCache, layer: int, batch: Batch,
                          group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """What the delta rule reads, from the projections qkv [n, channels] (q | k | v) and alpha, beta [n, value
-        heads]: the conv output [n, channels], the causal conv1d then SiLU (causal_conv1d) with q and k (the first
-        2 key_heads x d_k channels) L2-normed per head of d_k (l2_norm); the log decay g and write strength beta
-        [n, value heads] (delta_net_gates; alpha None: beta is Qwen3-Next's fused projection, `group` as there)."""
-        out = self.causal_conv1d(qkv, conv_weight, cache, layer, batch)
-        normed = 2 * key_heads * d_k
-        out[:, :normed] = self.l2_norm(out[:, :normed], d_k, eps).reshape(len(out), normed)
-        return (out, *self.delta_net_gates(alpha, beta, dt_bias, a, group))
+        heads]: SiLU of the causal depthwise conv1d of qkv (taps conv_weight [channels, kernel]) over each
+        sequence's earlier inputs, kept in its slot's conv state for recurrent layer `layer`, with q and k (the first
+        2 key_heads x d_k channels) L2-normed per head of d_k; the log decay g = a * softplus(alpha + dt_bias)
+        (a = -exp(A_log) < 0) and the write strength sigmoid(beta), [n, value heads]. alpha None: beta is
+        Qwen3-Next's fused projection, per key head its `group` betas then its `group` alphas."""
+        out = np.empty_like(qkv)
+        starts = batch.query_starts
+        for s, slot in enumerate(batch.state_slots):
+            lo, hi = int(starts[s]), int(starts[s + 1])
+            out[lo:hi] = delta_net.causal_conv1d(qkv[lo:hi], conv_weight, cache.conv[slot, layer])
+        n, normed = len(out), 2 * key_heads * d_k
+        out[:, :normed] = delta_net.l2_norm(out[:, :normed].reshape(n, 2 * key_heads, d_k), eps).reshape(n, normed)
+        if alpha is None:
+            heads = dt_bias.shape[0]
+            fused = beta.reshape(n, heads // group, 2, group)
+            beta, alpha = fused[:, :, 0].reshape(n, heads), fused[:, :, 1].reshape(n, heads)
+        return out, a * np.logaddexp(np.float32(0.0), alpha + dt_bias), 1.0 / (1.0 + np.exp(-beta))
 
     def gated_delta_rule(self, q, k, v, g, beta, pairing: str, scale: float, cache: CpuHybridCache, layer: int,
                          batch: Batch) -> np.ndarray:  # fmt: skip

@@ -1,5 +1,6 @@
-"""Launchers for kernels/delta_net.cu: a Gated DeltaNet layer's conv1d, gates, L2 norm, gated delta rule (the
-recurrent form), gated output norm, sigmoid gate, and the zeroing of fresh sequences' state.
+"""Launchers for kernels/delta_net.cu: a Gated DeltaNet layer's inputs to the delta rule (conv1d, q/k L2 norm and
+gates in one launch), gated delta rule (the recurrent form), gated output norm, sigmoid gate, and the zeroing of
+fresh sequences' state.
 
 The state lives in two float32 device tensors laid out as CpuHybridCache's: conv [slots, recurrent layers, conv
 channels, kernel - 1] and delta [slots, recurrent layers, value heads, d_k, d_v]. A step's sequences come as device
@@ -21,14 +22,14 @@ from infero.backends.cuda import driver, runtime
 from infero.backends.cuda.tensor import DeviceTensor, Strided
 
 SOURCE = "delta_net.cu"
-CONV_TOKENS = 16  # tokens of a sequence a thread of the conv1d walks (dn::CONV_TOKENS)
+CONV_TOKENS = 16  # tokens of a sequence a thread of delta_net_inputs' conv1d walks (dn::CONV_TOKENS)
 CONV_CHANNELS = 128  # channels a block of delta_net_inputs takes (dn::CONV_CHANNELS): whole heads of q and k
 CONV_KERNELS = (4,)  # taps the conv1d is compiled for: every released Gated DeltaNet's
 KEY_DIMS = (16, 32, 64, 128)  # d_k the delta rule is compiled for (S's rows in registers); 16: the tiny models'
 RULE_PARTS = 4  # threads sharing a column of S (delta_net.cu's dn::RULE_PARTS)
 MAX_DV = 128  # the widest value head the delta rule takes (dn::MAX_DV: its shared v tile)
 RULE_COLUMNS = 32  # columns of S a block of the delta rule takes (a multiple of 32 dividing d_v)
-ROW_WARPS = 8  # the norms: a warp a row, 8 rows a block
+ROW_WARPS = 8  # the gated norm: a warp a row, 8 rows a block
 PAIRINGS = ("tiled", "grouped")  # which key head serves value head h: h % key heads, or h // (value / key heads)
 # gated_delta_rule's tokens of a sequence (delta_chunks.cuh's dchunk::Part): all, those before its first whole
 # 64-position chunk, those after its last.
@@ -36,10 +37,9 @@ PARTS = ("all", "head", "tail")
 
 runtime.declare(
     SOURCE,
-    [f"causal_conv1d<{k}>" for k in CONV_KERNELS]
-    + [f"delta_net_inputs<{k}>" for k in CONV_KERNELS]
+    [f"delta_net_inputs<{k}>" for k in CONV_KERNELS]
     + [f"gated_delta_rule<{d}>" for d in KEY_DIMS]
-    + ["delta_net_gates", "l2_norm", "gated_rms_norm", "sigmoid_gate", "reset_states"],
+    + ["gated_rms_norm", "sigmoid_gate", "reset_states"],
     needs=(runtime.DELTA_NET,),
 )
 
@@ -105,8 +105,7 @@ def _check_conv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_s
 def _check_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | Strided,
                  beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, group: int | None,
                  group_stride: int) -> tuple[int, int, Strided, Strided]:  # fmt: skip
-    """(value heads, group, alpha rows, beta rows) of gates g, beta_out [n, value heads] read from alpha and beta
-    (delta_net_gates)."""
+    """(value heads, group, alpha rows, beta rows) of gates g, beta_out [n, value heads] read from alpha and beta."""
     _require(len(g.shape) == 2 and beta_out.shape == g.shape,
              lambda: f"g {g.shape} and beta_out {beta_out.shape} must be [n, value heads]")  # fmt: skip
     n, heads = g.shape
@@ -125,70 +124,20 @@ def _check_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | 
     return heads, group, alpha, beta
 
 
-def causal_conv1d(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
-                  query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int, stream: driver.Stream,
-                  max_tokens: int | None = None) -> None:  # fmt: skip
-    """out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps weight [C, K]) over each sequence's
-    earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds for recurrent layer `layer` and
-    then holds the sequence's last K - 1 inputs (out not x). max_tokens: the most tokens a sequence has (default n);
-    its CONV_TOKENS-token chunks run side by side."""
-    n, channels, taps = _check_conv(out, x, weight, conv_state, layer)
-    slots, layers = conv_state.shape[:2]
-    seqs = _check_sequences(query_starts, state_slots)
-    if seqs == 0 or channels == 0:
-        return
-    args = (out.ptr, x.ptr, weight.ptr, conv_state.ptr, query_starts.ptr, state_slots.ptr, slots, layers, layer,
-            channels)  # fmt: skip
-    types = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I)
-    chunks = max(1, -(-(n if max_tokens is None else max_tokens) // CONV_TOKENS))
-    driver.launch(_kernel(f"causal_conv1d<{taps}>"), (-(-channels // 128), seqs, chunks), (128,), args, types,
-                  stream, pdl=True)  # fmt: skip
-
-
-def delta_net_gates(g: DeviceTensor, beta_out: DeviceTensor, alpha: DeviceTensor | Strided,
-                    beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, stream: driver.Stream,
-                    group: int | None = None, group_stride: int = 0) -> None:  # fmt: skip
-    """g = a * softplus(alpha + dt_bias) and beta_out = sigmoid(beta), float32 [n, value heads]. Value head h reads
-    column h of its alpha and beta rows, or with `group` column (h // group) * group_stride + h % group (Qwen3-Next's
-    fused projection: alpha = columns(ba, group, 2 heads), beta = columns(ba, 0, 2 heads), group_stride 2 group)."""
-    heads, group, alpha, beta = _check_gates(g, beta_out, alpha, beta, dt_bias, a, group, group_stride)
-    n = g.shape[0]
-    if n * heads == 0:
-        return
-    args = (g.ptr, beta_out.ptr, alpha.ptr, beta.ptr, dt_bias.ptr, a.ptr, n, heads, alpha.stride, beta.stride, group,
-            group_stride)  # fmt: skip
-    types = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
-    driver.launch(_kernel("delta_net_gates"), (-(-n * heads // 256),), (256,), args, types, stream, pdl=True)
-
-
-def l2_norm(out: DeviceTensor | Strided, x: DeviceTensor | Strided, head_dim: int, eps: float,
-            stream: driver.Stream) -> None:  # fmt: skip
-    """Each head_dim row of x [n, heads x head_dim] divided by sqrt(its sum of squares + eps), into out of the
-    same rows (out may be x itself, the same view)."""
-    n = out.rows if isinstance(out, Strided) else (out.shape[0] if out.shape else 0)
-    out, x = _rows(out, n), _rows(x, n)
-    _f32("out", out)
-    _f32("x", x)
-    _require(head_dim > 0 and x.cols % head_dim == 0 and out.cols == x.cols,
-             lambda: f"x rows of {x.cols} and out rows of {out.cols} must be whole heads of {head_dim}")  # fmt: skip
-    heads = x.cols // head_dim
-    if n * heads == 0:
-        return
-    args = (out.ptr, x.ptr, n, heads, head_dim, x.stride, out.stride, eps)
-    types = (_P, _P, _I, _I, _I, _I, _I, _F)
-    driver.launch(_kernel("l2_norm"), (-(-n * heads // ROW_WARPS),), (32 * ROW_WARPS,), args, types, stream, pdl=True)
-
-
 def delta_net_inputs(out: DeviceTensor, g: DeviceTensor, beta_out: DeviceTensor, x: DeviceTensor,
                      weight: DeviceTensor, conv_state: DeviceTensor, alpha: DeviceTensor | Strided,
                      beta: DeviceTensor | Strided, dt_bias: DeviceTensor, a: DeviceTensor, d_k: int, normed: int,
                      eps: float, query_starts: DeviceTensor, state_slots: DeviceTensor, layer: int,
                      stream: driver.Stream, group: int | None = None, group_stride: int = 0,
                      max_tokens: int | None = None) -> None:  # fmt: skip
-    """What the delta rule reads, in one launch: out [n, C] = causal_conv1d's SiLU outputs of x [n, C] (out not x;
-    the slot's conv state read and replaced as there), the first `normed` channels (q | k) divided per head of d_k
-    by sqrt(sum of squares + eps) as l2_norm divides; g and beta_out [n, value heads] as delta_net_gates (alpha,
-    beta, group, group_stride as there). max_tokens: the most tokens a sequence has (default n)."""
+    """What the delta rule reads, in one launch. out [n, C] = SiLU of the depthwise causal conv1d of x [n, C] (taps
+    weight [C, K]) over each sequence's earlier inputs, which its slot of conv_state [slots, layers, C, K - 1] holds
+    for recurrent layer `layer` and then holds the sequence's last K - 1 inputs (out not x), its first `normed`
+    channels (q | k) divided per head of d_k by sqrt(sum of squares + eps). g = a * softplus(alpha + dt_bias) and
+    beta_out = sigmoid(beta), [n, value heads]: value head h reads column h of its alpha and beta rows, or with
+    `group` column (h // group) * group_stride + h % group (Qwen3-Next's fused projection: alpha = columns(ba,
+    group, 2 heads), beta = columns(ba, 0, 2 heads), group_stride 2 group). max_tokens: the most tokens a sequence
+    has (default n); its CONV_TOKENS-token chunks run side by side."""
     n, channels, taps = _check_conv(out, x, weight, conv_state, layer)
     _require(len(g.shape) == 2 and g.shape[0] == n, lambda: f"g {g.shape} must be [{n}, value heads]")
     heads, group, alpha, beta = _check_gates(g, beta_out, alpha, beta, dt_bias, a, group, group_stride)

@@ -518,29 +518,6 @@ class CudaOps:
         """Nothing to launch: CudaBackend zeroes fresh sequences' slots when it uploads the step (outside any graph,
         so a replayed decode step, whose sequences may be fresh, needs no reset node)."""
 
-    def causal_conv1d(self, x: DeviceTensor, weight: DeviceTensor, cache, layer: int, batch) -> DeviceTensor:
-        out = self.ws.empty(x.shape, np.float32)
-        delta_net.causal_conv1d(out, x, weight, cache.conv, batch.query_starts, batch.state_slots, layer,
-                                self.stream, batch.max_query_len)  # fmt: skip
-        return out
-
-    def delta_net_gates(self, alpha, beta, dt_bias, a, group: int | None = None):
-        n, heads = beta.rows if isinstance(beta, Strided) else beta.shape[0], dt_bias.numel
-        g, beta_out = self.ws.empty((n, heads), np.float32), self.ws.empty((n, heads), np.float32)
-        if alpha is None:  # Qwen3-Next's fused projection: per key head its `group` betas, then its alphas
-            fused = beta
-            delta_net.delta_net_gates(g, beta_out, columns(fused, group, 2 * heads), columns(fused, 0, 2 * heads),
-                                      dt_bias, a, self.stream, group=group, group_stride=2 * group)  # fmt: skip
-        else:
-            delta_net.delta_net_gates(g, beta_out, alpha, beta, dt_bias, a, self.stream)
-        return g, beta_out
-
-    def l2_norm(self, x, head_dim: int, eps: float) -> DeviceTensor:
-        rows, cols = (x.rows, x.cols) if isinstance(x, Strided) else (x.shape[0], x.numel // max(x.shape[0], 1))
-        out = self.ws.empty((rows, cols // head_dim, head_dim), np.float32)
-        delta_net.l2_norm(out, x, head_dim, eps, self.stream)
-        return out
-
     def delta_net_inputs(self, qkv: DeviceTensor, alpha, beta, conv_weight: DeviceTensor, dt_bias: DeviceTensor,
                          a: DeviceTensor, key_heads: int, d_k: int, eps: float, cache, layer: int, batch,
                          group: int | None = None) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:  # fmt: skip

@@ -1,8 +1,8 @@
-// The Gated DeltaNet layer's kernels (Qwen3.5, Qwen3-Next): the causal conv1d over q | k | v, the decay and write
-// gates, the per-head L2 norm, the gated delta rule token by token (the recurrent form), the gated output norm,
-// the sigmoid output gate, and zeroing a fresh sequence's state. Each is the numpy op of backends/cpu/ops.py
-// (CpuOps.causal_conv1d, delta_net_gates, l2_norm, gated_delta_rule, gated_rms_norm, sigmoid_gate,
-// reset_fresh_states) on the device.
+// The Gated DeltaNet layer's kernels (Qwen3.5, Qwen3-Next): the delta rule's inputs (the causal conv1d over
+// q | k | v, the per-head L2 norm of q and k, the decay and write gates: one kernel), the gated delta rule token by
+// token (the recurrent form), the gated output norm, the sigmoid output gate, and zeroing a fresh sequence's state.
+// Each is the numpy op of backends/cpu/ops.py (CpuOps.delta_net_inputs, gated_delta_rule, gated_rms_norm,
+// sigmoid_gate, reset_fresh_states) on the device.
 //
 // Layouts. Activations are float32 rows of tokens; an input may be a column range of a wider row (the conv
 // output [n, C] holds q | k | v), read in place: its pointer is the range's first element and `*_stride` the
@@ -11,7 +11,7 @@
 // heads, d_k, d_v] (the delta rule's S). A step's sequences are given by starts int32 [seqs + 1] (sequence s owns
 // tokens starts[s] .. starts[s + 1]) and slots int32 [seqs] (its state slot); `layer` is the recurrent layer's
 // index. A sequence whose slot is outside [0, num_slots) gets NaN outputs and its state is not touched. Where
-// out may be x (the conv1d, the norms, the gate), the two pointers are not __restrict__: each element is read
+// out may be x (the gated norm, the sigmoid gate), the two pointers are not __restrict__: each element is read
 // before its thread writes it, and the compiler must not assume otherwise.
 //
 // Numerics. fp32, no fast math; where numpy rounds each product and sum separately (it never fuses), the kernels
@@ -28,13 +28,14 @@
 // else shares the step.
 //
 // Speed: not measured; written on 2026-12-03 without a GPU (its tests, tests/cuda/test_delta_net_cuda.py, ran
-// then only against a numpy transcription of these kernels).
+// then only against a numpy transcription of these kernels). delta_net_inputs (e75c158) likewise: written without a
+// GPU, its indexing checked against CpuOps through a numpy transcription.
 #include "delta_chunks.cuh"
 #include "pdl.cuh"
 
 namespace dn {
 constexpr int ROW_WARPS = 8;  // warp-per-row kernels: rows a block of 256
-constexpr int CONV_TOKENS = 16;  // causal_conv1d: tokens a thread walks (a chunk: grid z)
+constexpr int CONV_TOKENS = 16;  // delta_net_inputs: tokens a thread walks (a chunk: grid z)
 constexpr int CONV_CHANNELS = 128;  // delta_net_inputs: channels a block takes (whole heads of q and k)
 constexpr int RULE_TILE = 8;   // gated_delta_rule: tokens whose q, k, v, decay and beta a block stages at a time
 constexpr int RULE_PARTS = 4;  // gated_delta_rule: threads sharing a column of S (neighbouring lanes)
@@ -67,110 +68,8 @@ __device__ __forceinline__ float parts_sum(float x) {
 }
 
 __device__ __forceinline__ bool bad_slot(int slot, int num_slots) { return slot < 0 || slot >= num_slots; }
-}  // namespace dn
 
-// causal_conv1d. x [n, C] -> out [n, C] (out never x: blocks read inputs other blocks' tokens overwrite): per
-// sequence and channel c, out_t = SiLU(sum over taps j of weight[c, j] in_{t - (K - 1) + j}), where in_{-K+1} ..
-// in_{-1} are the slot's conv state; the state is then replaced by the sequence's last K - 1 inputs. Sum order as
-// numpy's: w0 in0, then + w_j in_j for j = 1 .. K - 1, each product and sum rounded. grid (ceil(C / 128), seqs,
-// chunks of CONV_TOKENS tokens), a thread a (sequence, channel, chunk) walking the chunk's tokens with the last
-// K - 1 inputs in registers, its window starting from x (or the state, before the sequence's first token). Only the
-// first chunk reads the state (CONV_TOKENS >= K - 1), so it alone writes the new one, from x and the old state in
-// its registers: no block reads what another writes. A token's output is the same expression at any chunking.
-template <int K>
-__global__ void __launch_bounds__(128) causal_conv1d(float* __restrict__ out, const float* __restrict__ x,
-                                                    const float* __restrict__ weight, float* __restrict__ conv,
-                                                    const int* __restrict__ starts, const int* __restrict__ slots,
-                                                    int num_slots, int layers, int layer, int channels) {
-    static_assert(K >= 2 && dn::CONV_TOKENS >= K - 1, "the state holds K - 1 inputs, all before the first chunk");
-    const int c = blockIdx.x * 128 + threadIdx.x;
-    float w[K];
-    // The taps are weights (no kernel writes them): loaded before waiting on the previous kernel.
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[j] = c < channels ? __ldg(weight + (size_t)c * K + j) : 0.0f;
-    pdl_enter();
-    if (c >= channels) return;
-    const int seq = blockIdx.y, lo = starts[seq], hi = starts[seq + 1], slot = slots[seq];
-    const int t0 = lo + blockIdx.z * dn::CONV_TOKENS, t1 = min(t0 + dn::CONV_TOKENS, hi);
-    if (t0 >= hi) return;
-    if (dn::bad_slot(slot, num_slots)) {
-        for (int t = t0; t < t1; ++t) out[(size_t)t * channels + c] = __int_as_float(0x7fc00000);
-        return;
-    }
-    float* state = conv + (((size_t)slot * layers + layer) * channels + c) * (K - 1);
-    const bool first = blockIdx.z == 0;
-    float old[K - 1];     // the slot's state (the first chunk's)
-    float window[K - 1];  // the K - 1 inputs before token t, oldest first
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) {
-        const int p = t0 - (K - 1) + j;
-        old[j] = first ? state[j] : 0.0f;
-        window[j] = p >= lo ? x[(size_t)p * channels + c] : old[j];
-    }
-    for (int t = t0; t < t1; ++t) {
-        const float in = x[(size_t)t * channels + c];
-        float acc = __fmul_rn(w[0], window[0]);
-#pragma unroll
-        for (int j = 1; j < K - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(w[j], window[j]));
-        acc = __fadd_rn(acc, __fmul_rn(w[K - 1], in));
-#pragma unroll
-        for (int j = 0; j < K - 2; ++j) window[j] = window[j + 1];
-        window[K - 2] = in;
-        out[(size_t)t * channels + c] = dn::silu(acc);
-    }
-    if (!first) return;
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) {  // the sequence's last K - 1 inputs: x, or the old state before its start
-        const int p = hi - (K - 1) + j;
-        float before = 0.0f;  // old[j + (hi - lo)], picked without indexing registers by a runtime value
-#pragma unroll
-        for (int i = 0; i < K - 1; ++i)
-            if (i == j + (hi - lo)) before = old[i];
-        state[j] = p >= lo ? x[(size_t)p * channels + c] : before;
-    }
-}
-
-// delta_net_gates. alpha, beta [n, *] (rows alpha_stride, beta_stride apart) -> g, beta_out [n, heads]:
-// g = a[h] * softplus(alpha + dt_bias[h]) (numpy's np.logaddexp(0, x) = max(x, 0) + log1p(exp(-|x|))), beta_out =
-// sigmoid(beta). Value head h reads column (h / group) * group_stride + h % group of its row (group = heads: the
-// plain [n, heads]; Qwen3-Next's fused projection holds per key head its betas, then its alphas). A thread an
-// element.
-extern "C" __global__ void __launch_bounds__(256) delta_net_gates(float* __restrict__ g, float* __restrict__ beta_out,
-                                                                 const float* __restrict__ alpha,
-                                                                 const float* __restrict__ beta,
-                                                                 const float* __restrict__ dt_bias,
-                                                                 const float* __restrict__ a, int n, int heads,
-                                                                 int alpha_stride, int beta_stride, int group,
-                                                                 int group_stride) {
-    pdl_enter();
-    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
-    if (i >= (long long)n * heads) return;
-    const int t = (int)(i / heads), h = (int)(i % heads);
-    const int col = (h / group) * group_stride + h % group;
-    const float z = __fadd_rn(alpha[(size_t)t * alpha_stride + col], dt_bias[h]);
-    const float softplus = __fadd_rn(fmaxf(z, 0.0f), log1pf(expf(-fabsf(z))));
-    g[i] = __fmul_rn(a[h], softplus);
-    beta_out[i] = dn::sigmoid(beta[(size_t)t * beta_stride + col]);
-}
-
-// l2_norm. x [n, heads x dim] (rows x_stride apart) -> out (rows out_stride apart; out may be x with the same
-// stride): each head's row / sqrt(sum of squares + eps), divided as numpy divides. A warp a (token, head) row, 8
-// rows a block of 256.
-extern "C" __global__ void __launch_bounds__(256) l2_norm(float* out, const float* x, int n,
-                                                         int heads, int dim, int x_stride, int out_stride, float eps) {
-    pdl_enter();
-    const int lane = threadIdx.x % 32;
-    const long long row = (long long)blockIdx.x * dn::ROW_WARPS + threadIdx.x / 32;
-    if (row >= (long long)n * heads) return;
-    const int t = (int)(row / heads), h = (int)(row % heads);
-    const float* xr = x + (size_t)t * x_stride + (size_t)h * dim;
-    float* o = out + (size_t)t * out_stride + (size_t)h * dim;
-    const float norm = __fsqrt_rn(__fadd_rn(dn::row_sum_squares(xr, dim, lane), eps));
-    for (int i = lane; i < dim; i += 32) o[i] = __fdiv_rn(xr[i], norm);
-}
-
-namespace dn {
-// delta_net_gates' expressions for tokens [t0, t1), the block's threads striding over (token, value head).
+// delta_net_inputs' gates of tokens [t0, t1), the block's threads striding over (token, value head).
 __device__ __forceinline__ void gates(float* __restrict__ g, float* __restrict__ beta_out,
                                       const float* __restrict__ alpha, const float* __restrict__ beta,
                                       const float* __restrict__ dt_bias, const float* __restrict__ a, int t0, int t1,
@@ -186,18 +85,27 @@ __device__ __forceinline__ void gates(float* __restrict__ g, float* __restrict__
 }
 }  // namespace dn
 
-// delta_net_inputs. Everything the delta rule reads but its state, in one launch, bitwise what causal_conv1d,
-// l2_norm on q and k, and delta_net_gates give: x = q | k | v [n, C] -> out [n, C] (never x), causal_conv1d's SiLU
-// outputs with the first `normed` channels (q and k) divided per head of d_k as l2_norm divides; and g, beta_out
-// [n, heads] as delta_net_gates. grid (ceil(C / CONV_CHANNELS) + 1, seqs, chunks of CONV_TOKENS tokens). A block
-// of x below the last takes CONV_CHANNELS channels of one sequence's chunk, a thread a channel as in causal_conv1d
-// (the same sum order, only the first chunk reading and writing the state). d_k divides CONV_CHANNELS, so the block
-// holds whole heads: its q and k outputs wait in shared memory for the block's barrier, then each warp norms
-// (token, head) rows in turn, lane l summing the squares of elements l, l + 32, ... in order, then the butterfly,
-// as l2_norm's warp a row did. The last block of x computes the gates of its chunk's tokens. A sequence whose slot
-// is bad gets NaN in out (its gates are still computed: they need no state). Three launches became one: the 30
-// delta-net layers of Qwen3.5-35B-A3B ran the three in 4.3 + 5.0 + 4.2 us of its batch-1 decode step on the H200.
-// ptxas (sm_90a, K = 4): 40 registers, 8 KiB shared memory, no spill.
+// delta_net_inputs. Everything the delta rule reads but its state, in one launch: x = q | k | v [n, C] -> out
+// [n, C] (never x: blocks read inputs other blocks' tokens overwrite) and g, beta_out [n, heads].
+//   The conv1d: per sequence and channel c, SiLU(sum over taps j of weight[c, j] in_{t - (K - 1) + j}), where
+// in_{-K+1} .. in_{-1} are the slot's conv state; the state is then replaced by the sequence's last K - 1 inputs.
+// Sum order as numpy's: w0 in0, then + w_j in_j for j = 1 .. K - 1, each product and sum rounded.
+//   The L2 norm: the first `normed` channels (q and k), per head of d_k, divided by sqrt(sum of squares + eps).
+//   The gates: g = a[h] * softplus(alpha + dt_bias[h]) (numpy's np.logaddexp(0, x) = max(x, 0) + log1p(exp(-|x|))),
+// beta_out = sigmoid(beta); value head h reads column (h / group) * group_stride + h % group of its rows (group =
+// heads: the plain [n, heads]; Qwen3-Next's fused projection holds per key head its betas, then its alphas).
+//   grid (ceil(C / CONV_CHANNELS) + 1, seqs, chunks of CONV_TOKENS tokens). A block of x below the last takes
+// CONV_CHANNELS channels of one sequence's chunk, a thread a channel walking the chunk's tokens with the last K - 1
+// inputs in registers, its window starting from x (or the state, before the sequence's first token). Only the first
+// chunk reads the state (CONV_TOKENS >= K - 1), so it alone writes the new one: no block reads what another writes.
+// d_k divides CONV_CHANNELS, so a block holds whole heads: its q and k outputs wait in shared memory for the block's
+// barrier, then each warp takes (token, head) rows in turn, lane l adding the squares of the row's elements l,
+// l + 32, ... in order, then the xor butterfly. The last block of x computes the gates of its chunk's tokens, a
+// thread an element. A token's numbers are the same expressions at any chunking and batch. A sequence whose slot
+// is bad gets NaN in out (its gates are still computed: they need no state).
+//   It replaced three kernels (causal_conv1d, l2_norm, delta_net_gates), whose bits it keeps (a GPU test at e75c158
+// compares them), and which took 5.0 + 4.2 + 4.3 us in each of the 30 delta-net layers of Qwen3.5-35B-A3B's batch-1
+// decode step on the H200. ptxas (sm_90a, K = 4): 40 registers, 8 KiB shared memory, no spill.
 template <int K>
 __global__ void __launch_bounds__(dn::CONV_CHANNELS) delta_net_inputs(
     float* __restrict__ out, float* __restrict__ g, float* __restrict__ beta_out, const float* __restrict__ x,
