@@ -19,7 +19,8 @@ BOUND = 2e-5
 
 
 def tf32(x: np.ndarray) -> np.ndarray:
-    """cvt.rna.tf32.f32: the nearest float with 10 mantissa bits, ties away from zero."""
+    """The kernel's tf32(x) (cvt.rna.tf32.f32 for finite x): the nearest float with 10 mantissa bits, ties away from
+    zero."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 

@@ -76,14 +76,19 @@ struct Split {
     unsigned big[N], small[N];
 };
 
+// cvt.rna.tf32.f32 for finite x (the nearest float with 10 mantissa bits, ties away from zero) as an integer add
+// and mask: the instruction compiles to those plus a compare and a select (NaN), and with it the chunk loop of
+// DK 128 took 10,868 instructions against 8,202 (sm_90a SASS, scripts/kernel_resources.py --sass).
+__device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// x = big + small: big = tf32(x), and x - big (exact in fp32: at most 12 significant bits) rounded again.
 template <int N>
 __device__ __forceinline__ Split<N> split(const float (&x)[N]) {
     Split<N> s;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(s.big[i]) : "f"(x[i]));
-        const float rest = __fsub_rn(x[i], __uint_as_float(s.big[i]));
-        asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(s.small[i]) : "f"(rest));
+        s.big[i] = tf32(x[i]);
+        s.small[i] = tf32(__fsub_rn(x[i], __uint_as_float(s.big[i])));
     }
     return s;
 }
