@@ -1,9 +1,11 @@
 """A mixture-of-experts layer's expert work on the GPU (`CudaOps.moe_experts`: sort, gate + up, SwiGLU, down, combine)
 timed inside a CUDA graph at several token counts, per grouping variant (moe.GROUP_TOKENS pairs a group, moe.GROUP_RPW
-rows a warp, on the __dp4a kernel; moe.MMA_GROUP pairs a group on the tensor cores, matvec_experts_mma) and per pair,
-with the bandwidth of the distinct chosen experts' bytes (GPU machine).
+rows a warp, on the __dp4a kernel; moe.MMA_GROUP pairs a group on the tensor cores, matvec_experts_mma) and per pair
+(moe.PAIR_RPW = moe.COMBINE_RPW rows a warp of matvec_experts and matvec_experts_combine), with the bandwidth of
+the distinct chosen experts' bytes (GPU machine).
 
     python scripts/bench_moe_experts.py [--n 1,8,32,512] [--variants 8x2,8x4,16x2] [--mma 16,32,64] [--experts 128]
+                                        [--pair-rpw 2,4,8]
 
 The layer has qwen3-30b-a3b's shape (hidden 2048, expert width 768; Q4_K gate and up, Q6_K down as Q4_K_M stores
 them) with random bytes for weights (the kernels' time does not depend on the values) and uniformly random routing.
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--mma", default="16,32,64", help="MMA_GROUP values (the tensor-core kernel's groups)")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--pair-rpw", default="2,4,8", help="rows a warp of the pair-by-pair kernels")
     args = parser.parse_args()
     rng, stream = np.random.default_rng(0), runtime.stream()
     gate = experts_tensor(GGMLType.Q4_K, args.experts, FFN, HIDDEN, rng)
@@ -50,7 +53,7 @@ def main() -> None:
     variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants.split(",")]
     mma_groups = [int(v) for v in args.mma.split(",") if v]
     switches = [(moe, "GROUP_TOKENS"), (moe, "GROUP_RPW"), (moe, "MMA_GROUP"), (ops, "MOE_GROUPED_MIN_TOKENS"),
-                (ops, "MOE_MMA_MIN_TOKENS")]  # fmt: skip
+                (ops, "MOE_MMA_MIN_TOKENS"), (moe, "PAIR_RPW"), (moe, "COMBINE_RPW")]  # fmt: skip
     declared = [getattr(m, name) for m, name in switches]
     print(f"{'tokens':>6} {'experts read':>12}  {'variant':<16} {'us':>9} {'GB/s':>7}")
     for n in (int(v) for v in args.n.split(",")):
@@ -59,12 +62,14 @@ def main() -> None:
         weights = rng.dirichlet(np.ones(args.k), size=n).astype(np.float32)
         ids_d, weights_d = from_host(ids), from_host(weights)
         chosen = len(np.unique(ids))
-        runs = [("per pair", None)] + [(f"grouped {g}x{r}", (g, r)) for g, r in variants]
+        runs = [(f"per pair x{r}", ("pair", int(r))) for r in args.pair_rpw.split(",") if r]
+        runs += [(f"grouped {g}x{r}", (g, r)) for g, r in variants]
         runs += [(f"tensor cores {g}", g) for g in mma_groups]
         for label, variant in runs:
             ops.MOE_MMA_MIN_TOKENS = n + 1
-            if variant is None:
+            if variant[0] == "pair":
                 ops.MOE_GROUPED_MIN_TOKENS = n + 1
+                moe.PAIR_RPW = moe.COMBINE_RPW = variant[1]
             else:
                 if n == 1:
                     continue  # one token never groups

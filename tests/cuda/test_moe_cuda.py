@@ -449,12 +449,14 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
         units = runtime.needed_units(runtime.model_needs(128, types, experts))
         return {f"{u.filename}: {name}" for u, ns in units.items() for name in ns}
 
+    from infero.backends.cuda.moe import COMBINE_RPW, PAIR_RPW
+
     moe_names, dense_names = names(True), names(False)
     assert {"moe.cu: moe_route", "moe.cu: moe_router", "moe.cu: moe_combine", "moe.cu: moe_sort",
-            "matvec.cu: matvec_experts<12>",
-            "matvec.cu: matvec_experts_grouped<14, 8, 2>", "matvec.cu: matvec_experts_combine<14>",
-            "matvec.cu: matvec_experts<14>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
-    assert not [n for n in moe_names if "matvec_experts<8>" in n or "matvec_experts_f<1>" in n]
+            f"matvec.cu: matvec_experts<12, {PAIR_RPW}>",
+            "matvec.cu: matvec_experts_grouped<14, 8, 2>", f"matvec.cu: matvec_experts_combine<14, {COMBINE_RPW}>",
+            f"matvec.cu: matvec_experts<14, {PAIR_RPW}>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
+    assert not [n for n in moe_names if "matvec_experts<8," in n or "matvec_experts_f<1>" in n]
     # A dense model's float32 matrices of few rows take the router's mat-vec (CudaOps.linear), nothing else of MoE.
     assert [n for n in dense_names if "moe.cu" in n or "experts" in n] == ["moe.cu: moe_router"]
     assert not [n for n in names(False, (Q.Q4_K, Q.Q6_K)) if "moe.cu" in n or "experts" in n]

@@ -26,6 +26,11 @@ from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
 SOURCE = "moe.cu"
 THREADS = 256  # moe_combine's block
 MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
+# Rows a warp of the one-token expert mat-vecs computes (matvec_experts, and matvec_experts_combine's warps): an
+# expert's rows are short (64 units of 32 at 2048 columns, 16 at 512), so more rows a warp put more of its loads in
+# flight before the block's chain of dependent loads (ids, weights, activations) ends.
+PAIR_RPW = 2
+COMBINE_RPW = 2
 GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
 GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 152, Q3_K to 255)
 MMA_SOURCE = "moe_mma.cu"
@@ -46,9 +51,9 @@ runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime
 runtime.declare(SOURCE, ["moe_router"], needs=(runtime.weight_type(0),))
 for _t in matvec.QUANT_TYPES:
     _names = [
-        f"matvec_experts<{_t}>",
+        f"matvec_experts<{_t}, {PAIR_RPW}>",
         f"matvec_experts_grouped<{_t}, {GROUP_TOKENS}, {GROUP_RPW}>",
-        f"matvec_experts_combine<{_t}>",
+        f"matvec_experts_combine<{_t}, {COMBINE_RPW}>",
     ]
     runtime.declare(matvec.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 for _t in matvec.FLOAT_TYPES:
@@ -182,7 +187,8 @@ def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: Devi
     seg = matvec.segments(outs, [m.matrix for m in mats], [None] * len(mats))
     for i in range(len(mats)):
         seg.rows[i] = rows
-    warps = len(mats) * -(-rows // 2)
+    rpw = 2 if t in matvec.FLOAT_TYPES else PAIR_RPW  # matvec_experts_f's two rows a warp
+    warps = len(mats) * -(-rows // rpw)
     per_block = min(MAX_WARPS, warps)
     grid, block = (pairs, -(-warps // per_block)), (32 * per_block,)
     if t in matvec.FLOAT_TYPES:
@@ -193,7 +199,7 @@ def expert_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], ids: Devi
     else:
         xq, xs = quantized[0], quantized[1]
         args = (seg, ids.ptr, per_token, xq.ptr, xs.ptr, xq.shape[1], cols, row_bytes)
-        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts<{t}>")
+        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts<{t}, {PAIR_RPW}>")
         driver.launch(fn, grid, block, args, _Q_ARGS, stream, pdl=True)
 
 
@@ -363,8 +369,8 @@ def down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor, weig
         xq, xs = quantized[0], quantized[1]
         args = (out.ptr, down.matrix.data.ptr, ids.ptr, weights.ptr, k, xq.ptr, xs.ptr, n * k, down.rows, down.cols,
                 down.matrix.data.shape[1])  # fmt: skip
-        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_combine<{down.ggml_type}>")
-        driver.launch(fn, (n, -(-down.rows // 2)), (32 * k,), args, _DOWN_COMBINE_ARGS, stream, pdl=True)
+        fn = runtime.kernel(matvec.SOURCE, f"matvec_experts_combine<{down.ggml_type}, {COMBINE_RPW}>")
+        driver.launch(fn, (n, -(-down.rows // COMBINE_RPW)), (32 * k,), args, _DOWN_COMBINE_ARGS, stream, pdl=True)
 
 
 def combine(out: DeviceTensor, y: DeviceTensor, weights: DeviceTensor, stream: driver.Stream) -> None:

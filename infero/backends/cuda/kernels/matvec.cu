@@ -964,21 +964,21 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 // output, read after the PDL wait. Pair p reads activation row p / per_token (gate and up: per_token = k, the
 // token's normed hidden state; down: 1, the pair's own SwiGLU output, of act_rows = pairs rows) and writes row p
 // of its segment's out [pairs, rows]. Segments as matvec_q's (gate and up share a launch; bias unused).
-// grid: (pairs, blocks over the segments' warps), block: 32 x warps (<= 128); each warp two rows of one segment.
+// grid: (pairs, blocks over the segments' warps), block: 32 x warps (<= 128); each warp RPW rows of one segment
+// (moe.PAIR_RPW: an expert's rows are short, so a warp's rows are all of its loads in flight at once).
 // A row's lanes walk its units in matvec_q's (matvec_f's) order with its prefetch ring at N = 1, and reduce_store
 // sums them by its butterfly: each pair's output is bitwise what matvec_q<T, 1, ...> (matvec_f<T, 1, ...>) gives
 // that token on the chosen expert's matrix alone, whatever the other pairs, their experts or their count.
 namespace mv {
-// The two rows row0, row0 + 1 of one expert matrix against one token's activation (x0, x1: its planes, xsa: its
-// scales), as matvec_q<T, 1, 2> computes them with its prefetch ring: acc[r][0] = each row's lane partial, before
-// the butterfly.
-template <int T>
-__device__ __forceinline__ void expert_pair_rows(float (&acc)[2][1], const uint8_t* weight, int rows, int row0,
+// The RPW rows row0, row0 + 1, ... of one expert matrix against one token's activation (x0, x1: its planes, xsa:
+// its scales), as matvec_q<T, 1, RPW> computes them with its prefetch ring: acc[r][0] = each row's lane partial,
+// before the butterfly (a row's bits do not depend on RPW: each row is its own sum and butterfly).
+template <int T, int RPW>
+__device__ __forceinline__ void expert_pair_rows(float (&acc)[RPW][1], const uint8_t* weight, int rows, int row0,
                                                  long long row_bytes, const int8_t* __restrict__ x0,
                                                  const int8_t* __restrict__ x1, const ActScale* __restrict__ xsa,
                                                  int cols, int lane) {
   using U = Unit<T>;
-  constexpr int RPW = 2;
   constexpr int AHEAD = 1;  // what matvec.plan gives a decode step's large matrices (fewer registers than 2)
   const int k = lane & 7;
   const uint8_t* wrow[RPW];
@@ -1017,12 +1017,11 @@ __device__ __forceinline__ void expert_pair_rows(float (&acc)[2][1], const uint8
 }
 }  // namespace mv
 
-template <int T>
+template <int T, int RPW>
 __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv::Segments seg,
                                                       const int* __restrict__ ids, int per_token,
                                                       const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                                                       int act_rows, int cols, long long row_bytes) {
-  constexpr int RPW = 2;
   const int lane = threadIdx.x & 31;
   const int pair = blockIdx.x;
   const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -1034,34 +1033,37 @@ __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv
   const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
   const int a = pair / per_token;  // the activation row
   float acc[RPW][1];
-  mv::expert_pair_rows<T>(acc, weight, rows, row0, row_bytes, xq + (long long)a * cols,
+  mv::expert_pair_rows<T, RPW>(acc, weight, rows, row0, row_bytes, xq + (long long)a * cols,
                           xq + ((long long)act_rows + a) * cols, xs + (long long)a * (cols / 16), cols, lane);
   mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
 }
 
 // matvec_experts_combine: a decode step's down projection and moe_combine in one launch. grid: (tokens,
-// ceil(rows / 2)), block: 32 x k (k <= COMBINE_MAX_K); warp r computes rows row0, row0 + 1 of pair t k + r on its
-// expert as matvec_experts does (the pair's y bitwise), then two threads add the k ranks' products in rank order as
-// moe_combine does: out[t, row] = w0 y0 + w1 y1 + ..., each product rounded, so out is bitwise down + moe_combine.
+// ceil(rows / RPW)), block: 32 x k (k <= COMBINE_MAX_K); warp r computes rows row0 .. row0 + RPW - 1 of pair t k + r
+// on its expert as matvec_experts does (the pair's y bitwise), then RPW threads add the k ranks' products in rank
+// order as moe_combine does: out[t, row] = w0 y0 + w1 y1 + ..., each product rounded, so out is bitwise down +
+// moe_combine.
 // Activation: the pairs' quantized SwiGLU outputs, row p for pair p (act_rows = pairs).
 constexpr int COMBINE_MAX_K = 16;
-template <int T>
+template <int T, int RPW>
 __global__ void __launch_bounds__(32 * COMBINE_MAX_K) matvec_experts_combine(
     float* __restrict__ out, const uint8_t* __restrict__ weight, const int* __restrict__ ids,
     const float* __restrict__ weights, int k, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
     int act_rows, int rows, int cols, long long row_bytes) {
-  __shared__ float y[COMBINE_MAX_K][2];
+  __shared__ float y[COMBINE_MAX_K][RPW];
   const int lane = threadIdx.x & 31, rank = threadIdx.x >> 5;
-  const int t = blockIdx.x, row0 = 2 * blockIdx.y, pair = t * k + rank;
+  const int t = blockIdx.x, row0 = RPW * blockIdx.y, pair = t * k + rank;
   pdl_enter();
-  float acc[2][1];
-  mv::expert_pair_rows<T>(acc, weight + (long long)ids[pair] * rows * row_bytes, rows, row0, row_bytes,
+  float acc[RPW][1];
+  mv::expert_pair_rows<T, RPW>(acc, weight + (long long)ids[pair] * rows * row_bytes, rows, row0, row_bytes,
                           xq + (long long)pair * cols, xq + ((long long)act_rows + pair) * cols,
                           xs + (long long)pair * (cols / 16), cols, lane);
-  mv::warp_sums<1, 2>(acc);
-  if (lane < 2) y[rank][lane] = lane == 0 ? acc[0][0] : acc[1][0];
+  mv::warp_sums<1, RPW>(acc);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+    if (lane == r) y[rank][r] = acc[r][0];
   __syncthreads();
-  if (threadIdx.x < 2 && row0 + threadIdx.x < rows) {
+  if (threadIdx.x < RPW && row0 + threadIdx.x < rows) {
     const float* w = weights + (long long)t * k;
     float sum = __fmul_rn(w[0], y[0][threadIdx.x]);
     for (int r = 1; r < k; ++r) sum = __fadd_rn(sum, __fmul_rn(w[r], y[r][threadIdx.x]));
