@@ -27,10 +27,12 @@ SOURCE = "moe.cu"
 THREADS = 256  # moe_combine's block
 MAX_WARPS = 4  # warps per block of the expert mat-vecs (their __launch_bounds__(128))
 # Rows a warp of the one-token expert mat-vecs computes (matvec_experts, and matvec_experts_combine's warps): an
-# expert's rows are short (64 units of 32 at 2048 columns, 16 at 512), so more rows a warp put more of its loads in
-# flight before the block's chain of dependent loads (ids, weights, activations) ends.
-PAIR_RPW = 2
-COMBINE_RPW = 2
+# expert's rows are short (64 units of 32 at 2048 columns, 24 at 768), so more rows a warp put more of its loads in
+# flight before the block's chain of dependent loads (ids, weights, activations) ends. qwen3-30b-a3b's layer on the
+# H200 (scripts/bench_moe_experts.py --pair-rpw, 2026-12-03, d9eb142), pair by pair at 2 / 4 / 8 rows a warp: 1
+# token 25.5 / 23.6 / 26.4 us, 8 tokens 126.9 / 104.7 / 120.4, 32 tokens 456 / 348 / 391.
+PAIR_RPW = 4
+COMBINE_RPW = 4
 GROUP_TOKENS = 8  # pairs of one expert that a block of matvec_experts_grouped computes from one read of its rows
 GROUP_RPW = 2  # rows a warp of it computes (4 took Q4_K from 122 registers to 152, Q3_K to 255)
 MMA_SOURCE = "moe_mma.cu"
