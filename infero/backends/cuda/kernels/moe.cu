@@ -39,6 +39,7 @@ namespace moe {
 constexpr float TAKEN = -2.f;  // a chosen expert's p in shared memory (p is in [0, 1] or NaN)
 constexpr int ROUTER_WARPS = 4;   // moe_router: a block's warps, one quarter of the router row each
 constexpr int ROUTER_TOKENS = 16;  // moe_router: tokens a block computes (a grid row); routes up to this many
+constexpr int ROUTER_AHEAD = 8;    // moe_router: float4s of its row a lane loads before the PDL wait
 
 }  // namespace moe
 
@@ -146,12 +147,31 @@ extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router(
   const int vecs = hidden / 4, per_warp = (vecs + moe::ROUTER_WARPS - 1) / moe::ROUTER_WARPS;
   const int v0 = warp * per_warp, v1 = min(v0 + per_warp, vecs);
   const float4* w4 = reinterpret_cast<const float4*>(router + (long long)e * hidden);
+  // The row's first float4s (all of it up to hidden 4096) load before the wait: the router is a weight, and its
+  // loads then overlap the previous kernel's tail instead of following it.
+  float4 ahead[moe::ROUTER_AHEAD];
+#pragma unroll
+  for (int j = 0; j < moe::ROUTER_AHEAD; ++j) {
+    const int v = v0 + lane + 32 * j;
+    ahead[j] = v < v1 ? __ldg(w4 + v) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   pdl_enter();
   for (int t = 0; t < tokens; ++t) {
     const float4* x4 = reinterpret_cast<const float4*>(h + (long long)(t0 + t) * hidden);
     float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < moe::ROUTER_AHEAD; ++j) {
+      const int v = v0 + lane + 32 * j;
+      if (v < v1) {
+        const float4 a = ahead[j], b = x4[v];
+        acc = fmaf(a.x, b.x, acc);
+        acc = fmaf(a.y, b.y, acc);
+        acc = fmaf(a.z, b.z, acc);
+        acc = fmaf(a.w, b.w, acc);
+      }
+    }
 #pragma unroll 4
-    for (int v = v0 + lane; v < v1; v += 32) {
+    for (int v = v0 + lane + 32 * moe::ROUTER_AHEAD; v < v1; v += 32) {
       const float4 a = __ldg(w4 + v), b = x4[v];
       acc = fmaf(a.x, b.x, acc);
       acc = fmaf(a.y, b.y, acc);
