@@ -45,6 +45,9 @@ FEW_FLOAT32_ROWS = 256
 # pair by pair (scripts/bench_moe_experts.py at 4eba79f: 114.8 us against 162.4 grouped; 32 tokens 397.5 against
 # 352.3), but with grouping from 2 pairs an expert (31b548e) the decode step of 8 sequences took 8.55 ms against
 # 7.34 (another machine start, whose batch-1 step was 9% slower) and bench serve at 8 clients 782 tok/s against 851.
+# Again with four rows a warp (1a0b2e4, one machine start): pair by pair up to 31 tokens took qwen3.5-35b-a3b's steps
+# of 8 / 16 sequences from 5.96 / 8.96 ms to 7.41 / 12.14, qwen3-30b-a3b's 16 from 10.58 to 11.21 ms, where the
+# layer alone ran 8 tokens in 104.7 us pair by pair against 160.1 grouped.
 MOE_GROUPED_MIN_TOKENS = 2
 # From this many tokens a mixture-of-experts layer whose quantized expert types are all moe.MMA_TYPES sorts its pairs
 # in runs of moe.MMA_GROUP for the tensor-core expert kernel (matvec_experts_mma); below it, in runs of
