@@ -119,10 +119,11 @@ SHAPES = {
     "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 48, 16, 2, 5120, 151936, 1e7, 262144, False, head_dim=256,
                                 experts=512, experts_used=10, expert_ffn=512, shared_ffn=512, interval=4,
                                 linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128),
-    # Qwen3-Next's layout (ssm_ba, value heads in transformers' grouped order) at the tiny MoE hybrid's size.
+    # Qwen3-Next's layout (ssm_ba, value heads in transformers' grouped order) at the tiny MoE hybrid's size, with key
+    # heads of 64: the narrowest the GPU's chunked delta rule takes (the other tiny hybrids' 16 run token by token).
     "qwen3next-tiny": Shape("qwen3next", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
                             experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,
-                            linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),
+                            linear_v_heads=4, linear_k_dim=64, linear_v_dim=32),
     "qwen35moe-tiny": Shape("qwen35moe", 128, 4, 4, 2, 64, 2048, 1e7, 4096, False, head_dim=64, experts=8,
                             experts_used=2, expert_ffn=64, shared_ffn=64, interval=4, linear_k_heads=2,
                             linear_v_heads=4, linear_k_dim=16, linear_v_dim=32),

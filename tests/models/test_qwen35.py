@@ -108,7 +108,8 @@ def test_the_cache_keeps_kv_for_attention_layers_and_a_state_per_slot(hybrid):
     c = model.config
     cache = backend.allocate_kv_cache(c, 3, BLOCK, 5)
     assert len(cache.k) == 1  # one attention layer of 4
-    assert cache.conv.shape == (5, 3, 2 * 2 * 16 + 4 * 32, 3)
-    assert cache.delta.shape == (5, 3, 4, 16, 32)
+    d_k = c.ssm_state_size  # 16, or 64 (qwen3next-tiny)
+    assert cache.conv.shape == (5, 3, 2 * 2 * d_k + 4 * 32, 3)
+    assert cache.delta.shape == (5, 3, 4, d_k, 32)
     assert backend.state_bytes_per_slot(c) == (cache.conv.nbytes + cache.delta.nbytes) // 5
     assert backend.kv_block_bytes(c, BLOCK) == (cache.k[0].nbytes + cache.v[0].nbytes) // 3
