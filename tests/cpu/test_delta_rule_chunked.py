@@ -1,9 +1,11 @@
-"""kernels/delta_rule_chunked.cu's algorithm in numpy, against the gated delta rule in float64: the chunk's
-products in the kernel's 3xTF32 split (each operand x = big + small, big = tf32(x), small = tf32(x - big); a b ~
-small big + big small + big big), the cumulative decay by its scan over the lanes, the triangular system by 16-row
-blocks (each diagonal block inverted by forward substitution, then u_r = T_r (rhs_r - sum L_rs u_s)). It differs
-from backends/cpu/delta_net.py's delta_rule_chunked in those three, which is what these tests check in float32.
-Also the host's count of whole chunks (delta_rule_chunked.whole_chunks) against a count by hand.
+"""kernels/delta_rule_chunked.cu's algorithm in numpy, against the gated delta rule in float64: its WY form (what
+delta_rule_prepare computes for every chunk at once: W, A, Q', O', Kt; then delta_rule_chunked's walk: u = A - W S,
+o = Q' S + O', S <- exp(G_last) S + Kt^T u), every product in the kernels' 3xTF32 split (each operand x = big +
+small, big = tf32(x), small = tf32(x - big); a b ~ small big + big small + big big), the cumulative decay by its
+scan over the lanes, T = (I + L)^-1 applied by 16-row blocks (each diagonal block inverted by forward substitution,
+then X_r = T_r (rhs_r - sum L_rs X_s)). It differs from backends/cpu/delta_net.py's delta_rule_chunked in those,
+which is what these tests check in float32. Also the host's count of whole chunks (delta_rule_chunked.whole_chunks)
+against a count by hand.
 """
 
 from __future__ import annotations
@@ -60,22 +62,32 @@ def inverse_unit_lower(block: np.ndarray) -> np.ndarray:
     return t
 
 
-def kernel_chunk(q, k, v, g, beta, s: np.ndarray) -> np.ndarray:
-    """One head's 64-token chunk as the kernel computes it: o [64, d_v]; s [d_k, d_v] updated in place. q is
-    already scaled."""
+def prepare_chunk(q, k, v, g, beta) -> tuple[np.ndarray, ...]:
+    """One head's 64-token chunk as delta_rule_prepare computes it, q already scaled: -W, A, Q', O', Kt and
+    exp(G_last) (its record)."""
     cum = lane_scan(g)
     eg, eg_rest = np.exp(cum), np.exp(cum[-1] - cum)
     i, j = np.arange(CHUNK)[:, None], np.arange(CHUNK)[None, :]
     decay = np.exp(np.where(j <= i, cum[:, None] - cum[None, :], 0.0)).astype(np.float32)
     system = np.where(j < i, beta[:, None] * (mm3(k, k.T) * decay), 0.0).astype(np.float32)
     scores = np.where(j <= i, mm3(q, k.T) * decay, 0.0).astype(np.float32)
-    rhs = beta[:, None] * (v - eg[:, None] * mm3(k, s))
-    u = np.zeros_like(rhs)
+    rhs = np.concatenate([(beta * eg)[:, None] * k, beta[:, None] * v], axis=1)  # [W | A]'s right-hand sides
+    x = np.zeros_like(rhs)
     for r in range(0, CHUNK, 16):
-        w = rhs[r : r + 16] + mm3(-system[r : r + 16, :r], u[:r]) if r else rhs[r : r + 16]
-        u[r : r + 16] = mm3(inverse_unit_lower(system[r : r + 16, r : r + 16]), w)
-    out = eg[:, None] * mm3(q, s) + mm3(scores, u)
-    s[...] = eg[-1] * s + mm3((eg_rest[:, None] * k).T, u)
+        w = rhs[r : r + 16] + mm3(-system[r : r + 16, :r], x[:r]) if r else rhs[r : r + 16]
+        x[r : r + 16] = mm3(inverse_unit_lower(system[r : r + 16, r : r + 16]), w)
+    w, a = x[:, : k.shape[1]], x[:, k.shape[1] :]
+    q_prime = eg[:, None] * q + mm3(-scores, w)
+    return -w, a, q_prime, mm3(scores, a), eg_rest[:, None] * k, eg[-1]
+
+
+def walk_chunk(record, s: np.ndarray) -> np.ndarray:
+    """delta_rule_chunked's products for one chunk: o [64, d_v] from its record and the state s [d_k, d_v] before
+    it, s updated in place."""
+    minus_w, a, q_prime, o_prime, kt, eg_last = record
+    u = a + mm3(minus_w, s)
+    out = o_prime + mm3(q_prime, s)
+    s[...] = eg_last * s + mm3(kt.T, u)
     return out
 
 
@@ -92,7 +104,7 @@ def kernel_op(q, k, v, g, beta, state: np.ndarray, start: int) -> np.ndarray:
     for t0 in range(head, tail, CHUNK):
         c = slice(t0, t0 + CHUNK)
         for h in range(q.shape[1]):
-            out[c, h] = kernel_chunk(q[c, h], k[c, h], v[c, h], g[c, h], beta[c, h], state[h])
+            out[c, h] = walk_chunk(prepare_chunk(q[c, h], k[c, h], v[c, h], g[c, h], beta[c, h]), state[h])
     out[tail:] = delta_rule_recurrent(q[tail:], k[tail:], v[tail:], g[tail:], beta[tail:], state)
     return out
 
@@ -148,3 +160,18 @@ def test_whole_chunks_counts_each_sequences_64_position_spans_inside_its_step():
     positions = np.concatenate([np.arange(p, p + n) for p, n in cases]).astype(np.int32)
     assert whole_chunks(positions, starts) == 8 + 2 + 0 + 1 + 1 + 0 + 1
     assert whole_chunks(np.arange(1, dtype=np.int32), np.array([0, 1], np.int32)) == 0  # a decode step
+
+
+def test_every_whole_chunk_of_a_step_has_its_own_record_below_n_over_64():
+    # The kernels keep sequence s's chunk c in record starts[s] // 64 + c; the launcher allocates n // 64 of them.
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        lengths = rng.integers(0, 300, rng.integers(1, 9))
+        firsts = rng.integers(0, 200, len(lengths))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        records = []
+        for s, (first, n) in enumerate(zip(firsts, lengths, strict=True)):
+            chunks = max(0, (first + n) // CHUNK - -(-first // CHUNK))
+            records += [starts[s] // CHUNK + c for c in range(chunks)]
+        assert len(set(records)) == len(records)
+        assert all(r < starts[-1] // CHUNK for r in records)

@@ -45,10 +45,10 @@ def _host(t) -> np.ndarray:
 
 
 def gpu_ops() -> CudaOps:
-    """CudaOps whose workspace hands out NaN-filled tensors."""
+    """CudaOps whose workspace hands out NaN-filled tensors (and ignores their handing back)."""
     from infero.backends.cuda import runtime
 
-    workspace = SimpleNamespace(empty=lambda shape, dtype: _dev(np.full(shape, np.nan, dtype)))
+    workspace = SimpleNamespace(empty=lambda shape, dtype: _dev(np.full(shape, np.nan, dtype)), offset=0)
     return CudaOps(SimpleNamespace(workspace=workspace, stream=runtime.stream(), weights_arena=None))
 
 
@@ -205,17 +205,18 @@ def op_call(sequences, d_k=128, d_v=128, key_heads=2, v_heads=4):
     batch = step_batch(sequences, device=False)
     batch.query_starts, batch.positions, batch.state_slots = (tensor(a.shape, np.int32) for a in (
         batch.query_starts, batch.positions, batch.state_slots))  # fmt: skip
-    ops = CudaOps(SimpleNamespace(workspace=SimpleNamespace(empty=lambda shape, dtype: tensor(shape)), stream=None,
-                                  weights_arena=None))  # fmt: skip
+    workspace = SimpleNamespace(empty=lambda shape, dtype: tensor(shape), offset=0)
+    ops = CudaOps(SimpleNamespace(workspace=workspace, stream=None, weights_arena=None))
     cache = SimpleNamespace(delta=tensor((8, 2, v_heads, d_k, d_v)))
     ops.gated_delta_rule(q, k, v, tensor((n, v_heads)), tensor((n, v_heads)), "tiled", 0.1, cache, 1, batch)
 
 
 def test_a_step_with_whole_chunks_runs_head_chunks_and_tail_and_a_decode_step_one_recurrent_launch(launches):
-    op_call([(40, 200, 0), (9, 1, 1)])
-    shared = delta_rule_chunked.shared_bytes(128)
+    op_call([(40, 200, 0), (9, 1, 1)])  # 201 tokens: 3 records a value head
+    prepare, walk = delta_rule_chunked.prepare_shared_bytes(128), delta_rule_chunked.walk_shared_bytes(128)
     assert launches == [("gated_delta_rule<128>", (16, 2), (128,), 1, 0),
-                        ("delta_rule_chunked<128>", (16, 2), (256,), None, shared),
+                        ("delta_rule_prepare<128>", (4, 3), (256,), None, prepare),
+                        ("delta_rule_chunked<128>", (16, 2), (256,), None, walk),
                         ("gated_delta_rule<128>", (16, 2), (128,), 2, 0)]  # fmt: skip
     launches.clear()
     op_call([(63, 1, 0), (9, 1, 1), (0, 63, 2)])  # no whole chunk: decode tokens, a prompt of 63
@@ -234,7 +235,7 @@ def test_the_chunked_launcher_and_the_parts_refuse_what_their_kernels_cannot_tak
               tensor((2,), np.int32))  # fmt: skip
     with pytest.raises(ValueError, match=r"chunked delta rule is compiled for d_k in \(64, 128\), got 16"):
         delta_rule_chunked.delta_rule_chunked(tensor((n, 4, 32)), *common, tensor((n,), np.int32),
-                                              tensor((1,), np.int32), 1, None)  # fmt: skip
+                                              tensor((1,), np.int32), 1, None, None)  # fmt: skip
     with pytest.raises(ValueError, match=r"positions must be int32 \[70\]"):
         delta_net.gated_delta_rule(tensor((n, 4, 32)), *common, tensor((1,), np.int32), 1, None, part="head")
     with pytest.raises(ValueError, match="part must be one of"):
@@ -242,11 +243,15 @@ def test_the_chunked_launcher_and_the_parts_refuse_what_their_kernels_cannot_tak
     assert not launches
 
 
-def test_the_launchers_shared_bytes_are_the_kernels_shared_struct():
-    """delta_rule_chunked.shared_bytes against sizeof(drc::Shared<DK>), asked of NVRTC (no GPU)."""
+def test_the_launchers_sizes_are_the_kernels_structs():
+    """delta_rule_chunked's shared bytes and record floats against sizeof(drc::Prep<DK>), sizeof(drc::Walk<DK>)
+    and drc::Record<DK>::floats, asked of NVRTC (no GPU)."""
     from infero.backends.cuda import compiler
 
-    source = (compiler.KERNEL_DIR / delta_rule_chunked.SOURCE).read_text()
-    checks = "".join(f"static_assert(sizeof(drc::Shared<{d}>) == {delta_rule_chunked.shared_bytes(d)});\n"
-                     for d in delta_rule_chunked.KEY_DIMS)  # fmt: skip
+    d = delta_rule_chunked
+    source = (compiler.KERNEL_DIR / d.SOURCE).read_text()
+    checks = "".join(f"static_assert(sizeof(drc::Prep<{k}>) == {d.prepare_shared_bytes(k)});\n"
+                     f"static_assert(sizeof(drc::Walk<{k}>) == {d.walk_shared_bytes(k)});\n"
+                     f"static_assert(drc::Record<{k}>::floats({v}) == {d.record_floats(k, v)});\n"
+                     for k in d.KEY_DIMS for v in (32, 128))  # fmt: skip
     assert compiler.compile_source(source + checks, delta_rule_chunked.SOURCE, "sm_80").cubin

@@ -103,11 +103,13 @@ class CudaBackend:
         s = max(engine_config.max_num_seqs, GRAPH_BUCKETS[0])
         # Every activation of a forward pass is carved afresh (the workspace resets per step, not per layer), so
         # the budget is the sum over layers; plus the logits (prompt logprobs may want every row of a chunk) and
-        # kernels' scratch (fp16/int8 copies of activations, attention split partials).
+        # kernels' scratch (fp16/int8 copies of activations, attention split partials; the expert pairs' buffers and
+        # the chunked delta rule's records, each handed back within its op, so never both at once).
         widest = max(config.hidden_size, config.q_size, config.intermediate_size)
         activations = t * (4 * _layer_floats(config) * config.num_layers + 8 * config.hidden_size + 2 * widest)
         logits = 4 * t * config.vocab_size
-        self.workspace = Workspace(activations + logits + _moe_scratch_bytes(config, t) + (256 << 20))
+        scratch = max(_moe_scratch_bytes(config, t), _delta_scratch_bytes(config, t))
+        self.workspace = Workspace(activations + logits + scratch + (256 << 20))
         self.ops.prepare(config)
         max_len = engine_config.max_model_len or config.context_length
         self.max_blocks_per_seq = -(-min(max_len, config.context_length) // engine_config.block_size) + 1
@@ -361,6 +363,15 @@ def _moe_scratch_bytes(config: ModelConfig, tokens: int) -> int:
     pairs = tokens * (config.num_experts_used + (config.shared_expert_intermediate_size > 0))  # a folded shared one
     width = config.expert_intermediate_size
     return pairs * (4 * (2 * width + config.hidden_size) + 2 * width + 64) + 16 * config.num_experts * 4
+
+
+def _delta_scratch_bytes(config: ModelConfig, tokens: int) -> int:
+    """The chunked delta rule's records for a step of `tokens` (a hybrid model's Gated DeltaNet layers; 168 MB at
+    Qwen3.5-35B-A3B's 32 value heads of 128 and 2,048 tokens)."""
+    if not config.is_hybrid:
+        return 0
+    return delta_rule_chunked.scratch_bytes(tokens, config.ssm_time_step_rank, config.ssm_state_size,
+                                            config.linear_v_dim)  # fmt: skip
 
 
 def _padded(values: np.ndarray, length: int, fill, dtype, fill_range: bool = False) -> np.ndarray:

@@ -549,7 +549,8 @@ class CudaOps:
             return out
         delta_net.gated_delta_rule(*rule, part="head", positions=batch.positions)
         delta_rule_chunked.delta_rule_chunked(out, q, k, v, g, beta, pairing, scale, cache.delta, batch.query_starts,
-                                              batch.positions, batch.state_slots, layer, self.stream)  # fmt: skip
+                                              batch.positions, batch.state_slots, layer, self.stream,
+                                              self.ws)  # fmt: skip
         delta_net.gated_delta_rule(*rule, part="tail", positions=batch.positions)
         return out
 
