@@ -62,19 +62,19 @@ def main() -> None:
         weights = rng.dirichlet(np.ones(args.k), size=n).astype(np.float32)
         ids_d, weights_d = from_host(ids), from_host(weights)
         chosen = len(np.unique(ids))
-        runs = [(f"per pair x{r}", ("pair", int(r))) for r in args.pair_rpw.split(",") if r]
-        runs += [(f"grouped {g}x{r}", (g, r)) for g, r in variants]
-        runs += [(f"tensor cores {g}", g) for g in mma_groups]
-        for label, variant in runs:
+        runs = [(f"per pair x{r}", "pair", int(r)) for r in args.pair_rpw.split(",") if r]
+        runs += [(f"grouped {g}x{r}", "grouped", (g, r)) for g, r in variants]
+        runs += [(f"tensor cores {g}", "mma", g) for g in mma_groups]
+        for label, kind, variant in runs:
             ops.MOE_MMA_MIN_TOKENS = n + 1
-            if variant[0] == "pair":
+            if kind == "pair":
                 ops.MOE_GROUPED_MIN_TOKENS = n + 1
-                moe.PAIR_RPW = moe.COMBINE_RPW = variant[1]
+                moe.PAIR_RPW = moe.COMBINE_RPW = variant
+            elif n == 1:
+                continue  # one token never groups
             else:
-                if n == 1:
-                    continue  # one token never groups
                 ops.MOE_GROUPED_MIN_TOKENS = 2
-                if isinstance(variant, int):
+                if kind == "mma":
                     ops.MOE_MMA_MIN_TOKENS, moe.MMA_GROUP = 2, variant
                 else:
                     moe.GROUP_TOKENS, moe.GROUP_RPW = variant
