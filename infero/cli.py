@@ -110,9 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--batch", type=_batch_sizes, default=[], metavar="B[,B...]",
                    help="also time decode steps of B concurrent sequences, e.g. 1,8,32")  # fmt: skip
+    from infero.bench import invariance
     from infero.bench import serve as bench_serve
 
     bench_serve.add_arguments(command(bsub, "serve", help="load an OpenAI-compatible endpoint with streaming clients"))
+    inv = command(bsub, "invariance", help="check that a request's logits are the same bits whatever shares its step")
+    _add_model_args(inv)
+    invariance.add_arguments(inv)
     from infero.server import serve
 
     serve.add_arguments(command(sub, "serve", help="serve the model over an OpenAI-compatible HTTP API"))
@@ -297,6 +301,10 @@ def _bench(args) -> int:
         from infero.bench import serve as bench_serve
 
         return bench_serve.main(args)
+    if args.bench == "invariance":
+        from infero.bench import invariance
+
+        return invariance.main(args)
     from infero import LLM
     from infero.bench import decode
 
