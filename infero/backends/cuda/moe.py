@@ -283,7 +283,7 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
     driver.launch(fn, grid, (32 * per_block,), args, _GROUPED_ARGS, stream, pdl=True)
 
 
-_MMA_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # 16-byte pieces matvec_experts_mma stages a (unit, row): xm::Policy
+_MMA_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # 16-byte pieces matvec_experts_mma stages a (unit, row): mu::Policy
 
 
 def mma_shared(ggml_type: int, group: int, cols: int) -> int:
