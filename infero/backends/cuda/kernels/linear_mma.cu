@@ -1,0 +1,226 @@
+// linear_mma: a linear layer out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias) on the int8 tensor
+// cores for steps of more than the mat-vec's 16 tokens (prefill chunks, batched decode, mixed steps), types Q4_K,
+// Q5_K, Q6_K, Q8_0. Every output is the linear-layer definition's (docs/kernels.md, rule 2): fx::value of the
+// fixed-point sum over the row's units of each unit's fp32 contribution (mma_units.cuh: bitwise mv::Unit<T>::dot),
+// times a deferred norm's 1 / rms where the activation carries one, then + bias (__fadd_rn): bitwise what matvec_q
+// gives the token alone, whatever n, the token's place or the split of the units below.
+//
+// Layouts. W: GGUF rows [rows, row_bytes], or for Q4_K / Q6_K with `tiled` quant.cuh's tiled layout. The activation:
+// act_quant.cuh's planes xq [2, n, cols] and scales xs [n, cols / 16] (matvec.quantize, or a fused writer); with
+// `deferred` it is residual * norm weight and norm_ss [n, cols / 32] holds each group's sum of squares of the
+// residual (matvec.Activation). cols: a multiple of 256.
+//
+// Blocks: 8 warps, WR x WT of them, a warp 16 rows x 32 tokens (8 column tiles of 4 tokens, two planes each), a
+// block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py). grid: (row tiles, token tiles,
+// splits); split z takes a contiguous range of the row's stages (256 columns: 8 units), so narrow matrices still
+// fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through shared memory,
+// two buffers: stage s + 1 is copied by cp.async (Q4_K / Q5_K pieces too; Q6_K's and Q8_0's 2-byte aligned pieces
+// are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one barrier a
+// stage. Each A fragment (16 rows of a unit) feeds 8 column tiles, so the per-(output, unit) epilogue (the unit
+// expression and fx::add) sets the pace. One split: outputs written directly; more: each block writes its int64
+// sums and probes to part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
+#include "pdl.cuh"
+#include "fixed_point.cuh"
+#include "mma_units.cuh"
+
+namespace lm {
+
+constexpr int THREADS = 256, KU = 8, NT = 8;  // threads a block; units a stage; column tiles a warp
+
+template <bool B> struct Flag { static constexpr bool value = B; };
+
+// RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
+// sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
+__device__ __forceinline__ float inv_rms(const float* __restrict__ norm_ss, int t, int cols, float eps, int lane) {
+  const int groups = cols / 32;
+  const float* sums = norm_ss + (long long)t * groups;
+  float total = 0.f;
+  for (int i = lane; i < groups; i += 32) total = __fadd_rn(total, sums[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xFFFFFFFFu, total, o));
+  return 1.0f / sqrtf(total / (float)cols + eps);
+}
+
+}  // namespace lm
+
+template <int T, int WR, int WT>
+__global__ void __launch_bounds__(lm::THREADS, 1) linear_mma(float* __restrict__ out, long long* __restrict__ part_v,
+                                                             float* __restrict__ part_p, const uint8_t* __restrict__ weight,
+                                                             const int8_t* __restrict__ xq,
+                                                             const ActScale* __restrict__ xs,
+                                                             const float* __restrict__ norm_ss, float norm_eps,
+                                                             const float* __restrict__ bias, int n, int rows, int cols,
+                                                             long long row_bytes, int tiled, int splits) {
+  using P = mu::Policy<T>;
+  constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = lm::KU, NT = lm::NT;
+  static_assert(WR * WT * 32 == lm::THREADS, "8 warps");
+  // A buffer: activations [KU][2 runs][TOK][2 planes][16], scales [KU][TOK][2 runs], weight pieces
+  // [KU][PIECES][ROWS][16], words [KU][ROWS] (linear_mma.shared_bytes).
+  constexpr int ACT_BYTES = 640 * TOK, BUF_BYTES = ACT_BYTES + KU * ROWS * (16 * P::PIECES + (P::EXTRA ? 4 : 0));
+  constexpr int PC = KU * P::PIECES * ROWS / lm::THREADS, XC = KU * ROWS / lm::THREADS;  // register-path loads a thread
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float inv[TOK];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
+  const int rl = 16 * (warp % WR) + g, tb = 32 * (warp / WR);
+  const int row0 = blockIdx.x * ROWS, tok0 = blockIdx.y * TOK, z = blockIdx.z, live = min(TOK, n - tok0);
+  const int stages = cols / (32 * KU), st0 = (int)((long long)stages * z / splits),
+            st1 = (int)((long long)stages * (z + 1) / splits);
+  const int8_t* xq1 = xq + (long long)n * cols;
+  const bool active = tb < live;
+
+  auto weight_block = [&](int r, int u) { return mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, tiled); };
+  // Stage st's cp.async copies into buffer b: the activation slices, their scales and (ASYNC) the weight pieces.
+  auto issue = [&](int st, int b) {
+    const int u0 = st * KU;
+    uint8_t* sb = smem + b * BUF_BYTES;
+    ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * TOK);
+    for (int i = tid; i < 4 * KU * TOK; i += lm::THREADS) {
+      const int plane = i & 1, p = (i >> 1) % TOK, kr = (i >> 1) / TOK, t = tok0 + min(p, live - 1);
+      tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)t * cols + 16 * P::act(u0 + (kr >> 1), kr & 1));
+    }
+    for (int i = tid; i < 2 * KU * TOK; i += lm::THREADS) {
+      const int t = tok0 + min((i >> 1) % TOK, live - 1);
+      tc::cp_async<8>(ss + i, xs + (long long)t * (cols / 16) + P::act(u0 + (i >> 1) / TOK, i & 1));
+    }
+    if constexpr (P::ASYNC) {
+      uint8_t* sa = sb + ACT_BYTES;
+      for (int i = tid; i < KU * P::PIECES * ROWS; i += lm::THREADS) {
+        const int r = i % ROWS, kp = i / ROWS, u = u0 + kp / P::PIECES;
+        tc::cp_async<16>(sa + 16 * i, P::piece_at(weight_block(r, u), mu::place<T>(u), kp % P::PIECES));
+      }
+    }
+  };
+  // The register path (!ASYNC): stage st's pieces and words loaded into held / heldx, then stored into buffer b.
+  uint4 held[P::ASYNC ? 1 : PC];
+  uint32_t heldx[P::ASYNC ? 1 : XC];
+  auto load = [&](int st) {
+    if constexpr (!P::ASYNC) {
+      const int u0 = st * KU;
+#pragma unroll
+      for (int q = 0; q < PC; ++q) {
+        const int i = tid + q * lm::THREADS, r = i % ROWS, kp = i / ROWS, u = u0 + kp / P::PIECES;
+        held[q] = P::piece(weight_block(r, u), mu::place<T>(u), kp % P::PIECES);
+      }
+#pragma unroll
+      for (int q = 0; q < XC; ++q) {
+        const int i = tid + q * lm::THREADS, u = u0 + i / ROWS;
+        heldx[q] = P::extra(weight_block(i % ROWS, u), mu::place<T>(u));
+      }
+    }
+  };
+  auto store = [&](int b) {
+    if constexpr (!P::ASYNC) {
+      uint8_t* sa = smem + b * BUF_BYTES + ACT_BYTES;
+      uint32_t* sx = reinterpret_cast<uint32_t*>(sa + 16 * KU * P::PIECES * ROWS);
+#pragma unroll
+      for (int q = 0; q < PC; ++q) reinterpret_cast<uint4*>(sa)[tid + q * lm::THREADS] = held[q];
+#pragma unroll
+      for (int q = 0; q < XC; ++q) sx[tid + q * lm::THREADS] = heldx[q];
+    }
+  };
+
+  fx::Sum sum[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) sum[nt][0] = sum[nt][1] = fx::zero();
+  if (st0 < st1) load(st0);  // the weights are no earlier kernel's output: loaded before the PDL wait
+  pdl_enter();
+  if (st0 < st1) {
+    issue(st0, 0);
+    tc::cp_async_commit();
+    store(0);
+  }
+  for (int st = st0; st < st1; ++st) {
+    const int b = (st - st0) & 1, u0 = st * KU;
+    const bool next = st + 1 < st1;
+    if (next) load(st + 1);  // in flight during this stage's mma work
+    tc::cp_async_wait<0>();
+    __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
+    if (next) issue(st + 1, b ^ 1);
+    tc::cp_async_commit();
+    const uint8_t* sb = smem + b * BUF_BYTES;
+    const ActScale* ss = reinterpret_cast<const ActScale*>(sb + 512 * TOK);
+    const uint8_t* sa = sb + ACT_BYTES;
+    const uint32_t* sx = reinterpret_cast<const uint32_t*>(sa + 16 * KU * P::PIECES * ROWS);
+    // A warp's 8 column tiles all live (the common case) run without a test between their mma chains.
+    auto compute = [&](auto whole) {
+#pragma unroll 2
+      for (int k = 0; k < KU; ++k) {
+        uint32_t a[4];
+        typename P::Scale sc[2];
+        P::frag(a, sc, sa + 16 * k * P::PIECES * ROWS, sx + k * ROWS, ROWS, rl, u0 + k, j);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int pb = tb + 4 * nt;
+          if (!decltype(whole)::value && pb >= live) break;
+          const uint8_t* bw = sb + 32 * (2 * k * TOK + pb) + 16 * g + 4 * j;
+          float dot[2][2];
+          mu::dots<P::SPLIT>(dot, a, mu::word(bw), mu::word(bw + 32 * TOK));
+          const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * TOK + pb + j));  // {D, s} of runs 0, 1
+          const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
+          const float fs[2] = {mu::small_float(v.y), mu::small_float(v.w)};  // |s| <= 16 * 32639
+#pragma unroll
+          for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
+        }
+      }
+    };
+    if (tb + 4 * NT <= live) {
+      compute(lm::Flag<true>());
+    } else if (active) {
+      compute(lm::Flag<false>());
+    }
+    if (next) store(b ^ 1);  // buffer b ^ 1 was stage st - 1's: every warp passed this stage's barrier after it
+  }
+  if (splits == 1 && norm_ss != nullptr) {
+    for (int t = warp; t < live; t += lm::THREADS / 32) {
+      const float f = lm::inv_rms(norm_ss, tok0 + t, cols, norm_eps, lane);
+      if (lane == 0) inv[t] = f;
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = tb + 4 * nt + j;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + rl + 8 * h;
+      if (t >= live || row >= rows) continue;
+      const long long at = (long long)(tok0 + t) * rows + row;
+      if (splits > 1) {
+        part_v[(long long)z * n * rows + at] = sum[nt][h].v;
+        part_p[(long long)z * n * rows + at] = sum[nt][h].probe;
+      } else {
+        float v = fx::value(sum[nt][h]);
+        if (norm_ss != nullptr) v = __fmul_rn(v, inv[t]);
+        out[at] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
+      }
+    }
+  }
+}
+
+// The splits' sums of token blockIdx.y, rows from 256 blockIdx.x, added (int64: any order) and finished as linear_mma
+// finishes one split's.
+__global__ void __launch_bounds__(lm::THREADS) linear_mma_finish(float* __restrict__ out,
+                                                                 const long long* __restrict__ part_v,
+                                                                 const float* __restrict__ part_p,
+                                                                 const float* __restrict__ norm_ss, float norm_eps,
+                                                                 const float* __restrict__ bias, int n, int rows,
+                                                                 int cols, int splits) {
+  __shared__ float inv;
+  const int t = blockIdx.y, row = blockIdx.x * lm::THREADS + threadIdx.x;
+  pdl_enter();
+  if (norm_ss != nullptr) {
+    if (threadIdx.x < 32) {
+      const float f = lm::inv_rms(norm_ss, t, cols, norm_eps, threadIdx.x);
+      if (threadIdx.x == 0) inv = f;
+    }
+    __syncthreads();
+  }
+  if (row >= rows) return;
+  const long long at = (long long)t * rows + row;
+  fx::Sum s = fx::zero();
+  for (int z = 0; z < splits; ++z) fx::add(s, fx::Sum{part_v[(long long)z * n * rows + at], part_p[(long long)z * n * rows + at]});
+  float v = fx::value(s);
+  if (norm_ss != nullptr) v = __fmul_rn(v, inv);
+  out[at] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
+}

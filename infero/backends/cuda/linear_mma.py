@@ -1,0 +1,132 @@
+"""The int8 tensor-core linear layer for steps of more than the mat-vec's tokens (Q4_K, Q5_K, Q6_K, Q8_0):
+out[n, rows] = x @ W.T (+ bias), x in the mat-vec's activation format (matvec.quantize, or a fused writer; a
+deferred norm's too). Every row is bitwise what matvec_q gives the token alone (kernels/linear_mma.cu says how):
+a prefill chunk, a batched decode step and a mixed step give a request the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from infero.backends.cuda import driver, matvec, runtime
+from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
+from infero.checkpoint.tensor_types import GGMLType
+
+SOURCE = "linear_mma.cu"
+TYPES = (int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K), int(GGMLType.Q8_0))
+STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
+# The kernel's warp grids (WR row warps x WT token warps): 16 WR rows x 32 WT tokens a block.
+NARROW, WIDE = (8, 1), (4, 2)
+THREADS = 256
+MAX_SPLITS = 16
+_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # mma_units.cuh's Policy<T>::PIECES
+_EXTRA = (14, 8)  # types staging a word a (unit, row)
+
+runtime.declare(SOURCE, ["linear_mma_finish"])
+for _t in TYPES:
+    runtime.declare(SOURCE, [f"linear_mma<{_t}, {wr}, {wt}>" for wr, wt in (NARROW, WIDE)],
+                    needs=(runtime.weight_type(_t),))  # fmt: skip
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+_ARGS = (_P, _P, _P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _L, _I, _I)
+_FINISH_ARGS = (_P, _P, _P, _P, _F, _P, _I, _I, _I, _I)
+_shared_allowed: dict[object, int] = {}
+runtime.on_reload(_shared_allowed.clear)
+_num_sms: list[int] = []
+
+
+def supports(weight: QuantWeight, n: int) -> bool:
+    return weight.ggml_type in TYPES and n > 0 and weight.cols % STAGE_COLS == 0
+
+
+def grid_of(n: int) -> tuple[int, int]:
+    """The warp grid (WR, WT) for n tokens: one token warp to 32 tokens, two above."""
+    return NARROW if n <= 32 else WIDE
+
+
+def shared_bytes(ggml_type: int, n: int) -> int:
+    """Dynamic shared memory: two stage buffers of activations and scales (640 bytes a token) and weight pieces."""
+    wr, wt = grid_of(n)
+    rows = 16 * wr
+    return 2 * (640 * 32 * wt + 8 * rows * (16 * _PIECES[ggml_type] + (4 if ggml_type in _EXTRA else 0)))
+
+
+@functools.lru_cache(maxsize=1024)
+def splits(rows: int, cols: int, n: int, num_sms: int) -> int:
+    """Contiguous stage ranges per (row tile, token tile): the fewest stages per block in the fewest waves (a block
+    an SM), each split costing a quarter stage of partial-sum round trip."""
+    wr, wt = grid_of(n)
+    blocks = -(-rows // (16 * wr)) * -(-n // (32 * wt))
+    stages = cols // STAGE_COLS
+
+    def cost(s: int) -> float:
+        return -(-blocks * s // num_sms) * -(-stages // s) + 0.25 * (s - 1)
+
+    return min(range(1, min(MAX_SPLITS, stages) + 1), key=cost)
+
+
+def _sms() -> int:
+    if not _num_sms:
+        _num_sms.append(runtime.context().info.num_sms)
+    return _num_sms[0]
+
+
+def _function(ggml_type: int, n: int):
+    wr, wt = grid_of(n)
+    fn = runtime.kernel(SOURCE, f"linear_mma<{ggml_type}, {wr}, {wt}>")
+    shared = shared_bytes(ggml_type, n)
+    if shared > _shared_allowed.get(fn, 48 << 10):
+        driver.set_max_dynamic_shared(fn, shared)
+        _shared_allowed[fn] = shared
+    return fn
+
+
+def linear_mma(out: DeviceTensor, weight: QuantWeight, quantized, bias: DeviceTensor | None, stream: driver.Stream,
+               workspace: Workspace) -> None:  # fmt: skip
+    """out[n, rows] (float32) = x @ weight.T + bias, x as `quantized`: (xq, xs) of matvec.activation_shapes(n, cols)
+    or a matvec.Activation (a deferred norm's)."""
+    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    xq, xs = quantized[0], quantized[1]
+    _check(out, weight, xq, xs, bias)
+    deferred = len(quantized) > 2 and quantized[2] is not None
+    norm_ptr, eps = (quantized[2].ptr, float(quantized[3])) if deferred else (0, 0.0)
+    wr, wt = grid_of(n)
+    s = splits(rows, cols, n, _sms())
+    grid = (-(-rows // (16 * wr)), -(-n // (32 * wt)), s)
+    bias_ptr = bias.ptr if bias is not None else 0
+    mark = workspace.offset  # the splits' sums are scratch, handed back after the launches (stream order)
+    part_v = workspace.empty((s, n, rows), np.int64) if s > 1 else None
+    part_p = workspace.empty((s, n, rows), np.float32) if s > 1 else None
+    args = (out.ptr, part_v.ptr if s > 1 else 0, part_p.ptr if s > 1 else 0, weight.data.ptr, xq.ptr, xs.ptr,
+            norm_ptr, eps, bias_ptr, n, rows, cols, weight.data.shape[1], int(weight.tiled), s)  # fmt: skip
+    driver.launch(_function(weight.ggml_type, n), grid, (THREADS,), args, _ARGS, stream,
+                  shared=shared_bytes(weight.ggml_type, n), pdl=True)  # fmt: skip
+    if s > 1:
+        finish = runtime.kernel(SOURCE, "linear_mma_finish")
+        driver.launch(finish, (-(-rows // THREADS), n), (THREADS,),
+                      (out.ptr, part_v.ptr, part_p.ptr, norm_ptr, eps, bias_ptr, n, rows, cols, s), _FINISH_ARGS,
+                      stream, pdl=True)  # fmt: skip
+    workspace.offset = mark
+
+
+def _check(out: DeviceTensor, weight: QuantWeight, xq: DeviceTensor, xs: DeviceTensor,
+           bias: DeviceTensor | None) -> None:  # fmt: skip
+    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    problem = weight.layout_error(TYPES, tiled_ok=True)
+    if problem:
+        raise ValueError(f"linear_mma: {problem}")
+    if not supports(weight, n):
+        raise ValueError(f"linear_mma: no kernel for type {weight.ggml_type} with {cols} columns at {n} tokens "
+                         f"(types {TYPES}, columns a multiple of {STAGE_COLS})")  # fmt: skip
+    if n > 65535 * 32 * grid_of(n)[1]:
+        raise ValueError(f"linear_mma: {n} tokens exceed the launch's grid")
+    if out.shape != (n, rows) or out.dtype != np.float32:
+        raise ValueError(f"linear_mma: out must be float32 [{n}, {rows}]; got {out.shape} {out.dtype}")
+    if (xq.shape, xs.shape) != matvec.activation_shapes(n, cols) or xq.dtype != np.int8:
+        raise ValueError(f"linear_mma: the activation must be matvec.activation_shapes({n}, {cols}) from "
+                         f"matvec.quantize; got {xq.shape} {xq.dtype} / {xs.shape}")  # fmt: skip
+    if bias is not None and (bias.shape != (rows,) or bias.dtype != np.float32):
+        raise ValueError(f"linear_mma: bias must be float32 [{rows}]; got {bias.shape} {bias.dtype}")
