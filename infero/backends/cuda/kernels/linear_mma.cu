@@ -134,6 +134,10 @@ __global__ void __launch_bounds__(lm::THREADS, 1) linear_mma(float* __restrict__
     const bool next = st + 1 < st1;
     if (next) load(st + 1);  // in flight during this stage's mma work
     tc::cp_async_wait<0>();
+    {  // the scales this thread copied: each half's sum as a float in place (exact: |s| < 2^24), once per stage
+      int* sums = reinterpret_cast<int*>(smem + b * BUF_BYTES + 512 * TOK);
+      for (int i = tid; i < 2 * KU * TOK; i += lm::THREADS) sums[2 * i + 1] = __float_as_int((float)sums[2 * i + 1]);
+    }
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
     if (next) issue(st + 1, b ^ 1);
     tc::cp_async_commit();
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1) linear_mma(float* __restrict__
           mu::dots<P::SPLIT>(dot, a, mu::word(bw), mu::word(bw + 32 * TOK));
           const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * TOK + pb + j));  // {D, s} of runs 0, 1
           const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
-          const float fs[2] = {mu::small_float(v.y), mu::small_float(v.w)};  // |s| <= 16 * 32639
+          const float fs[2] = {__int_as_float(v.y), __int_as_float(v.w)};  // the half sums, made floats above
 #pragma unroll
           for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
         }
