@@ -44,13 +44,11 @@ __device__ __forceinline__ float inv_rms(const float* __restrict__ norm_ss, int 
 }  // namespace lm
 
 template <int T, int WR, int WT>
-__global__ void __launch_bounds__(lm::THREADS, 1) linear_mma(float* __restrict__ out, long long* __restrict__ part_v,
-                                                             float* __restrict__ part_p, const uint8_t* __restrict__ weight,
-                                                             const int8_t* __restrict__ xq,
-                                                             const ActScale* __restrict__ xs,
-                                                             const float* __restrict__ norm_ss, float norm_eps,
-                                                             const float* __restrict__ bias, int n, int rows, int cols,
-                                                             long long row_bytes, int tiled, int splits) {
+__global__ void __launch_bounds__(lm::THREADS, 1)
+    linear_mma(float* __restrict__ out, long long* __restrict__ part_v, float* __restrict__ part_p,
+               const uint8_t* __restrict__ weight, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+               const float* __restrict__ norm_ss, float norm_eps, const float* __restrict__ bias, int n, int rows,
+               int cols, long long row_bytes, int tiled, int splits) {
   using P = mu::Policy<T>;
   constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = lm::KU, NT = lm::NT;
   static_assert(WR * WT * 32 == lm::THREADS, "8 warps");
@@ -68,19 +66,24 @@ __global__ void __launch_bounds__(lm::THREADS, 1) linear_mma(float* __restrict__
   const int8_t* xq1 = xq + (long long)n * cols;
   const bool active = tb < live;
 
-  auto weight_block = [&](int r, int u) { return mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, tiled); };
+  auto weight_block = [&](int r, int u) {
+    return mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, tiled);
+  };
   // Stage st's cp.async copies into buffer b: the activation slices, their scales and (ASYNC) the weight pieces.
+  // Tokens past the step's end are not copied: the columns of a live tile that read them are never written.
   auto issue = [&](int st, int b) {
     const int u0 = st * KU;
     uint8_t* sb = smem + b * BUF_BYTES;
     ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * TOK);
     for (int i = tid; i < 4 * KU * TOK; i += lm::THREADS) {
-      const int plane = i & 1, p = (i >> 1) % TOK, kr = (i >> 1) / TOK, t = tok0 + min(p, live - 1);
-      tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)t * cols + 16 * P::act(u0 + (kr >> 1), kr & 1));
+      const int plane = i & 1, p = (i >> 1) % TOK, kr = (i >> 1) / TOK;
+      const int8_t* plane_row = (plane ? xq1 : xq) + (long long)(tok0 + p) * cols;
+      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 16 * P::act(u0 + (kr >> 1), kr & 1));
     }
     for (int i = tid; i < 2 * KU * TOK; i += lm::THREADS) {
-      const int t = tok0 + min((i >> 1) % TOK, live - 1);
-      tc::cp_async<8>(ss + i, xs + (long long)t * (cols / 16) + P::act(u0 + (i >> 1) / TOK, i & 1));
+      const int p = (i >> 1) % TOK;
+      const ActScale* scale_row = xs + (long long)(tok0 + p) * (cols / 16);
+      if (p < live) tc::cp_async<8>(ss + i, scale_row + P::act(u0 + (i >> 1) / TOK, i & 1));
     }
     if constexpr (P::ASYNC) {
       uint8_t* sa = sb + ACT_BYTES;
@@ -223,7 +226,10 @@ __global__ void __launch_bounds__(lm::THREADS) linear_mma_finish(float* __restri
   if (row >= rows) return;
   const long long at = (long long)t * rows + row;
   fx::Sum s = fx::zero();
-  for (int z = 0; z < splits; ++z) fx::add(s, fx::Sum{part_v[(long long)z * n * rows + at], part_p[(long long)z * n * rows + at]});
+  for (int z = 0; z < splits; ++z) {
+    const long long i = (long long)z * n * rows + at;
+    fx::add(s, fx::Sum{part_v[i], part_p[i]});
+  }
   float v = fx::value(s);
   if (norm_ss != nullptr) v = __fmul_rn(v, inv);
   out[at] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
