@@ -23,8 +23,6 @@ from test_gemm import describe
 from test_matvec import quantize_like_kernel
 from tiny_gguf import encode_weight
 
-pytestmark = pytest.mark.gpu
-
 TIGHT = 1e-5
 TOKEN_COUNTS = (17, 33, 64, 200, 512)
 # (type, rows, cols, stored tiled)
@@ -80,7 +78,7 @@ def run_linear_mma(weight, x: np.ndarray, bias: np.ndarray | None, norm_ss=None,
     n = x.shape[0]
     out = empty((n, weight.rows), np.float32)
     driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)  # NaN everywhere: an unwritten element shows
-    ws = Workspace(linear_mma.MAX_SPLITS * n * weight.rows * 12 + (1 << 20))
+    ws = Workspace(linear_mma.scratch_bytes(weight.rows, weight.cols, n, runtime.context().info.num_sms) + (1 << 20))
     bd = from_host(bias.astype(np.float32)) if bias is not None else None
     linear_mma.linear_mma(out, weight, _activation(x, norm_ss, eps), bd, stream, ws)
     assert ws.offset == 0, "linear_mma must hand its scratch back"
@@ -111,6 +109,7 @@ def _ids(cases):
     return [f"{t.name}-{r}x{c}-{'tiled' if tiled else 'rows'}" for t, r, c, tiled in cases]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("qtype, rows, cols, tiled", CASES, ids=_ids(CASES))
 def test_rows_are_bitwise_the_mat_vecs_and_match_float64(gpu, qtype, rows, cols, tiled):
     from infero.backends.cuda import linear_mma, runtime
@@ -152,6 +151,7 @@ def _inv_rms(norm_ss: np.ndarray, cols: int, eps: float) -> np.ndarray:
     return np.array(out, f32)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, n", [(1000, 40), (14336, 17)], ids=["splits", "one-split"])
 def test_a_deferred_norm_scales_each_output_before_the_bias(gpu, rows, n):
     cols, eps = 4096, 1e-5
@@ -166,6 +166,7 @@ def test_a_deferred_norm_scales_each_output_before_the_bias(gpu, rows, n):
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
+@pytest.mark.gpu
 def test_rejects_what_it_cannot_run_with_a_clear_error(gpu):
     from infero.backends.cuda import linear_mma, runtime
     from infero.backends.cuda.tensor import Workspace, empty
@@ -183,3 +184,17 @@ def test_rejects_what_it_cannot_run_with_a_clear_error(gpu):
         linear_mma.linear_mma(empty((18, 64), np.float32), q4, act, None, stream, ws)
     with pytest.raises(ValueError, match="bias must be"):
         linear_mma.linear_mma(empty((17, 64), np.float32), q4, act, empty((63,), np.float32), stream, ws)
+
+
+def test_every_launch_fits_the_h200s_shared_memory_splits_at_most_once_a_stage_and_borrows_under_16_mib():
+    from infero.backends.cuda import linear_mma
+
+    h200_optin, sms = 232448, 132
+    for t in linear_mma.TYPES:
+        for n in (17, 32, 33, 64, 512):
+            assert linear_mma.shared_bytes(t, n) + 4 * 64 <= h200_optin, (t, n)
+    for rows, cols in ((14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096), (64, 256)):
+        for n in (17, 32, 64, 512):
+            s = linear_mma.splits(rows, cols, n, sms)
+            assert 1 <= s <= min(linear_mma.MAX_SPLITS, cols // linear_mma.STAGE_COLS)
+            assert linear_mma.scratch_bytes(rows, cols, n, sms) <= 16 << 20, (rows, cols, n, s)

@@ -56,16 +56,25 @@ def shared_bytes(ggml_type: int, n: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def splits(rows: int, cols: int, n: int, num_sms: int) -> int:
-    """Contiguous stage ranges per (row tile, token tile): the fewest stages per block in the fewest waves (a block
-    an SM), each split costing a quarter stage of partial-sum round trip."""
+    """Contiguous stage ranges per (row tile, token tile), only where the tiles leave SMs idle (a block an SM; a
+    split's partial sums cost workspace and a round trip): the fewest stages per block in the fewest waves of at
+    most two, each split costing half a stage."""
     wr, wt = grid_of(n)
     blocks = -(-rows // (16 * wr)) * -(-n // (32 * wt))
     stages = cols // STAGE_COLS
 
     def cost(s: int) -> float:
-        return -(-blocks * s // num_sms) * -(-stages // s) + 0.25 * (s - 1)
+        return -(-blocks * s // num_sms) * -(-stages // s) + 0.5 * (s - 1)
 
-    return min(range(1, min(MAX_SPLITS, stages) + 1), key=cost)
+    if blocks >= num_sms:
+        return 1
+    return min(range(1, min(MAX_SPLITS, stages, 2 * num_sms // blocks) + 1), key=cost)
+
+
+def scratch_bytes(rows: int, cols: int, n: int, num_sms: int) -> int:
+    """Workspace bytes a launch borrows (and hands back): the splits' int64 sums and float probes, where it splits."""
+    s = splits(rows, cols, n, num_sms)
+    return s * n * rows * 12 if s > 1 else 0
 
 
 def _sms() -> int:
