@@ -27,8 +27,6 @@ namespace lm {
 
 constexpr int THREADS = 256, KU = 8, NT = 8;  // threads a block; units a stage; column tiles a warp
 
-template <bool B> struct Flag { static constexpr bool value = B; };
-
 // RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
 // sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
 __device__ __forceinline__ float inv_rms(const float* __restrict__ norm_ss, int t, int cols, float eps, int lane) {
@@ -171,9 +169,9 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
       }
     };
     if (tb + 4 * NT <= live) {
-      compute(lm::Flag<true>());
+      compute(mu::Flag<true>());
     } else if (active) {
-      compute(lm::Flag<false>());
+      compute(mu::Flag<false>());
     }
     if (next) store(b ^ 1);  // buffer b ^ 1 was stage st - 1's: every warp passed this stage's barrier after it
   }

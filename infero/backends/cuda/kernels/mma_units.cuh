@@ -187,6 +187,9 @@ __device__ __forceinline__ const uint8_t* block_at(const uint8_t* data, int row,
 }
 template <int T> __device__ __forceinline__ int place(int u) { return u % Policy<T>::UNITS; }
 
+// A compile-time flag for a generic lambda's argument (a kernel's loop with and without its per-tile tests).
+template <bool B> struct Flag { static constexpr bool value = B; };
+
 // The run dots of m-rows g (h = 0) and g + 8 (h = 1) of the lane's token: dot[h][r] = (float)(256 dot(q, x0) +
 // dot(q, x1)) (Q8_0: dot[h][0], both runs). A plane dot is at most 32 * 128 * 127 < 2^22.
 __device__ __forceinline__ float plane_dots(const int (&c)[4], int h) {

@@ -116,28 +116,40 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
       }
     }
     tc::cp_async_wait<0>();
+    {  // the scales this thread copied: each half's sum as a float in place (exact: |s| < 2^24), once per chunk
+      int* sums = reinterpret_cast<int*>(smem + (s & 1) * buf_bytes + 64 * chunk * G);
+      for (int i = tid; i < 2 * count * G; i += 32 * xm::WARPS)
+        sums[2 * i + 1] = __float_as_int((float)sums[2 * i + 1]);
+    }
     __syncthreads();  // chunk s landed for every thread; every warp done with chunk s - 1, whose buffer s + 1 takes
     if (s < 7) issue(s + 1);
     tc::cp_async_commit();
-    if (!active) continue;
-    for (int k = 0; k < count; ++k) {
-      const int u = s + 8 * k;
-      uint32_t a[4];
-      typename P::Scale sc[2];
-      P::frag(a, sc, sa + 16 * k * P::PIECES * ROWS, sx + k * ROWS, ROWS, rl, u, j);
+    // A warp's 4 column tiles all live (the common case) run without a test between their mma chains.
+    auto compute = [&](auto whole) {
+      for (int k = 0; k < count; ++k) {
+        const int u = s + 8 * k;
+        uint32_t a[4];
+        typename P::Scale sc[2];
+        P::frag(a, sc, sa + 16 * k * P::PIECES * ROWS, sx + k * ROWS, ROWS, rl, u, j);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int pb = 16 * wp + 4 * nt;
-        if (pb >= n) break;
-        const uint8_t* b = sb + 32 * (2 * k * G + pb) + 16 * g + 4 * j;
-        float dot[2][2];
-        mu::dots<P::SPLIT>(dot, a, mu::word(b), mu::word(b + 32 * G));
-        const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * G + pb + j));  // {D, s} of runs 0, 1
-        const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
-        const float fs[2] = {mu::small_float(v.y), mu::small_float(v.w)};  // |s| <= 16 * 32639
+        for (int nt = 0; nt < NT; ++nt) {
+          const int pb = 16 * wp + 4 * nt;
+          if (!decltype(whole)::value && pb >= n) break;
+          const uint8_t* b = sb + 32 * (2 * k * G + pb) + 16 * g + 4 * j;
+          float dot[2][2];
+          mu::dots<P::SPLIT>(dot, a, mu::word(b), mu::word(b + 32 * G));
+          const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * G + pb + j));  // {D, s} of runs 0, 1
+          const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
+          const float fs[2] = {__int_as_float(v.y), __int_as_float(v.w)};  // the half sums, made floats above
 #pragma unroll
-        for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
+          for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
+        }
       }
+    };
+    if (16 * wp + 4 * NT <= n) {
+      compute(mu::Flag<true>());
+    } else if (active) {
+      compute(mu::Flag<false>());
     }
   }
   if (!active) return;
