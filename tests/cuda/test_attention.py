@@ -1,8 +1,8 @@
 """paged_attention against the numpy reference (`_causal_gqa` on the gathered fp16 K/V): decode through the
 split-KV kernel, prefill chunks over cached prefixes, mixed batches; GQA ratios 1, 3, 4, 8 and 20, head_dim
 64, 128 and 256 (Qwen3.5's gated attention: 16 query heads over 2 kv heads), block sizes 16 and 32; bitwise batch
-invariance; and at head_dim 256 the one-stage kernels (GPUs whose shared memory does not hold two) bitwise the
-two-stage ones.
+invariance; a query decoded bitwise the same query inside any prefill chunk (the tile fold, batch invariance rule 3);
+and at head_dim 256 the one-stage kernels (GPUs whose shared memory does not hold two) bitwise the two-stage ones.
 
 Every case fills unused cache blocks and the slots past each context with NaN, shuffles the block tables, and
 poisons the output and the workspace with NaN, so a read of a wrong slot or a row left unwritten shows.
@@ -174,10 +174,24 @@ def test_decode_single_sequence_matches_reference(gpu, config, ctx):
 
 
 @pytest.mark.parametrize("config", ["smollm2_h9_kv3_d64", "llama8b_h32_kv8_d128", "qwen35_h16_kv2_d256"])
-def test_decode_past_32_splits_uses_longer_splits(gpu, config):
-    # 20,000 keys: 32 splits of 640 instead of 79 of 256.
+def test_decode_past_2048_keys_folds_every_tile_partial(gpu, config, monkeypatch):
+    """20,000 keys are 313 tile partials, folded by the merge in rounds of 32: the same bits as one CTA folding them
+    all, as a launch whose partial slots are too few for the sequence (CTA 0 folds it), and as the last row of a
+    prefill chunk ending at the same position."""
+    from infero.backends.cuda import attention
+
     case = make_case([(1, 20000)], config, seed=5)
-    check(f"decode {config} ctx=20000", run_gpu(case), reference(case))
+    spread = run_gpu(case)
+    check(f"decode {config} ctx=20000", spread, reference(case))
+    monkeypatch.setattr(attention, "DECODE_CTAS_PER_SM", 0)
+    assert_bitwise(f"decode {config} ctx=20000 one CTA vs spread", run_gpu(case), spread)
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "PARTIALS_BYTES", 1 << 18)  # slots for fewer than 313 tiles
+    assert_bitwise(f"decode {config} ctx=20000 past the partial slots vs spread", run_gpu(case), spread)
+    monkeypatch.undo()
+    chunk = Case(np.repeat(case.q, 100, axis=0), case.k_cache, case.v_cache, case.block_tables,
+                 np.array([20000], np.int32), np.array([100], np.int32))  # fmt: skip
+    assert_bitwise(f"decode {config} ctx=20000 vs prefill chunk", run_gpu(chunk)[99:100], spread)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -212,7 +226,7 @@ def test_decode_is_batch_invariant(gpu, config, monkeypatch):
 )
 def test_decode_writes_its_output_in_the_matvec_activation_format(gpu, config):
     """Asked to, decode attention also writes its output quantized for the output projection's mat-vec: from
-    the decode kernel where a sequence has one split (context <= 64), from the merge otherwise. Bitwise numpy's
+    the decode kernel where one CTA folds every tile (context <= 64), from the merge otherwise. Bitwise numpy's
     quantization of the float output, which itself stays bitwise what it is without quantizing."""
     from test_matvec import assert_quantized_like_numpy
 
@@ -304,6 +318,76 @@ def test_decode_in_mixed_batch_matches_pure_decode_bitwise(gpu, config):
     pure = run_gpu(case.subset(decodes))
     for i, s in enumerate(decodes):
         assert_bitwise(f"mixed vs pure decode {config} ctx={MIXED[s][1]}", mixed[case.rows_of(s)], pure[i : i + 1])
+
+
+# --- a query decoded vs the same query in a prefill chunk (batch invariance rule 3) ------------------------------
+
+FOLD_CONFIGS = [  # head dim 64 / 128 / 256, GQA groups 1 / 4 / 8
+    "mha_h6_kv6_d64",
+    "gqa8_h8_kv1_d64",
+    "llama8b_h32_kv8_d128",
+    "gqa8_h16_kv2_d128",
+    "mha_h4_kv4_d256",
+    "qwen35_h16_kv2_d256",
+]
+FOLD_CONTEXTS = [1, 63, 64, 65, 600, 2048, 2049, 3000]
+FOLD_CHUNKS = [2, 7, 64, 300]
+
+
+def _chunk_of(case: Case, queries: np.ndarray, pos: int, q_len: int, offset: int) -> Case:
+    """The query at position pos as row `offset` of a prefill chunk of q_len new tokens over case's first sequence's
+    cache; queries holds one query row per cache position."""
+    start = pos - offset
+    return Case(queries[start : start + q_len], case.k_cache, case.v_cache, case.block_tables[:1],
+                np.array([start + q_len], np.int32), np.array([q_len], np.int32))  # fmt: skip
+
+
+def _decoded(case: Case, queries: np.ndarray, positions: list[int]) -> Case:
+    """Decode batch over case's first sequence's cache: the query at each position as one new token over the keys
+    up to it (sequences may share blocks: they only read them)."""
+    return Case(queries[positions], case.k_cache, case.v_cache, case.block_tables[[0] * len(positions)],
+                np.array([p + 1 for p in positions], np.int32), np.ones(len(positions), np.int32))  # fmt: skip
+
+
+def _queries(case: Case, seed: int) -> np.ndarray:
+    positions = int(case.context_lens[0])
+    return np.random.default_rng(seed).standard_normal((positions,) + case.q.shape[1:]).astype(np.float32)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("ctx", FOLD_CONTEXTS)
+@pytest.mark.parametrize("config", FOLD_CONFIGS)
+def test_decoded_query_is_bitwise_its_row_in_any_prefill_chunk(gpu, config, ctx, block_size, monkeypatch):
+    """A query at position ctx - 1 decoded (alone, in a decode batch, in a mixed batch, by one CTA or spread over
+    CTAs) gives the bits of its row inside prefill chunks of 2, 7, 64 and 300 tokens that hold it first, in the
+    middle or last."""
+    from infero.backends.cuda import attention
+
+    pos, cached = ctx - 1, ctx + 300
+    cache = make_case([(1, cached)], config, block_size, seed=ctx * 7 + block_size)
+    queries = _queries(cache, seed=ctx)
+    alone = _decoded(cache, queries, [pos])
+    decoded = run_gpu(alone)
+    check(f"fold {config} ctx={ctx} bs={block_size} decode", decoded, reference(alone))
+    for q_len in FOLD_CHUNKS:
+        for offset in sorted({0, q_len // 2, q_len - 1}):
+            if offset > pos:
+                continue
+            chunk = run_gpu(_chunk_of(cache, queries, pos, q_len, offset))
+            assert_bitwise(f"fold {config} ctx={ctx} bs={block_size} chunk {q_len} row {offset} vs decode",
+                           chunk[offset : offset + 1], decoded)  # fmt: skip
+
+    # Beside others: decodes of other lengths over the same blocks, then also a prompt's first chunk of 37 tokens.
+    decodes = _decoded(cache, queries, [pos, 10, cached - 1])
+    assert_bitwise(f"fold {config} ctx={ctx} bs={block_size} in a decode batch vs alone", run_gpu(decodes)[:1],
+                   decoded)  # fmt: skip
+    prompt = _chunk_of(cache, queries, 36, 37, 36)
+    mixed = Case(np.concatenate([decodes.q, prompt.q]), cache.k_cache, cache.v_cache,
+                 cache.block_tables[[0, 0, 0, 0]], np.concatenate([decodes.context_lens, prompt.context_lens]),
+                 np.concatenate([decodes.query_lens, prompt.query_lens]))  # fmt: skip
+    assert_bitwise(f"fold {config} ctx={ctx} bs={block_size} in a mixed batch vs alone", run_gpu(mixed)[:1], decoded)
+    monkeypatch.setattr(attention, "DECODE_CTAS_PER_SM", 0)  # one CTA folds every tile
+    assert_bitwise(f"fold {config} ctx={ctx} bs={block_size} one CTA vs spread", run_gpu(decodes)[:1], decoded)
 
 
 # --- stages ---------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Paged causal grouped-query attention over the fp16 KV cache (kernels/attention.cu).
 
-Decode sequences (one new token) go to a split-KV kernel: all query heads of a kv group together on tensor cores,
-one split of the context at a time, then a second kernel merges the splits (log-sum-exp). A sequence's splits
-depend on its own context length alone (64 keys each, at most 32 splits), so its bits never depend on the batch;
-how many CTAs share a sequence's splits is chosen from the batch to fill the GPU, which moves work, not results.
-Prefill chunks (two or more new tokens) go to a flash-attention kernel. A mixed batch launches both; each kernel
-skips the other's sequences, so a decode sequence gets the same bits in a mixed batch as in a decode batch.
+Both kernels compute one definition (batch invariance rule 3, kernels/attention.cu's header): a query row's output
+is the left fold, in position order, of its 64-key tiles' partials anchored at position 0, then O / l. Prefill
+chunks (two or more new tokens) fold every tile in registers. Decode sequences (one new token) spread their tiles
+over the CTAs a launch gives each (sequence, kv head), chosen from the batch to fill the GPU; a CTA that takes all
+of a sequence's tiles folds them itself, otherwise each tile is written as a partial and a second kernel folds them
+in order: the same bits either way, so a query's bits depend neither on the batch, nor on the CTAs, nor on whether
+its token was decoded or prefilled. A mixed batch launches both kernels; each skips the other's sequences.
 Both kernels double-buffer their K/V tiles where two stages fit the GPU's shared memory, else take one (head dim
 256 on GPUs that let a block opt in to less than 132 KiB: sm_86, sm_89, sm_120); the stages change when a tile
 loads, never the arithmetic, so the bits do not depend on the GPU.
@@ -22,12 +23,12 @@ from infero.backends.cuda.tensor import DeviceTensor, Workspace
 
 FILE = "attention.cu"
 HEAD_DIMS = (64, 128, 256)
-# Decode splits (mirrors decode_splits in the kernel): DECODE_MIN_PARTITION keys each until a sequence has
-# DECODE_MAX_SPLITS, then longer ones. Never derived from the batch.
-DECODE_MIN_PARTITION = 64
-DECODE_MAX_SPLITS = 32
 DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64, 1 at 256)
-_BLOCK_N = 64  # must match kernels/attention.cu
+_BLOCK_N = 64  # keys a tile, must match kernels/attention.cu
+# Bytes of tile partials a decode launch may borrow from the workspace: a sequence with more tiles than the launch has
+# slots for is folded by one CTA (the same bits, less parallel). 64 sequences x 32 heads x 16 tiles of head dim 128
+# fit; a batch-1 step of llama-3.1-8b's shape fits 2,016 tiles (129,024 keys).
+PARTIALS_BYTES = 32 << 20
 _ROWS_PREFILL, _ROWS_DECODE = 64, 16
 # The least shared memory a block may opt in to on a GPU the kernels run on (sm_86, sm_89, sm_120: 99 KiB; sm_80
 # 163 KiB, sm_90 227 KiB): a head dim whose two stages need more also gets one-stage kernels.
@@ -56,7 +57,7 @@ for _hd in HEAD_DIMS:
                         part="one stage")  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_ATTENTION_TYPES = (_P,) * 9 + (_I,) * 5 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
+_ATTENTION_TYPES = (_P,) * 9 + (_I,) * 6 + (ctypes.c_float, _P, _P, _I)  # ATTENTION_PARAMS
 _MERGE_TYPES = (_P,) * 5 + (_I,) * 2 + (_P, _P, _I)
 _LOG2E = 1.4426950408889634
 _functions: dict[tuple[str, int, int], object] = {}
@@ -65,9 +66,16 @@ _num_sms: list[int] = []
 _shared_optin: list[int] = []
 
 
-def decode_grid_splits(max_context_len: int) -> int:
-    """Split slots per sequence of a decode launch: the most splits any context up to max_context_len takes."""
-    return max(1, min(-(-max_context_len // DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+def key_tiles(context_len: int) -> int:
+    """The 64-key tiles a context of context_len keys folds (at least one)."""
+    return max(1, -(-context_len // _BLOCK_N))
+
+
+def partial_tiles(num_seqs: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
+    """Tile slots per (sequence, head) of a decode launch whose CTAs split sequences: as many as max_context_len
+    needs, within PARTIALS_BYTES (each slot head_dim floats of O and an (m, l) pair)."""
+    fit = PARTIALS_BYTES // (num_seqs * num_heads * (head_dim + 2) * 4)
+    return min(key_tiles(max_context_len), fit)
 
 
 def paged_attention(
@@ -97,10 +105,10 @@ def paged_attention(
     num_decode_seqs: how many sequences have exactly one new token, or None if unknown; 0 with
     max_query_len > 1 skips the decode launch. quantized: (xq int8, xs int32) of
     matvec.activation_shapes(num_tokens, num_heads * head_dim) to receive out in the mat-vec's activation format
-    as well (kernels/act_quant.cuh), only where every token is a decode token (max_query_len 1). Borrows
-    the decode splits' partials from the workspace (float32 [num_seqs, num_heads, splits, head_dim] and their (m, l)
-    pairs, splits = decode_grid_splits(max_context_len)) and hands them back before returning (stream order makes
-    the reuse safe); never synchronizes.
+    as well (kernels/act_quant.cuh), only where every token is a decode token (max_query_len 1). Where the decode
+    launch splits sequences over CTAs it borrows the tile partials from the workspace (float32 [num_seqs, num_heads,
+    tiles, head_dim] and their (m, l) pairs, tiles = partial_tiles(...), at most PARTIALS_BYTES) and hands them back
+    before returning (stream order makes the reuse safe); never synchronizes.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -121,7 +129,8 @@ def paged_attention(
         return
     group = num_heads // num_kv_heads
     args = [out.ptr, q.ptr, k_cache.ptr, v_cache.ptr, block_tables.ptr, context_lens.ptr, query_starts.ptr, 0, 0,
-            num_heads, num_kv_heads, block_size, max_blocks, 1, scale * _LOG2E, xq, xs, num_tokens]  # fmt: skip
+            num_heads, num_kv_heads, block_size, max_blocks, key_tiles(max_context_len), 0, scale * _LOG2E, xq, xs,
+            num_tokens]  # fmt: skip
     stages = _stages(head_dim)
     smem = tile_shared_bytes(head_dim, stages)
 
@@ -132,21 +141,24 @@ def paged_attention(
         if num_decode_seqs == 0:
             return
 
-    max_splits = decode_grid_splits(max_context_len)
     row_tiles = -(-group // _ROWS_DECODE)
-    mark = workspace.offset
-    if max_splits > 1:
-        part_out = workspace.empty((num_seqs, num_heads, max_splits, head_dim), np.float32)
-        part_ml = workspace.empty((num_seqs, num_heads, max_splits, 2), np.float32)
-        args[7], args[8] = part_out.ptr, part_ml.ptr
-    args[13] = max_splits
     # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
     ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
-    grid = (max(1, min(max_splits, ctas)), num_kv_heads, num_seqs * row_tiles)
+    ctas = max(1, min(key_tiles(max_context_len), ctas))
+    part_tiles = partial_tiles(num_seqs, num_heads, head_dim, max_context_len) if ctas > 1 else 0
+    if part_tiles < 2:  # no sequence of more than one tile could be split: one CTA folds each
+        ctas, part_tiles = 1, 0
+    mark = workspace.offset
+    if part_tiles:
+        part_out = workspace.empty((num_seqs, num_heads, part_tiles, head_dim), np.float32)
+        part_ml = workspace.empty((num_seqs, num_heads, part_tiles, 2), np.float32)
+        args[7], args[8] = part_out.ptr, part_ml.ptr
+    args[14] = part_tiles
+    grid = (ctas, num_kv_heads, num_seqs * row_tiles)
     decode = _function("decode", head_dim, stages)
     driver.launch(decode, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True, carveout=True)
-    if max_splits > 1:
-        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, max_splits,
+    if part_tiles:
+        merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, part_tiles,
                       xq, xs, num_tokens)  # fmt: skip
         driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
                       _MERGE_TYPES, stream, pdl=True)  # fmt: skip

@@ -1,5 +1,5 @@
-// Paged causal grouped-query attention over an fp16 KV cache: a split-KV decode kernel, a tensor-core
-// flash kernel for prefill chunks, and the pass that merges decode splits.
+// Paged causal grouped-query attention over an fp16 KV cache: a tile-split decode kernel, a tensor-core
+// flash kernel for prefill chunks, and the pass that folds decode tile partials.
 //
 // Layouts (per layer):
 //   q            float32 [num_tokens, num_heads, HD]     sequences back to back (query_starts)
@@ -8,20 +8,36 @@
 //   block_tables int32   [num_seqs, max_blocks]          physical block of each logical block
 //   context_lens int32   [num_seqs]   tokens in the cache, this step's new ones included
 //   query_starts int32   [num_seqs + 1]
+//   part_out     float32 [num_seqs, num_heads, part_tiles, HD]   decode tile partials (unnormalised O_t)
+//   part_ml      float2  [num_seqs, num_heads, part_tiles]       their (m_t, l_t)
 // Query token j of a sequence with q_len new tokens sits at position ctx - q_len + j and sees cache
 // positions 0..that position. Query head h reads kv head h / (num_heads / num_kv_heads).
 //
+// The definition (batch invariance rule 3, docs/kernels.md): a query row's output over its keys [0, p] is a left
+// fold, in position order, of per-tile partials over the 64-key tiles [64 t, 64 t + 64) anchored at position 0.
+//   partial of tile t: s = the row's scores (q scaled by scale * log2(e) and rounded to fp16, times K on the
+//     tensor cores; keys past p score -inf); m_t = max s; P = exp2f(s - m_t) (0 for masked keys); l_t = the sum of
+//     P (each lane its 16 keys in order, then the quad's xor butterfly 1, 2, every tile); O_t = P, rounded to fp16,
+//     times V by mma.sync.m16n8k16 from a zero accumulator, the tile's four 16-key chunks in order.
+//     A tile in which the row sees no key (prefill, past its position) is skipped: m_t = -inf folds as the
+//     identity (b = 0, a = 1), its P and l_t being 0 without forming exp2(-inf - -inf).
+//   fold(state (m, l, O), tile): fold_scales gives M = max(m, m_t), a = 2^(m - M), b = 2^(m_t - M) (one exp2f,
+//     the other 1); l = fma(l_t, b, l * a), O = fma(O_t, b, O * a), each an explicit _rn intrinsic. The first tile
+//     folded into the empty state (-inf, 0, 0) gives exactly (m_t, l_t, O_t).
+//   out = O * rcp(l) (__frcp_rn, __fmul_rn), then the activation-format write where asked.
+// Every kernel computes exactly this, so a query's bits are the same decoded or inside any prefill chunk, alone
+// or in any batch, however its tiles are spread over CTAs. Grid sizes (max_query_len, max_context_len) only add
+// CTAs that exit at once.
+//
 // Both attention kernels share one body (attention_tile). A CTA holds ROWS "rows" of one sequence and one kv
 // head: row r is query token r / group, head r % group of the kv group, so a GQA group's K/V is read once.
-// Q is scaled by scale*log2(e), rounded to fp16 and kept in registers as mma A fragments. K/V come in
-// 64-key tiles (at every head dim) from the paged blocks into shared memory (cp.async, two stages, or one where
-// two do not fit the GPU; keys past the range are zero-filled, never read). S = Q K^T and O += P V run on
-// mma.sync.m16n8k16 (fp16 in, fp32 accumulate); the softmax is online in fp32 (running max and sum per row,
-// base-2 exponentials).
-//   attention_prefill: 4 warps x 16 rows, each warp sees every key. Sequences with q_len >= 2 only. At HD 256
-//                      two such groups of 4 warps split O's head dim (each computes S over the whole tile, as the
-//                      decode kernel's warps do): one warp's 16 rows of all 256 columns (128 O floats and 64 Q
-//                      fragment registers a thread) would spill.
+// Q is kept in registers as mma A fragments. K/V come in 64-key tiles from the paged blocks into shared memory
+// (cp.async, two stages, or one where two do not fit the GPU; keys past the range are zero-filled, never read).
+//   attention_prefill: 4 warps x 16 rows, each warp sees every key; every tile up to the CTA's last row folded in
+//                      registers, O_t formed a 16-column slice at a time (8 transient floats) and folded at once.
+//                      Sequences with q_len >= 2 only. At HD 256 two such groups of 4 warps split O's head dim
+//                      (each computes S over the whole tile, as the decode kernel's warps do): one warp's 16 rows of
+//                      all 256 columns (128 O floats and 64 Q fragment registers a thread) would spill.
 //   attention_decode:  1 row tile of 16 rows (the group's heads; more tiles on blockIdx.z when group > 16)
 //                      x 4 warps that split the head dim: each computes S over every key of the tile
 //                      (the same S, max and sum in all four) and O for its quarter of the columns, so
@@ -29,32 +45,24 @@
 //                      shares merged through shared memory, llama-3.1-8b's batch-1 step on the H200 took
 //                      51 us longer, and 32-sequence steps 3.4-3.5% longer (docs/performance.md): the merge
 //                      and its barriers cost more than S computed four times. Sequences with q_len == 1
-//                      only. A sequence's splits depend on its own context length only
-//                      (decode_splits): 64 keys each up to 32 splits, longer contexts get longer splits
-//                      (multiples of 64). CTA (x, kv head, sequence) computes
-//                      splits x, x + gridDim.x, ...: the launcher picks gridDim.x from the batch to fill
-//                      the GPU (one CTA per split at batch 1: context 5,000 gives 27 x num_kv_heads busy
-//                      CTAs; one CTA per sequence and kv head at large batches), which changes who
-//                      computes a split, never what it computes.
-//   attention_merge_splits: for decode sequences with more than one split, the log-sum-exp merge of the
-//                      splits' normalised partial outputs (written to workspace) into out.
+//                      only. CTA (x, kv head, sequence) computes tiles x, x + gridDim.x, ... (the next one's
+//                      K/V in flight while it computes one) and writes each as a partial; the launcher picks
+//                      gridDim.x from the batch to fill the GPU (one CTA a tile at batch 1 up to 2,048 keys, one
+//                      CTA per sequence and kv head at large batches). Where one CTA takes all of a sequence's
+//                      tiles (gridDim.x 1, a context of one tile, or more tiles than part_tiles) it folds them in
+//                      registers and writes the output itself.
+//   attention_merge_splits: for decode sequences whose tiles were split, the fold of their partials in tile order.
 // xq / xs (decode only, every token a decode token): out is also written in the mat-vec's activation format
 // (act_quant.cuh), as rows of num_heads * HD, by whichever kernel writes the token's out (the decode kernel
-// for one split, else the merge), so the output projection's mat-vec needs no quantizing kernel of its own.
+// where it folds, else the merge), so the output projection's mat-vec needs no quantizing kernel of its own.
 // A mixed batch launches both attention kernels; each skips the sequences the other one owns.
 //
-// Reduction order (batch invariance): every output element's sums run in a fixed order that depends only
-// on its own sequence (its q_len and context length): key tiles in ascending order, within a tile the
-// mma's fixed k order, splits (a function of the context length alone, never of the batch) merged in
-// split order. Tiles a row cannot see (past its causal limit) add exact zeros. So a sequence's output is
-// bitwise the same alone or in any batch; a decode sequence gets the same bits in a pure decode batch and
-// in a mixed one. Grid sizes (max_query_len, max_context_len) and the decode CTAs per sequence only add
-// CTAs that exit at once or move splits between CTAs.
-//
 // Numerics: q and the probabilities are rounded to fp16 for the tensor cores (relative 2^-11 each); K/V
-// are fp16 already. Scores, running max/sum and outputs are fp32.
+// are fp16 already. Scores, maxima, sums and outputs are fp32.
 //
-// Measured on the H200: docs/performance.md (the decode kernel and its merge in the per-op profile).
+// Measured on the H200: docs/performance.md (the decode kernel and its merge in the per-op profile), before the
+// fold (a CTA's running max rescaling O every tile, decode splits merged by log-sum-exp); the fold is not yet
+// measured.
 
 #include <cuda_fp16.h>
 
@@ -68,18 +76,30 @@
 // from one compile to the next (scripts/compile_time.py compares them).
 namespace attn {
 
-inline constexpr int BLOCK_N = 64;                // keys per shared-memory tile
-inline constexpr int DECODE_MIN_PARTITION = 64;  // keys per decode split (one tile: at batch 1 one CTA), until...
-inline constexpr int DECODE_MAX_SPLITS = 32;      // ...a sequence has this many splits (the launcher mirrors both)
-
-// How a decode sequence of ctx keys is split: the same for a given ctx in every batch.
-__device__ __forceinline__ int decode_splits(int ctx, int& partition) {
-  const int n = max(min((ctx + DECODE_MIN_PARTITION - 1) / DECODE_MIN_PARTITION, DECODE_MAX_SPLITS), 1);
-  partition = max(((ctx + n - 1) / n + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
-  return (ctx + partition - 1) / partition;
-}
+inline constexpr int BLOCK_N = 64;      // keys per tile: the unit of the fold, anchored at position 0
+inline constexpr int MERGE_ROUND = 32;  // tile partials the merge loads at once before folding them
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ int num_key_tiles(int ctx) { return (ctx + BLOCK_N - 1) / BLOCK_N; }
+
+// The fold's scales for a row whose state has max m taking a tile partial of max m_t (M = max(m, m_t)):
+// a = 2^(m - M), b = 2^(m_t - M), one of them exactly 1. An empty state (m = -inf) gives a = 0, b = 1; a tile the row
+// does not see (m_t = -inf, only ever into a non-empty state) a = 1, b = 0, which leaves the state's bits unchanged.
+__device__ __forceinline__ void fold_scales(float& m, float m_t, float& a, float& b) {
+  const bool up = m_t > m;
+  const float e = exp2f(up ? __fsub_rn(m, m_t) : __fsub_rn(m_t, m));
+  a = up ? e : 1.f;
+  b = up ? 1.f : e;
+  m = up ? m_t : m;
+}
+
+// One element of the fold, l or O: x a + x_t b, the same expression in every kernel. The first tile folded into the
+// empty state (x = 0, a = 0, b = 1) gives x_t exactly.
+__device__ __forceinline__ float fold(float x, float a, float x_t, float b) { return __fmaf_rn(x_t, b, __fmul_rn(x, a)); }
+
+// A row's output from its folded state: one expression everywhere.
+__device__ __forceinline__ float finish(float o, float inv_l) { return __fmul_rn(o, inv_l); }
 
 using tc::cp_async_16;
 using tc::cp_async_commit;
@@ -117,15 +137,15 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int8_t* __res
   }
 }
 
-// One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over the
-// keys [kv_begin, kv_end). WARPS_N warps split the head dim of O between them (decode; prefill at HD 256), else 1.
+// One CTA: ROWS = 16 * WARPS_M rows (query token, head-in-group pairs) of one sequence and kv head, over its key
+// tiles (prefill: all up to its last row's position; decode: its share of the sequence's). WARPS_N warps split the head dim of O between them (decode; prefill at HD 256), else 1.
 template <int HD, int WARPS_M, int WARPS_N, bool DECODE, int STAGES>
 __device__ __forceinline__ void attention_tile(
     float* __restrict__ out, const float* __restrict__ q, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
     const int* __restrict__ query_starts, float* __restrict__ part_out, float2* __restrict__ part_ml, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int max_splits, float scale_log2, int8_t* __restrict__ xq,
-    ActScale* __restrict__ xs, int num_tokens) {
+    int num_kv_heads, int block_size, int max_blocks, int max_tiles, int part_tiles, float scale_log2,
+    int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
   constexpr int NT = 32 * WARPS_M * WARPS_N;
   constexpr int ROWS = 16 * WARPS_M;
   constexpr int SK = HD + 8;             // shared row stride in halves
@@ -133,7 +153,7 @@ __device__ __forceinline__ void attention_tile(
   constexpr int DTW = HD / 8 / WARPS_N;  // 8-wide tiles of O one warp accumulates
   constexpr int NS = BLOCK_N / 8;        // 8-key tiles of S (every warp: the whole tile)
   static_assert(HD % 16 == 0 && DTW % 2 == 0, "tile shapes");
-  static_assert(ROWS * HD * 4 <= tile_smem_bytes<HD, STAGES>(), "one split's output fits");
+  static_assert(ROWS * HD * 4 <= tile_smem_bytes<HD, STAGES>(), "a decode CTA's output fits");
 
   extern __shared__ __align__(16) unsigned char smem[];
   __half* ks = reinterpret_cast<__half*>(smem);  // [STAGES][BLOCK_N][SK]
@@ -171,12 +191,16 @@ __device__ __forceinline__ void attention_tile(
   // Prefill: the CTA's last row bounds the keys it needs; its first row bounds the tiles that need no mask.
   const int prefill_end = ctx - q_len + (min(row_base + ROWS, num_rows) - 1) / group + 1;
   const int first_qpos = ctx - q_len + row_base / group;
-  int partition = 0, num_splits = 1;
+  // Decode: a sequence's T tiles go to this launch's gridDim.x CTAs, CTA x taking tiles x, x + gridDim.x, ..., each
+  // written as its own partial for the merge to fold. Where one CTA takes them all (gridDim.x 1, T 1, or more tiles
+  // than the launch has partial slots for) it folds them itself, in order, and writes the output: the same bits.
+  int tile_first = 0, tile_step = 1, num_tiles = num_key_tiles(prefill_end);
+  bool split = false;
   if (DECODE) {
-    num_splits = decode_splits(ctx, partition);
-    if (num_splits > max_splits) {
+    const int seq_tiles = num_key_tiles(ctx);
+    if (seq_tiles > max_tiles) {
       // The caller's max_context_len is below this context: make the breach visible, not plausible.
-      if (DECODE) pdl_enter();
+      pdl_enter();
       if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
           const int r = row_base + e / HD;  // the same for a warp's 32 lanes
@@ -186,7 +210,18 @@ __device__ __forceinline__ void attention_tile(
         }
       return;
     }
+    split = gridDim.x > 1 && seq_tiles > 1 && seq_tiles <= part_tiles;
+    if (split) {
+      tile_first = blockIdx.x;
+      tile_step = gridDim.x;
+    }
+    num_tiles = tile_first < seq_tiles && (split || blockIdx.x == 0) ? (seq_tiles - 1 - tile_first) / tile_step + 1 : 0;
+    if (num_tiles == 0) {
+      pdl_enter();
+      return;
+    }
   }
+  const int kv_end = DECODE ? ctx : prefill_end;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WARPS_M, wn = warp / WARPS_M;
@@ -200,7 +235,7 @@ __device__ __forceinline__ void attention_tile(
   constexpr int CPR = HD / 8;
   constexpr int ROWS_PER_PASS = NT / CPR;
   static_assert(BLOCK_N % ROWS_PER_PASS == 0, "tile copy");
-  auto copy_rows = [&](int tile_base, int kv_end, int stage, int pos_lo, int pos_hi) {
+  auto copy_rows = [&](int tile_base, int stage, int pos_lo, int pos_hi) {
     const int chunk = threadIdx.x % CPR;
 #pragma unroll
     for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
@@ -219,15 +254,15 @@ __device__ __forceinline__ void attention_tile(
     }
   };
   constexpr int ALL_LO = -0x7fffffff, ALL_HI = 0x7fffffff;
-  // Decode: the first split's first tile up to this step's token (position ctx - 1) before the wait.
-  const int first_begin = DECODE ? blockIdx.x * partition : 0;
-  const int first_end = DECODE ? min(ctx, first_begin + partition) : 0;
-  const bool early_tile = DECODE && (int)blockIdx.x < num_splits;
+  auto load_tile = [&](int i, int stage) { copy_rows((tile_first + i * tile_step) * BLOCK_N, stage, ALL_LO, ALL_HI); };
+  // Decode: the first tile up to this step's token (position ctx - 1) before the wait.
   if (DECODE) {
-    if (early_tile) copy_rows(first_begin, first_end, 0, ALL_LO, ctx - 1);
+    copy_rows(tile_first * BLOCK_N, 0, ALL_LO, ctx - 1);
     pdl_enter();
     TRACE_MARK(1);
-    if (early_tile) copy_rows(first_begin, first_end, 0, ctx - 1, ALL_HI);
+    copy_rows(tile_first * BLOCK_N, 0, ctx - 1, ALL_HI);
+  } else {
+    load_tile(0, 0);
   }
 
   // Q fragments (A operand, row-major 16 x 16 per k-chunk): this lane holds rows gid and gid + 8.
@@ -254,179 +289,179 @@ __device__ __forceinline__ void attention_tile(
 
   if (DECODE) TRACE_MARK(2);
 
-  // Prefill: one pass over [0, prefill_end). Decode: this CTA's splits, each on its own.
-  bool tile0_issued = early_tile;
-  for (int split = DECODE ? blockIdx.x : 0; split < num_splits; split += DECODE ? gridDim.x : 1) {
-    const int kv_begin = DECODE ? split * partition : 0;
-    const int kv_end = DECODE ? min(ctx, kv_begin + partition) : prefill_end;
-    float o[DTW][4];
+  // The row's folded state (fold mode): running max, sum and O over the tiles folded so far, from the empty state.
+  float o[DTW][4];
 #pragma unroll
-    for (int dt = 0; dt < DTW; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()};
-    float row_sum[2] = {0.f, 0.f};  // this lane's share; the quad's shares are added at the end
-    const int num_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
+  for (int dt = 0; dt < DTW; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {neg_inf(), neg_inf()};
+  float row_sum[2] = {0.f, 0.f};
 
-    auto load_tile = [&](int tile, int stage) {
-      copy_rows(kv_begin + tile * BLOCK_N, kv_end, stage, ALL_LO, ALL_HI);
-    };
-
-    if (!tile0_issued) load_tile(0, 0);
-    tile0_issued = false;
+  cp_async_commit();
+  for (int i = 0; i < num_tiles; ++i) {
+    const int stage = i % STAGES;
+    if (STAGES > 1 && i + 1 < num_tiles) load_tile(i + 1, (i + 1) % STAGES);  // one stage: below
     cp_async_commit();
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int stage = tile % STAGES;
-      if (STAGES > 1 && tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % STAGES);  // one stage: below
-      cp_async_commit();
-      cp_async_wait<STAGES - 1>();  // this tile's group is complete
-      __syncthreads();
-      if (DECODE && tile == 0) TRACE_MARK(3);
+    cp_async_wait<STAGES - 1>();  // this tile's group is complete
+    __syncthreads();
+    if (DECODE && i == 0) TRACE_MARK(3);
 
-      const __half* kt = ks + stage * BLOCK_N * SK;
-      const __half* vt = vs + stage * BLOCK_N * SK;
-      const int tile_base = kv_begin + tile * BLOCK_N;
+    const __half* kt = ks + stage * BLOCK_N * SK;
+    const __half* vt = vs + stage * BLOCK_N * SK;
+    const int tile = tile_first + i * tile_step;
+    const int tile_base = tile * BLOCK_N;
 
-      // S = Q K^T: K rows are the B operand's columns, so plain (non-transposed) ldmatrix gives them.
-      float s[NS][4];
+    // S = Q K^T: K rows are the B operand's columns, so plain (non-transposed) ldmatrix gives them.
+    float s[NS][4];
 #pragma unroll
-      for (int nt = 0; nt < NS; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int nt = 0; nt < NS; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc) {
+    for (int kc = 0; kc < KC; ++kc) {
 #pragma unroll
-        for (int np = 0; np < NS / 2; ++np) {
-          unsigned b[4];
-          const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-          const int col = kc * 16 + (((lane >> 3) & 1) << 3);
-          ldmatrix_x4(b, smem_addr(kt + key * SK + col));
-          mma_16816(s[2 * np], qa[kc], b[0], b[1]);
-          mma_16816(s[2 * np + 1], qa[kc], b[2], b[3]);
-        }
+      for (int np = 0; np < NS / 2; ++np) {
+        unsigned b[4];
+        const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kc * 16 + (((lane >> 3) & 1) << 3);
+        ldmatrix_x4(b, smem_addr(kt + key * SK + col));
+        mma_16816(s[2 * np], qa[kc], b[0], b[1]);
+        mma_16816(s[2 * np + 1], qa[kc], b[2], b[3]);
       }
-
-      // Keys past the range, and (prefill) past a row's own position, score -inf.
-      const bool need_mask = tile_base + BLOCK_N > kv_end || (!DECODE && tile_base + BLOCK_N - 1 > first_qpos);
-      if (need_mask) {
-#pragma unroll
-        for (int nt = 0; nt < NS; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int pos = tile_base + nt * 8 + tig * 2 + (e & 1);
-            if (pos >= kv_end || pos > qpos[e >> 1]) s[nt][e] = neg_inf();
-          }
-      }
-
-      // Online softmax, per row: the quad of lanes sharing a row agrees on its max.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < NS; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float new_max = fmaxf(row_max[h], mx);
-        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet stays all zero
-        const float alpha = exp2f(row_max[h] - base);
-        row_max[h] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NS; ++nt) {
-          s[nt][2 * h] = exp2f(s[nt][2 * h] - base);
-          s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - base);
-          sum += s[nt][2 * h] + s[nt][2 * h + 1];
-        }
-        row_sum[h] = row_sum[h] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < DTW; ++dt) {
-          o[dt][2 * h] *= alpha;
-          o[dt][2 * h + 1] *= alpha;
-        }
-      }
-
-      // O += P V: the S accumulators of two adjacent 8-key tiles are exactly one 16-key A fragment; V rows
-      // are the B operand's k dimension, so ldmatrix.trans gives them.
-#pragma unroll
-      for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
-        unsigned pa[4];
-        pa[0] = pack_half2(s[2 * kc][0], s[2 * kc][1]);
-        pa[1] = pack_half2(s[2 * kc][2], s[2 * kc][3]);
-        pa[2] = pack_half2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[3] = pack_half2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < DTW / 2; ++dp) {
-          unsigned b[4];
-          const int key = kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-          const int col = d0 + dp * 16 + ((lane >> 4) << 3);
-          ldmatrix_x4_trans(b, smem_addr(vt + key * SK + col));
-          mma_16816(o[2 * dp], pa, b[0], b[1]);
-          mma_16816(o[2 * dp + 1], pa, b[2], b[3]);
-        }
-      }
-      __syncthreads();  // the next copy overwrites this stage
-      if (STAGES == 1 && tile + 1 < num_tiles) load_tile(tile + 1, 0);
     }
-    cp_async_wait<0>();
-    if (DECODE) TRACE_MARK(4);
 
+    // Keys past the range, and (prefill) past a row's own position, score -inf.
+    const bool need_mask = tile_base + BLOCK_N > kv_end || (!DECODE && tile_base + BLOCK_N - 1 > first_qpos);
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = tile_base + nt * 8 + tig * 2 + (e & 1);
+          if (pos >= kv_end || pos > qpos[e >> 1]) s[nt][e] = neg_inf();
+        }
+    }
+
+    // The tile's partial per row: m_t its max, P = 2^(s - m_t), l_t the sum of P (this lane's 16 in key order, then
+    // the quad's by the xor butterfly, every tile), so it depends on the tile alone. A row that sees no key of the
+    // tile (prefill, past its position) gets P = 0, l_t = 0 and m_t = -inf, which the fold passes over.
+    float tile_max[2], tile_sum[2], a[2], b[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
-      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+      float mx = neg_inf();
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == neg_inf() ? 0.f : mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt) {
+        s[nt][2 * h] = exp2f(__fsub_rn(s[nt][2 * h], base));
+        s[nt][2 * h + 1] = exp2f(__fsub_rn(s[nt][2 * h + 1], base));
+        sum = __fadd_rn(sum, __fadd_rn(s[nt][2 * h], s[nt][2 * h + 1]));
+      }
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+      tile_max[h] = mx;
+      tile_sum[h] = sum;
+      if (!split) {
+        fold_scales(row_max[h], mx, a[h], b[h]);
+        row_sum[h] = fold(row_sum[h], a[h], sum, b[h]);
+      }
     }
 
-    // Every row saw at least one key (prefill: its own position; decode: the split's), so its sum is >= 1.
-    if constexpr (!DECODE) {
+    // P as mma A fragments: the S accumulators of two adjacent 8-key tiles are exactly one 16-key fragment.
+    unsigned pa[BLOCK_N / 16][4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row_base + wm * 16 + gid + 8 * h;
-        if (r >= num_rows) continue;
-        const float inv = 1.f / row_sum[h];
-        // This warp's columns of O. With one warp across the head dim d0 is 0, written as a constant so that HD 64
-        // and 128 compile to the instructions they had before HD 256 split the head dim.
-        float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD +
-                      (WARPS_N > 1 ? d0 : 0);
+    for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
+      pa[kc][0] = pack_half2(s[2 * kc][0], s[2 * kc][1]);
+      pa[kc][1] = pack_half2(s[2 * kc][2], s[2 * kc][3]);
+      pa[kc][2] = pack_half2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      pa[kc][3] = pack_half2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+    }
+
+    // O_t = P V, 16 columns at a time from a zero accumulator over the tile's 64 keys in the mma's k order (V rows
+    // are the B operand's k dimension, so ldmatrix.trans gives them); then folded into O, or written as the tile's
+    // partial.
+    const size_t slot = split ? ((size_t)seq * num_heads + kvh * group) * part_tiles + tile : 0;
 #pragma unroll
-        for (int dt = 0; dt < DTW; ++dt)
-          *reinterpret_cast<float2*>(orow + dt * 8 + tig * 2) =
-              make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+    for (int dp = 0; dp < DTW / 2; ++dp) {
+      float ot[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
+        unsigned vb[4];
+        const int key = kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int col = d0 + dp * 16 + ((lane >> 4) << 3);
+        ldmatrix_x4_trans(vb, smem_addr(vt + key * SK + col));
+        mma_16816(ot[0], pa[kc], vb[0], vb[1]);
+        mma_16816(ot[1], pa[kc], vb[2], vb[3]);
       }
-    } else {
-      // This warp's columns of O over all of the split's keys; every warp computed the same (m, l) per row.
-      if (num_splits > 1) {
+      if (!split) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[2 * dp + j][e] = fold(o[2 * dp + j][e], a[e >> 1], ot[j][e], b[e >> 1]);
+      } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = row_base + gid + 8 * h;
           if (r >= num_rows) continue;
-          const float inv = 1.f / row_sum[h];
-          const size_t slot = ((size_t)seq * num_heads + kvh * group + r % group) * max_splits + split;
-#pragma unroll
-          for (int dt = 0; dt < DTW; ++dt)
-            *reinterpret_cast<float2*>(part_out + slot * HD + d0 + dt * 8 + tig * 2) =
-                make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
-          if (wn == 0 && tig == 0) part_ml[slot] = make_float2(row_max[h], row_sum[h]);
-        }
-      } else {
-        // The output, quantized in groups of 32 columns (a group spans warps at HD 64): through the idle tile
-        // memory, so that a warp's 32 lanes hold one group.
-        float* red = reinterpret_cast<float*>(smem);  // [ROWS][HD]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float inv = 1.f / row_sum[h];
-#pragma unroll
-          for (int dt = 0; dt < DTW; ++dt)
-            *reinterpret_cast<float2*>(red + (gid + 8 * h) * HD + d0 + dt * 8 + tig * 2) =
-                make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
-          const int r = row_base + e / HD;
-          if (r >= num_rows) break;  // rows grow with e, the same for a warp's 32 lanes
-          store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start + r / group, kvh * group + r % group, e % HD,
-                        red[e]);
+          float* dst = part_out + (slot + (size_t)(r % group) * part_tiles) * HD + d0 + dp * 16 + tig * 2;
+          *reinterpret_cast<float2*>(dst) = make_float2(ot[0][2 * h], ot[0][2 * h + 1]);
+          *reinterpret_cast<float2*>(dst + 8) = make_float2(ot[1][2 * h], ot[1][2 * h + 1]);
         }
       }
     }
-    // No barrier before a CTA's next split (at larger batches a CTA computes several): it refills the tiles
-    // only after every warp passed the last tile's barrier above, and the output's staging through tile memory
-    // is for a context of one split, which has no next one.
+    if (split && wn == 0 && tig == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + gid + 8 * h;
+        if (r < num_rows) part_ml[slot + (size_t)(r % group) * part_tiles] = make_float2(tile_max[h], tile_sum[h]);
+      }
+    }
+    __syncthreads();  // the next copy overwrites this stage
+    if (STAGES == 1 && i + 1 < num_tiles) load_tile(i + 1, 0);
+  }
+  cp_async_wait<0>();
+  if (DECODE) TRACE_MARK(4);
+  if (split) {
+    if (DECODE) TRACE_END(TRACE_ATTENTION);
+    return;  // the merge folds the partials
+  }
+
+  // Every row saw at least one key (its own position's tile 0), so its sum is >= 1.
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) inv[h] = __frcp_rn(row_sum[h]);
+  if constexpr (!DECODE) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_base + wm * 16 + gid + 8 * h;
+      if (r >= num_rows) continue;
+      // This warp's columns of O. With one warp across the head dim d0 is 0, written as a constant so that HD 64
+      // and 128 compile to the instructions they had before HD 256 split the head dim.
+      float* orow = out + ((size_t)(q_start + r / group) * num_heads + kvh * group + r % group) * HD +
+                    (WARPS_N > 1 ? d0 : 0);
+#pragma unroll
+      for (int dt = 0; dt < DTW; ++dt)
+        *reinterpret_cast<float2*>(orow + dt * 8 + tig * 2) =
+            make_float2(finish(o[dt][2 * h], inv[h]), finish(o[dt][2 * h + 1], inv[h]));
+    }
+  } else {
+    // The output, quantized in groups of 32 columns (a group spans warps at HD 64): through the idle tile memory, so
+    // that a warp's 32 lanes hold one group.
+    float* red = reinterpret_cast<float*>(smem);  // [ROWS][HD]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int dt = 0; dt < DTW; ++dt)
+        *reinterpret_cast<float2*>(red + (gid + 8 * h) * HD + d0 + dt * 8 + tig * 2) =
+            make_float2(finish(o[dt][2 * h], inv[h]), finish(o[dt][2 * h + 1], inv[h]));
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < ROWS * HD; e += NT) {
+      const int r = row_base + e / HD;
+      if (r >= num_rows) break;  // rows grow with e, the same for a warp's 32 lanes
+      store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start + r / group, kvh * group + r % group, e % HD, red[e]);
+    }
   }
   if (DECODE) TRACE_END(TRACE_ATTENTION);
 }
@@ -440,10 +475,11 @@ using namespace attn;
       const __half *__restrict__ v_cache, const int *__restrict__ block_tables,                                 \
       const int *__restrict__ context_lens, const int *__restrict__ query_starts, float *__restrict__ part_out, \
       float2 *__restrict__ part_ml, int num_heads, int num_kv_heads, int block_size, int max_blocks,            \
-      int max_splits, float scale_log2, int8_t *__restrict__ xq, ActScale *__restrict__ xs, int num_tokens
+      int max_tiles, int part_tiles, float scale_log2, int8_t *__restrict__ xq, ActScale *__restrict__ xs,         \
+      int num_tokens
 #define ATTENTION_ARGS                                                                                       \
   out, q, k_cache, v_cache, block_tables, context_lens, query_starts, part_out, part_ml, num_heads, num_kv_heads, \
-      block_size, max_blocks, max_splits, scale_log2, xq, xs, num_tokens
+      block_size, max_blocks, max_tiles, part_tiles, scale_log2, xq, xs, num_tokens
 
 // __launch_bounds__(threads, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
 // Registers on sm_80 / sm_89 / sm_90a (scripts/kernel_resources.py, NVRTC 13.5, 2026-12-03), no spills at any:
@@ -457,66 +493,73 @@ constexpr int prefill_warps_n() {
   return HD > 128 ? 2 : 1;
 }
 
+// HD 64: at most 168 registers, so that three CTAs share an SM as before the fold (unbounded ptxas takes 171).
+template <int HD>
+constexpr int prefill_max_registers() {
+  return HD == 64 ? 168 : 255;
+}
+
 // grid (ceil(max_query_len * group / 64), num_kv_heads, num_seqs), block 128 * prefill_warps_n<HD>(),
 // tile_smem_bytes<HD, STAGES>() dynamic.
 template <int HD, int STAGES = 2>
-__global__ void __launch_bounds__(128 * prefill_warps_n<HD>(), 1) attention_prefill(ATTENTION_PARAMS) {
+__global__ void __launch_bounds__(128 * prefill_warps_n<HD>(), 1) __maxnreg__(prefill_max_registers<HD>())
+    attention_prefill(ATTENTION_PARAMS) {
   pdl_enter();
   attention_tile<HD, 4, prefill_warps_n<HD>(), false, STAGES>(ATTENTION_ARGS);
 }
 
-// grid (CTAs per sequence <= max_splits, num_kv_heads, num_seqs * ceil(group / 16)), block 128,
-// tile_smem_bytes<HD, STAGES>() dynamic. max_splits: split slots per sequence in part_out / part_ml.
+// grid (CTAs per sequence, num_kv_heads, num_seqs * ceil(group / 16)), block 128, tile_smem_bytes<HD, STAGES>()
+// dynamic. max_tiles: ceil(max_context_len / 64) (a context past it gets NaN); part_tiles: tile slots per (sequence,
+// head) in part_out / part_ml (0 where gridDim.x is 1).
 // Waits on the previous kernel inside attention_tile, after its first K/V loads.
 template <int HD, int STAGES = 2>
 __global__ void __launch_bounds__(128, 1) attention_decode(ATTENTION_PARAMS) {
   attention_tile<HD, 1, 4, true, STAGES>(ATTENTION_ARGS);
 }
 
-// grid (num_heads, num_seqs), block HD: out = sum_s w_s o_s / sum_s w_s with w_s = l_s 2^(m_s - max m),
-// splits in order. Only decode sequences (q_len == 1) with more than one split.
-// Its chain after the wait is one round of loads: the batch metadata is read before the wait (uploaded before the
-// step, pdl.cuh), and every split's (m, l) and output element are loaded at once into registers. Reading them in
-// the merge's own loops (metadata, then the maxima, then the sums), the merge cost ~5 us a layer of llama-3.1-8b's
-// step on the H200 (scripts/ab_skip_ops.py), as much as the decode kernel itself; loaded at once, the step took
-// 38.3 us less (docs/performance.md).
+// grid (num_heads, num_seqs), block HD: the fold of a decode sequence's tile partials, in tile order, from the empty
+// state, then out = O / l: the bits of a CTA that folds every tile itself. Only decode sequences (q_len == 1) whose
+// tiles attention_decode split (more than one, at most part_tiles).
+// Its chain after the wait is one round of loads per MERGE_ROUND partials: the batch metadata is read before the
+// wait (uploaded before the step, pdl.cuh), and a round's (m, l) and output elements are loaded at once into
+// registers before it folds them. Reading them in the merge's own loops (metadata, then the maxima, then the sums),
+// the merge cost ~5 us a layer of llama-3.1-8b's step on the H200 (scripts/ab_skip_ops.py), as much as the decode
+// kernel itself; loaded at once, the step took 38.3 us less (docs/performance.md).
 template <int HD>
 __global__ void __launch_bounds__(HD)
     attention_merge_splits(float* __restrict__ out, const float* __restrict__ part_out,
                            const float2* __restrict__ part_ml, const int* __restrict__ context_lens,
-                           const int* __restrict__ query_starts, int num_heads, int max_splits,
+                           const int* __restrict__ query_starts, int num_heads, int part_tiles,
                            int8_t* __restrict__ xq, ActScale* __restrict__ xs, int num_tokens) {
   TRACE_BEGIN();
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_start = query_starts[seq];
   const bool decode = query_starts[seq + 1] - q_start == 1;
-  int partition;
-  const int num_splits = decode_splits(context_lens[seq], partition);
+  const int num_tiles = num_key_tiles(context_lens[seq]);
   pdl_enter();
   TRACE_MARK(1);
-  if (!decode || num_splits <= 1 || num_splits > max_splits) return;  // written by attention_decode itself
-  const size_t first = ((size_t)seq * num_heads + head) * max_splits;
-  float2 ml[DECODE_MAX_SPLITS];
-  float o[DECODE_MAX_SPLITS];
+  if (!decode || num_tiles <= 1 || num_tiles > part_tiles) return;  // written by attention_decode itself
+  const size_t first = ((size_t)seq * num_heads + head) * part_tiles;
+  float m = neg_inf(), l = 0.f, o = 0.f;
+  for (int base = 0; base < num_tiles; base += MERGE_ROUND) {
+    float2 ml[MERGE_ROUND];
+    float ot[MERGE_ROUND];
 #pragma unroll
-  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
-    if (s < num_splits) {
-      ml[s] = part_ml[first + s];
-      o[s] = part_out[(first + s) * HD + threadIdx.x];
-    }
-  float m = neg_inf();
+    for (int t = 0; t < MERGE_ROUND; ++t)
+      if (base + t < num_tiles) {
+        ml[t] = part_ml[first + base + t];
+        ot[t] = part_out[(first + base + t) * HD + threadIdx.x];
+      }
+    TRACE_MARK(2);
 #pragma unroll
-  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
-    if (s < num_splits) m = fmaxf(m, ml[s].x);
-  TRACE_MARK(2);
-  float l = 0.f, acc = 0.f;
-#pragma unroll
-  for (int s = 0; s < DECODE_MAX_SPLITS; ++s)
-    if (s < num_splits) {
-      const float w = ml[s].y * exp2f(ml[s].x - m);
-      l += w;
-      acc += w * o[s];
-    }
-  store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, head, threadIdx.x, acc / l);
+    for (int t = 0; t < MERGE_ROUND; ++t)
+      if (base + t < num_tiles) {
+        float a, b;
+        fold_scales(m, ml[t].x, a, b);
+        l = fold(l, a, ml[t].y, b);
+        o = fold(o, a, ot[t], b);
+      }
+  }
+  store_out<HD>(out, xq, xs, num_tokens, num_heads, q_start, head, threadIdx.x, finish(o, __frcp_rn(l)));
   TRACE_END(TRACE_MERGE);
 }
