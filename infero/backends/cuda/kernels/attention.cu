@@ -482,10 +482,18 @@ using namespace attn;
       block_size, max_blocks, max_tiles, part_tiles, scale_log2, xq, xs, num_tokens
 
 // __launch_bounds__(threads, 1): without the 1, ptxas capped these kernels at 128 registers and spilled.
-// Registers on sm_80 / sm_89 / sm_90a (scripts/kernel_resources.py, NVRTC 13.5, 2026-12-03), no spills at any:
-//   prefill  HD 64 148 / 148 / 145, HD 128 199 / 199 / 200, HD 256 224 / 224 / 237 (one stage 228 / 228 / 235)
-//   decode   HD 64 128 / 130 / 126, HD 128 152 / 154 / 152, HD 256 214 / 212 / 213 (one stage 211 / 208 / 215)
-// At HD 256 prefill's 256 threads of 224-237 registers fill one SM's register file alone (one CTA an SM).
+// Registers on sm_80 / sm_89 / sm_90a (scripts/kernel_resources.py, NVRTC 13.5, 2026-12-03, with the tile fold):
+//   prefill  HD 64 163 / 163 / 166 (capped at 168: three CTAs an SM), HD 128 245 / 245 / 252, HD 256 255 at all
+//            three with 16 bytes spilled (one stage 16 / 16 / 24): values of the output rows' addresses stored
+//            before the tile loop and reloaded after it, none inside it
+//   decode   HD 64 124 / 126 / 126, HD 128 162 / 164 / 166, HD 256 228 / 234 / 236 (one stage 224 / 228 / 216)
+//   merge    157 / 133 / 157 at every head dim (HD threads)
+// Before the fold (4e20432): prefill HD 64 148 / 148 / 145, HD 128 199 / 199 / 200, HD 256 224 / 224 / 237, decode
+// HD 64 128 / 130 / 126, HD 128 152 / 154 / 152, HD 256 214 / 212 / 213, no spills. The fold's O_t slices, each
+// from a zero accumulator, let ptxas hoist V fragments of several slices ahead of their mmas (a dependence of one
+// slice's mmas on the previous slice's fold made it worse, 120 bytes spilled at HD 128). The CTAs an SM keep their
+// counts: prefill HD 64 three, HD 128 two, HD 256 one; decode HD 128 three.
+// At HD 256 prefill's 256 threads fill one SM's register file alone (one CTA an SM).
 
 // Warps that split O's head dim in attention_prefill (the launcher mirrors it): two at HD 256.
 template <int HD>
