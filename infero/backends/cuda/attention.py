@@ -101,7 +101,8 @@ def paged_attention(
     step's tokens included, already written to the cache); query_starts int32 [num_seqs + 1].
     max_query_len, max_context_len: bounds over the batch that size the grids (CTAs past a sequence's own
     lengths exit at once). max_context_len must be >= every context length (a decode sequence past it gets
-    NaN); a captured graph may pass a fixed bound: past 8,192 it no longer grows the grid.
+    NaN); a captured graph may pass a fixed bound: it sizes the tile partials' slots (within PARTIALS_BYTES) and
+    grows the grid only up to a tile for each CTA the batch fills the GPU with.
     num_decode_seqs: how many sequences have exactly one new token, or None if unknown; 0 with
     max_query_len > 1 skips the decode launch. quantized: (xq int8, xs int32) of
     matvec.activation_shapes(num_tokens, num_heads * head_dim) to receive out in the mat-vec's activation format
