@@ -5,15 +5,18 @@ the residual of its int8 rounding at 1/256 of the first plane's scale, so x ~ D 
 group's largest value (one plane alone, ~1%, put SmolLM2's logits 1-7% off); then the mat-vec dots both against
 the packed weights with __dp4a and combines them in integers. Float weights
 (F32/F16/BF16) multiply float32 activations. Each weight byte is read once for all n tokens. The variant (tokens
-N, rows per warp RPW, warps per block) is chosen from n and the matrix shape; each output element's reduction
-order depends on none of them, so results are bitwise batch invariant.
+N, rows per warp RPW, warps per block) is chosen from n and the matrix shape. A block-format row is the sum of
+its units' fp32 contributions in fixed point (kernels/fixed_point.cuh: each rounded once onto 2^-32, added as
+int64), so no split or order of the units changes a bit: results are bitwise batch invariant, and every kernel
+here (matvec_q, matvec_mma and its fused forms, the experts' kernels) gives a row the same bits. Float weights
+sum in an order fixed by the width alone.
 
 Q4_K runs matvec_mma, and Q6_K where its rows are a multiple of 2048 wide; every other block format matvec_q. The
 mma kernel computes tiles of 16 rows on the tensor cores (two int8 planes as B columns, exact int32 sums) from
 weights staged through shared memory by cp.async: on the H200 Q4_K 2-24% faster on the decode shapes of an 8B
 model and 4.2 against 3.5 TB/s at steady state, Q6_K 8-33% (its 1024-row v projection excepted) and 3.7 against
-2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md). Its own reduction order is batch
-invariant too.
+2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md). It computes matvec_q's unit contributions
+(the same integers and fp32 expressions) and sums them in fixed point: bitwise matvec_q's rows.
 
 matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
 give: a layer's q/k/v and gate/up take two launches instead of five (on the H200 the 8B's decode step lost
@@ -76,7 +79,7 @@ for _t in QUANT_TYPES:
     runtime.declare(
         SOURCE,
         [f"matvec_q<{_t}, 1, {r}, {a}>" for r, a in N1_VARIANTS]
-        + [f"matvec_q<{_t}, {n}, {r}, -1>" for n in TOKEN_BUCKETS[1:] for r in (2, 4)]
+        + [f"matvec_q<{_t}, {n}, {r}, -1>" for n in TOKEN_BUCKETS[1:] for r in (2, 4) if n * r < 64]
         + [f"matvec_q<{_t}, {n}, 2, {a}, true>" for n, a in ((1, 1), (2, -1))],
         needs=(runtime.weight_type(_t),),
     )
@@ -126,7 +129,8 @@ _GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _I, ctypes.c_float)
 _NORM_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _P, _P, _P)
 # Widest row whose deferred norm a reader takes (matvec.cu's NORM_LOADS groups of 32 per lane).
 NORM_MAX_COLS = 8 * 32 * 32
-_MMA_PART_BYTES = 128  # static shared memory of matvec_mma's partial sums (part[W][2][N][16]), per warp and token
+# Static shared memory of matvec_mma's partial sums (mv::Parts: 16 m-rows' int64 sums and probes), per warp and token.
+_MMA_PART_BYTES = 192
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
@@ -178,10 +182,11 @@ def plan(rows: int, n: int, num_sms: int, t: int = -1, units: int = 32) -> tuple
     elif big_n == 1:
         rpw = 1 if rows < 16 * num_sms else 2
     elif big_n >= 8 and t not in FLOAT_TYPES:
-        # Batches re-read each token's activations per row: four rows per warp halve that traffic, which binds at
-        # N = 16 and on long or Q6_K rows at N = 8; short Q4_K matrices keep the occupancy of two (sweep, n = 8, 16).
+        # Batches re-read each token's activations per row: four rows per warp halve that traffic, which binds on
+        # long or Q6_K rows at N = 8; short Q4_K matrices keep the occupancy of two (sweep, n = 8). At N = 16 four
+        # rows measured faster with float sums, but their 64 int64 fixed-point sums a lane spill: two rows.
         few = rows <= 16 * num_sms and t not in _LARGE_UNIT_TYPES
-        if not few and (big_n == 16 or t in _LARGE_UNIT_TYPES or rows >= 64 * num_sms):
+        if big_n == 8 and not few and (t in _LARGE_UNIT_TYPES or rows >= 64 * num_sms):
             rpw = 4
     return big_n, rpw, _warps_per_block(-(-rows // rpw), num_sms), ahead
 
@@ -283,8 +288,8 @@ def mma_plan(t: int, tiles: int, cols: int, num_sms: int) -> tuple[int, int]:
     13.6 over 4), Q6_K rows over 4 (4096x14336: 18.0 against 19.5; its 7 KiB stages over 8 warps leave one block
     an SM); a launch of about two Q4_K tiles per SM or fewer keeps three pairs in flight a warp (4096x4096: 4.7 us
     against 5.2), larger ones two (14336x4096: 12.0 us against 14.0); Q6_K three up to one tile per SM (1024x4096:
-    3.5 against 3.8; 4096x4096: 6.5 with two against 7.5). The warps split each row's sum, so they depend on the
-    type and width alone, never on the token count or the rows (batch invariance, grouped launches)."""
+    3.5 against 3.8; 4096x4096: 6.5 with two against 7.5). The warps split each row's fixed-point sum: no choice here
+    changes a bit."""
     if _mma_warps(t, cols) == 8:
         return 8, 2
     return (4, 3) if tiles <= (num_sms if t == Q6_K else 2 * num_sms) else (4, 2)
@@ -303,8 +308,8 @@ def _mma_deepest(t: int, cols: int) -> tuple[int, int]:
 
 def takes_mma(t: int, cols: int) -> bool:
     """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
-    sums fit the GPU's shared memory at every token count (one decision for every batch width, so that a row's
-    bits do not depend on it: otherwise matvec_q runs the width; e.g. Q4_K rows of more than ~31k columns on the
+    sums fit the GPU's shared memory at every token count (one decision for every batch width; matvec_q, which runs
+    the other widths, gives the same bits: e.g. Q4_K rows of more than ~31k columns on the
     H200, 8k and more on sm_89's 99 KiB; Q6_K ~29k and 3k). Q6_K takes it at multiples of 2048 columns only."""
     if t not in MMA_ROW or cols % MMA_COLS[t]:
         return False
@@ -353,8 +358,8 @@ def matvec_glu(
     """out [n, rows] = silu(x @ dequant(gate)^T + b_gate) * (x @ dequant(up)^T + b_up) for a decode step of one or
     two tokens (glu_fits), in one launch that also writes out in the activation format to out_quantized (the down
     projection's input). quantized: x in the activation format. A row's sum is split over 4 warps, each taking every
-    fourth superblock pair (the plan's linears split rows into contiguous ranges: other bits, within fp32 rounding),
-    then SwiGLU and the quantization as the swiglu kernel's (matvec.cu's matvec_mma_glu)."""
+    fourth superblock pair (in fixed point: the bits matvec gives the row), then SwiGLU and the quantization as the
+    swiglu kernel's (matvec.cu's matvec_mma_glu)."""
     n, t, cols, rows = x.shape[0], gate.ggml_type, gate.cols, gate.rows
     error = _check_many([out, out], [gate, up], x, list(biases)) or (
         None if glu_fits(gate, up, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (glu_fits)"
@@ -418,7 +423,7 @@ def matvec_norm(
     norm (norm_fits): residual [n, rows] += x @ dequant(weight)^T, and out_quantized (an Activation with norm_ss and
     eps) receives residual * norm_weight in the activation format with each group's sum of squares, so that its
     readers (matvec_mma, matvec_mma_glu) apply the norm's 1 / rms (matvec.cu's matvec_mma_norm). quantized: x in the
-    activation format. Each row's sum is bitwise what matvec gives it (the same warps split it), the residual too."""
+    activation format. Each row's sum is bitwise what matvec gives it, the residual too."""
     n, t, cols, rows = x.shape[0], weight.ggml_type, weight.cols, weight.rows
     error = _check(residual, weight, x, None) or (
         None if norm_fits(weight, n) else f"{_type_name(t)} {rows}x{cols} and {n} tokens do not take it (norm_fits)"

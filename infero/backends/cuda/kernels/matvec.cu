@@ -40,16 +40,20 @@
 // tensor's bytes, never outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still
 // report them).
 //
-// Reduction order (batch invariance). For each (row, token): every lane sums the float contributions of its
-// units in increasing unit order (one __fadd_rn per unit; a unit's contribution is a fixed expression of exact
-// integer dot products and the fp16/fp32 scales, written with _rn intrinsics so no FMA contraction can differ
-// between instantiations), then the 32 lane sums are combined by a fixed xor butterfly (offsets 16, 8, 4, 2,
-// 1), then bias is added once. Nothing depends on n, N, RPW, the block size or the other segments of the launch:
-// a row's result is bitwise the same for every batch width and position in the batch, and whether its matrix
-// runs alone or grouped. The activation quantization is per token.
+// Reduction (batch invariance, issue 29). For each (row, token) of a block format the output is the sum of its
+// units' fp32 contributions c_u (a fixed expression of exact integer dot products and the fp16/fp32 scales, written
+// with _rn intrinsics so no FMA contraction can differ between instantiations; unit_expr.cuh's for the formats
+// the tensor cores take) in fixed point (fixed_point.cuh): each c_u rounded once onto 2^-32 and added as int64,
+// a probe carrying NaN/Inf. Integer sums do not depend on their order, so a lane's units, the warp's lanes
+// (Spread) and, in matvec_mma, the warps and tiles may be combined in any way; the sum's float, then bias, then
+// any epilogue. Nothing depends on n, N, RPW, the block size, the kernel or the other segments of the launch: a
+// row's result is bitwise the same for every batch width and position in the batch, whether its matrix runs
+// alone or grouped, on matvec_q or matvec_mma. The activation quantization is per token. Float weights
+// (matvec_f) keep float sums: a lane's units in increasing order, then a fixed xor butterfly.
 //
 // Numerics. The integer dots are exact (|256 q0 + q1| <= 32639: a 16-element run times any format's values and
-// sub-block scale stays below 2^31, see the units); a unit's scale products and the sums are fp32. One int8 plane
+// sub-block scale stays below 2^31, see the units); a unit's scale products are fp32, its rounding onto 2^-32
+// (2.3e-10 absolute) below fp32's own for outputs above 4e-3. One int8 plane
 // alone (d = amax / 127) leaves rms d / sqrt(12) per element: ~0.54% of a Gaussian row's rms, and 0.6-1.2% on
 // real LLM hidden states, whose per-channel outliers set amax for their groups. Through 30 layers that left
 // SmolLM2-135M's logits 3-13% (relative L2) off (numpy forward with the linears' inputs so quantized; 1-7%
@@ -64,6 +68,7 @@
 #include "pdl.cuh"
 #include "trace.cuh"
 #include "act_quant.cuh"
+#include "fixed_point.cuh"
 #include "unit_expr.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
@@ -597,9 +602,10 @@ struct Unit<GGML_Q3_K> : UnitK23 {
   }
 };
 
-// ---- the reduction shared by both kernels ---------------------------------------------------------------------
+// ---- the reductions --------------------------------------------------------------------------------------------
 
-// Every lane gets the sums over the warp's lanes, by a fixed xor butterfly.
+// Float weights (matvec_f, matvec_experts_f): every lane gets the sums over the warp's lanes, by a fixed xor
+// butterfly.
 template <int N, int RPW>
 __device__ __forceinline__ void warp_sums(float (&acc)[RPW][N]) {
 #pragma unroll
@@ -623,6 +629,73 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RPW][N], float* __rest
       if (lane == ((r * N + t) & 31) && t < n && row < rows)
         out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(acc[r][t], __ldg(bias + row)) : acc[r][t];
     }
+}
+
+// Block formats: a lane's fixed-point sums (fixed_point.cuh) of M (row, token) pairs, index m = t RPW + r.
+__device__ __forceinline__ fx::Sum shfl_xor(const fx::Sum& s, int off) {
+  return fx::Sum{__shfl_xor_sync(0xFFFFFFFFu, s.v, off), __shfl_xor_sync(0xFFFFFFFFu, s.probe, off)};
+}
+
+constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
+
+// The warp's totals of every lane's a[0..M), spread over the lanes: the xor steps of offsets 16, 8, ... first hand
+// half of a lane's sums to its partner and add the half it receives (HALVINGS of them, down to K sums a lane, or
+// M / 32), the rest add whole. Lane l ends with the totals of indices first(l) + i in a[i], i < KEEP, the lanes that
+// differ only in their bits below 32 >> HALVINGS with the same ones. Integer sums, so the totals do not depend on
+// the steps; M sums take about M shuffles a word where a butterfly of each took 5 M.
+template <int M, int K>
+struct Spread {
+  static_assert((M & (M - 1)) == 0 && (K & (K - 1)) == 0 && K <= M, "powers of two");
+  static constexpr int HALVINGS = log2_of(M / K) < 5 ? log2_of(M / K) : 5, KEEP = M >> HALVINGS;
+
+  template <int COUNT, int OFF>
+  __device__ __forceinline__ static void step(fx::Sum (&a)[M], int lane) {
+    if constexpr (OFF > 0) {
+      if constexpr (COUNT > KEEP) {
+        constexpr int H = COUNT / 2;
+        const bool up = lane & OFF;
+#pragma unroll
+        for (int i = 0; i < H; ++i) {  // selected field by field: a select of the array elements went through memory
+          const fx::Sum sent{up ? a[i].v : a[i + H].v, up ? a[i].probe : a[i + H].probe};
+          a[i] = fx::Sum{up ? a[i + H].v : a[i].v, up ? a[i + H].probe : a[i].probe};
+          fx::add(a[i], shfl_xor(sent, OFF));
+        }
+        step<H, OFF / 2>(a, lane);
+      } else {
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i) fx::add(a[i], shfl_xor(a[i], OFF));
+        step<COUNT, OFF / 2>(a, lane);
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void run(fx::Sum (&a)[M], int lane) { step<M, 16>(a, lane); }
+
+  // The index of lane's a[0], and whether it is the one lane of those holding it that stores it.
+  __device__ __forceinline__ static int first(int lane) {
+    int m = 0;
+#pragma unroll
+    for (int s = 0; s < HALVINGS; ++s)
+      if (lane & (16 >> s)) m += M >> (s + 1);
+    return m;
+  }
+  __device__ __forceinline__ static bool writer(int lane) { return (lane & ((32 >> HALVINGS) - 1)) == 0; }
+};
+
+template <int N, int RPW>
+__device__ __forceinline__ void reduce_store(fx::Sum (&acc)[N * RPW], float* __restrict__ out,
+                                             const float* __restrict__ bias, int n, int rows, int row0, int lane) {
+  using S = Spread<N * RPW, 1>;
+  S::run(acc, lane);
+  const int m0 = S::first(lane);
+#pragma unroll
+  for (int i = 0; i < S::KEEP; ++i) {
+    const int t = (m0 + i) / RPW, row = row0 + (m0 + i) % RPW;
+    if (S::writer(lane) && t < n && row < rows) {
+      const float v = fx::value(acc[i]);
+      out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, __ldg(bias + row)) : v;
+    }
+  }
 }
 
 // The matrices of one matvec_q launch, passed by value (__grid_constant__: read in place from the parameter
@@ -706,17 +779,18 @@ __device__ __forceinline__ void rope_pair_store(float a, float b, const RopePair
   }
 }
 
-// Sums the lanes' partial sums of the warp's rows r0 and r1 as reduce_store does (so a row's bits are those
-// matvec_q gives), then stores each token's pair.
+// The warp's totals of rows r0 and r1 (as reduce_store: the same bits), then each token's pair stored by the lane
+// holding both of its sums.
 template <int N>
-__device__ __forceinline__ void rope_store(float (&acc)[2][N], float* __restrict__ out, const float* __restrict__ bias,
-                                           int n, int rows, int r0, int r1, int lane, int role, const Rope& rope) {
-  warp_sums<N, 2>(acc);
-#pragma unroll
-  for (int t = 0; t < N; ++t)
-    if (lane == t && t < n)
-      rope_pair_store(acc[0][t], acc[1][t], rope_pair_in(t, bias, r0, r1, role, rope), t, out, bias != nullptr, rows,
-                      r0, r1, role, rope);
+__device__ __forceinline__ void rope_store(fx::Sum (&acc)[2 * N], float* __restrict__ out,
+                                           const float* __restrict__ bias, int n, int rows, int r0, int r1, int lane,
+                                           int role, const Rope& rope) {
+  using S = Spread<2 * N, 2>;
+  S::run(acc, lane);
+  const int t = S::first(lane) / 2;
+  if (S::writer(lane) && t < n)
+    rope_pair_store(fx::value(acc[0]), fx::value(acc[1]), rope_pair_in(t, bias, r0, r1, role, rope), t, out,
+                    bias != nullptr, rows, r0, r1, role, rope);
 }
 
 }  // namespace mv
@@ -776,11 +850,9 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
   const int units = cols / U::ELEMS, halves = cols / 16;
   const int8_t* xq1 = xq + (long long)n * cols;  // plane 1
 
-  float acc[RPW][N];
+  fx::Sum acc[N * RPW];  // (row r, token t) at t RPW + r
 #pragma unroll
-  for (int r = 0; r < RPW; ++r)
-#pragma unroll
-    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+  for (int i = 0; i < N * RPW; ++i) acc[i] = fx::zero();
 
   // A ring of raw weight bytes: ring[0] is this unit's, ring[a] unit u + 32a (clamped to the last unit: a cached
   // re-read near the row's end), so AHEAD units per row are in flight while this unit's dot products run.
@@ -814,7 +886,7 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
         mv::Act<U::RUNS> a;
         mv::load_act(a, xq + t * cols, xq1 + t * cols, xs + t * halves, g, h);
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
+        for (int r = 0; r < RPW; ++r) fx::add(acc[t * RPW + r], U::dot(w[r], a));
       }
     }
   }
@@ -966,15 +1038,16 @@ __global__ void __launch_bounds__(128) matvec_f(float* __restrict__ out, const u
 // of its segment's out [pairs, rows]. Segments as matvec_q's (gate and up share a launch; bias unused).
 // grid: (pairs, blocks over the segments' warps), block: 32 x warps (<= 128); each warp RPW rows of one segment
 // (moe.PAIR_RPW: an expert's rows are short, so a warp's rows are all of its loads in flight at once).
-// A row's lanes walk its units in matvec_q's (matvec_f's) order with its prefetch ring at N = 1, and reduce_store
-// sums them by its butterfly: each pair's output is bitwise what matvec_q<T, 1, ...> (matvec_f<T, 1, ...>) gives
-// that token on the chosen expert's matrix alone, whatever the other pairs, their experts or their count.
+// A row's lanes walk its units as matvec_q (matvec_f) does with its prefetch ring at N = 1, and reduce_store sums
+// them in fixed point (matvec_f: by its butterfly): each pair's output is bitwise what matvec_q<T, 1, ...>
+// (matvec_f<T, 1, ...>) gives that token on the chosen expert's matrix alone, whatever the other pairs, their
+// experts or their count.
 namespace mv {
 // The RPW rows row0, row0 + 1, ... of one expert matrix against one token's activation (x0, x1: its planes, xsa:
-// its scales), as matvec_q<T, 1, RPW> computes them with its prefetch ring: acc[r][0] = each row's lane partial,
-// before the butterfly (a row's bits do not depend on RPW: each row is its own sum and butterfly).
+// its scales), as matvec_q<T, 1, RPW> computes them with its prefetch ring: acc[r] = each row's lane partial, before
+// the warp's sum.
 template <int T, int RPW>
-__device__ __forceinline__ void expert_pair_rows(float (&acc)[RPW][1], const uint8_t* weight, int rows, int row0,
+__device__ __forceinline__ void expert_pair_rows(fx::Sum (&acc)[RPW], const uint8_t* weight, int rows, int row0,
                                                  long long row_bytes, const int8_t* __restrict__ x0,
                                                  const int8_t* __restrict__ x1, const ActScale* __restrict__ xsa,
                                                  int cols, int lane) {
@@ -986,7 +1059,7 @@ __device__ __forceinline__ void expert_pair_rows(float (&acc)[RPW][1], const uin
   for (int r = 0; r < RPW; ++r) wrow[r] = weight + (long long)min(row0 + r, rows - 1) * row_bytes;
   const int units = cols / U::ELEMS;
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r][0] = 0.f;
+  for (int r = 0; r < RPW; ++r) acc[r] = fx::zero();
   typename U::Raw ring[AHEAD + 1][RPW];
   if (lane < units) {
 #pragma unroll
@@ -1012,7 +1085,7 @@ __device__ __forceinline__ void expert_pair_rows(float (&acc)[RPW][1], const uin
     Act<U::RUNS> av;
     load_act(av, x0, x1, xsa, g, h);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r][0] = __fadd_rn(acc[r][0], U::dot(w[r], av));
+    for (int r = 0; r < RPW; ++r) fx::add(acc[r], U::dot(w[r], av));
   }
 }
 }  // namespace mv
@@ -1032,7 +1105,7 @@ __global__ void __launch_bounds__(128) matvec_experts(const __grid_constant__ mv
   if (row0 >= rows) return;
   const uint8_t* weight = mv::pick(seg.weight, s) + (long long)ids[pair] * rows * row_bytes;
   const int a = pair / per_token;  // the activation row
-  float acc[RPW][1];
+  fx::Sum acc[RPW];
   mv::expert_pair_rows<T, RPW>(acc, weight, rows, row0, row_bytes, xq + (long long)a * cols,
                           xq + ((long long)act_rows + a) * cols, xs + (long long)a * (cols / 16), cols, lane);
   mv::reduce_store<1, RPW>(acc, mv::pick(seg.out, s) + (long long)pair * rows, nullptr, 1, rows, row0, lane);
@@ -1054,14 +1127,15 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_K) matvec_experts_combine(
   const int lane = threadIdx.x & 31, rank = threadIdx.x >> 5;
   const int t = blockIdx.x, row0 = RPW * blockIdx.y, pair = t * k + rank;
   pdl_enter();
-  float acc[RPW][1];
+  fx::Sum acc[RPW];
   mv::expert_pair_rows<T, RPW>(acc, weight + (long long)ids[pair] * rows * row_bytes, rows, row0, row_bytes,
                           xq + (long long)pair * cols, xq + ((long long)act_rows + pair) * cols,
                           xs + (long long)pair * (cols / 16), cols, lane);
-  mv::warp_sums<1, RPW>(acc);
+  using S = mv::Spread<RPW, 1>;
+  S::run(acc, lane);
 #pragma unroll
-  for (int r = 0; r < RPW; ++r)
-    if (lane == r) y[rank][r] = acc[r][0];
+  for (int i = 0; i < S::KEEP; ++i)
+    if (S::writer(lane)) y[rank][S::first(lane) + i] = fx::value(acc[i]);
   __syncthreads();
   if (threadIdx.x < RPW && row0 + threadIdx.x < rows) {
     const float* w = weights + (long long)t * k;
@@ -1076,9 +1150,9 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_K) matvec_experts_combine(
 // lists the pairs by expert in order and cuts each expert's run into groups of at most N: groups[g] = (expert,
 // first, count). grid: (an upper bound of the number of groups, blocks over the segments' warps); a block past
 // num_groups, or of an expert nobody chose, does nothing. A warp computes RPW rows for the group's pairs as
-// matvec_q<T, N> computes them for N tokens: each (row, pair) is the same lanes' units in the same order, the
-// same unit expression and the same butterfly as matvec_experts (matvec_q at one token), so every pair's row is
-// bitwise what matvec_experts gives it, whatever the group, the pair's place in it or N.
+// matvec_q<T, N> computes them for N tokens: each (row, pair) is the sum of the same unit contributions in fixed
+// point as matvec_experts (matvec_q at one token), so every pair's row is bitwise what matvec_experts gives it,
+// whatever the group, the pair's place in it or N.
 template <int T, int N, int RPW>
 __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_constant__ mv::Segments seg,
                                                               const int* __restrict__ order,
@@ -1121,11 +1195,9 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   __syncthreads();
   if (row0 >= rows) return;
 
-  float acc[RPW][N];
+  fx::Sum acc[N * RPW];  // (row r, pair t of the group) at t RPW + r
 #pragma unroll
-  for (int r = 0; r < RPW; ++r)
-#pragma unroll
-    for (int t = 0; t < N; ++t) acc[r][t] = 0.f;
+  for (int i = 0; i < N * RPW; ++i) acc[i] = fx::zero();
   for (int u = lane; u < units; u += 32) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
@@ -1145,18 +1217,19 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
         mv::Act<U::RUNS> a;
         mv::load_act(a, xq + at, xq1 + at, xs + (long long)arow[t] * halves, g, h);
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) acc[r][t] = __fadd_rn(acc[r][t], U::dot(w[r], a));
+        for (int r = 0; r < RPW; ++r) fx::add(acc[t * RPW + r], U::dot(w[r], a));
       }
     }
   }
-  mv::warp_sums<N, RPW>(acc);
+  using S = mv::Spread<N * RPW, 1>;
+  S::run(acc, lane);
   float* out = mv::pick(seg.out, s);
+  const int m0 = S::first(lane);
 #pragma unroll
-  for (int r = 0; r < RPW; ++r)
-#pragma unroll
-    for (int t = 0; t < N; ++t)
-      if (lane == ((r * N + t) & 31) && t < n && row0 + r < rows)
-        out[(long long)order[group.y + t] * rows + row0 + r] = acc[r][t];
+  for (int i = 0; i < S::KEEP; ++i) {
+    const int t = (m0 + i) / RPW, row = row0 + (m0 + i) % RPW;
+    if (S::writer(lane) && t < n && row < rows) out[(long long)order[group.y + t] * rows + row] = fx::value(acc[i]);
+  }
 }
 
 // Float weights: x float32 [act_rows, cols]; vec as matvec_f's (x rows and weight rows 16-byte aligned).
@@ -1244,11 +1317,12 @@ __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ 
 // MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
 // on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200.
 //
-// Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
-// increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
-// adds its warps' values in warp order; bias last. Which lane holds an accumulator depends on N, its sequence of
-// operations does not: a row's result is bitwise the same for every batch width. Numerics as matvec_q's (the same
-// activation planes and exact integer dots), summed in a different order.
+// Reduction (batch invariance). Each lane computes, for the (row, token, class) combinations it scales, matvec_q's
+// unit contributions c_u from the mma's exact integer sums (the same integers and unit_expr.cuh's expressions: a
+// Q4_K unit is one class of a 32-byte chunk, a Q6_K unit one class of a (h, m) step) and adds them in fixed point
+// (fixed_point.cuh) to one sum per (row, token) it holds; a warp's two classes of a (row, token) are added across
+// lanes, the warps' sums through shared memory (Parts), then the float, the deferred norm's factor, bias. Integer
+// sums: a row's result is bitwise matvec_q's, for every batch width, W and STAGES.
 
 namespace mv {
 
@@ -1257,6 +1331,15 @@ template <int TPT>
 __device__ __forceinline__ int combo_half(int ci, int j) { return TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1; }
 template <int TPT>
 __device__ __forceinline__ int combo_class(int ci, int j) { return TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1; }
+// Below 4 tokens, the class of B column g: what lane (g, j) supplies, the other class's half of k zero.
+template <int TPT>
+__device__ __forceinline__ int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
+
+// A lane's fixed-point sums of a column tile: one per m-row it scales (its combinations of both classes share it).
+template <int TPT>
+constexpr int SLOTS = TPT == 1 ? 1 : 2;
+template <int TPT>
+__device__ __forceinline__ int combo_slot(int ci) { return TPT == 1 ? 0 : TPT == 2 ? ci : ci >> 1; }
 
 // What a format's pair() reads: this lane's B columns (xb: offsets in xa per column tile) and scales (xt: the
 // scaled token's first ActScale in sa per column tile).
@@ -1268,14 +1351,18 @@ struct MmaAct {
 };
 
 // Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk
-// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) two mma.m16n8k32 per 4 tokens; lane (g, j)
-// supplies qs bytes 8j..8j+7; class = sub-block parity.
+// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) lane (g, j) supplies qs bytes 8j..8j+7 of the
+// low nibbles to one mma.m16n8k32 and of the high nibbles to another. Lanes j = 0, 1 hold the chunk's first 16
+// bytes, 2 and 3 its last: a matvec_q unit (16 bytes of qs, run 0 in the low nibbles, run 1 in the high) is the
+// class j / 2 of a chunk, and the two classes are told apart by the B columns as MmaQ6K's: below 4 tokens column g
+// holds only the activation bytes of its class's lanes (the others supply zeros), from 4 tokens on each mma is
+// issued once per class with the other class's lanes' B zero.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
   static constexpr int SB_BYTES = 144, SLOT = 144;  // SLOT: a superblock's bytes in the tiled layout (quant.cuh)
   static constexpr bool LINEAR = true;              // at(p) = ROW p
   template <int TPT>
-  __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
+  __device__ static int b_class(int) { return 0; }  // a lane's B bytes are its own k positions' in either class
 
   // Pair p's first byte in a row; whether both its superblocks exist (a row's last pair may hold one: the missing
   // one's pieces, past the first LOW of the row, are zero-filled).
@@ -1283,10 +1370,12 @@ struct MmaQ4K {
   __device__ static long long at(int p) { return (long long)p * ROW; }
   __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
-  // tiled: the stage's rows the same either way.
+  // tiled: the stage's rows the same either way. Each unit's contribution is matvec_q's ue::k45 of the same integers.
   template <int TILES, int TPT>
-  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j, bool) {
+  __device__ static void pair(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* stage, int p,
+                              int nsb, int g, int j, bool) {
+    const uint32_t keep = TPT < 4 && (j >> 1) != column_class<TPT>(g) ? 0u : ~0u;  // this lane's B, below 4 tokens
+    const uint32_t first = j < 2 ? ~0u : 0u;  // from 4 tokens: this lane's B in class 0's mma, else in class 1's
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int sb = 2 * p + q;
@@ -1294,17 +1383,21 @@ struct MmaQ4K {
       const uint8_t* blocks = stage + 144 * q;
       // Headers of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
       constexpr int H = TPT > 1 ? 2 : 1;
-      uint4 hd[H];
+      uint32_t hd[H][4];
       float d[H], dmin[H];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        hd[h] = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
-        d[h] = f16_lo(hd[h].x);
-        dmin[h] = f16_hi(hd[h].x);
+        const uint4 v = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
+        hd[h][0] = v.x; hd[h][1] = v.y; hd[h][2] = v.z; hd[h][3] = v.w;
+        d[h] = f16_lo(v.x);
+        dmin[h] = f16_hi(v.x);
       }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int grp = 8 * sb + 2 * c;  // the activation group of sub-block 2c
+        int sc[H][2], m[H][2];           // sub-blocks 2c and 2c + 1
+#pragma unroll
+        for (int h = 0; h < H; ++h) quant::k4_scales_mins(hd[h], c, sc[h], m[h]);
         const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
         const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
         const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
@@ -1313,36 +1406,31 @@ struct MmaQ4K {
         for (int nt = 0; nt < TILES; ++nt) {
           const uint2 blo = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp);
           const uint2 bhi = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp + 32);
-          int lo[4], hi[4];  // high nibbles in place: 16x their dots
-          tc::mma_16832_u8s8(lo, alo, blo.x, blo.y);
-          tc::mma_16832_u8s8(hi, ahi, bhi.x, bhi.y);
+          int lo[2][4], hi[2][4];  // per class (below 4 tokens [0] only); high nibbles in place: 16x their dots
+          if constexpr (TPT < 4) {
+            tc::mma_16832_u8s8(lo[0], alo, blo.x & keep, blo.y & keep);
+            tc::mma_16832_u8s8(hi[0], ahi, bhi.x & keep, bhi.y & keep);
+          } else {
+            tc::mma_16832_u8s8(lo[0], alo, blo.x & first, blo.y & first);
+            tc::mma_16832_u8s8(lo[1], alo, blo.x & ~first, blo.y & ~first);
+            tc::mma_16832_u8s8(hi[0], ahi, bhi.x & first, bhi.y & first);
+            tc::mma_16832_u8s8(hi[1], ahi, bhi.x & ~first, bhi.y & ~first);
+          }
+          const int2* act = reinterpret_cast<const int2*>(x.sa + x.xt[nt]);
 #pragma unroll
           for (int ci = 0; ci < TPT; ++ci) {
             const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-            const int q0 = cl ? (rh ? hi[2] : hi[0]) : (rh ? lo[2] : lo[0]);
-            const int q1 = cl ? (rh ? hi[3] : hi[1]) : (rh ? lo[3] : lo[1]);
-            const int dot = cl ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
-            int sc, m;
-            scale_min(hd[h], c, cl, sc, m);
-            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + grp + cl);  // {D, s0, D, s1}
-            const float f = __fmaf_rn(d[h], (float)(sc * dot), -__fmul_rn(dmin[h], (float)(m * (act.y + act.w))));
-            acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+            const int* dl = lo[TPT < 4 ? 0 : cl];
+            const int* dh = hi[TPT < 4 ? 0 : cl];
+            const int dot0 = 256 * dl[2 * rh] + dl[2 * rh + 1], dot1 = (256 * dh[2 * rh] + dh[2 * rh + 1]) >> 4;
+            const int2 a0 = act[2 * grp + cl], a1 = act[2 * grp + 2 + cl];  // {D, s} of the unit's runs
+            const float scdot[2] = {(float)(sc[h][0] * dot0), (float)(sc[h][1] * dot1)};
+            const float ms[2] = {(float)(m[h][0] * a0.y), (float)(m[h][1] * a1.y)};
+            const float ad[2] = {__int_as_float(a0.x), __int_as_float(a1.x)};
+            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::k45(d[h], dmin[h], scdot, ms, ad));
           }
         }
       }
-    }
-  }
-
-  // Sub-block 2c + p's 6-bit scale and min from a header (words: d | dmin, scales 0-3, 4-7, 8-11).
-  __device__ static void scale_min(const uint4& hd, int c, int p, int& sc, int& m) {
-    const int sh = 16 * (c & 1) + 8 * p;
-    if (c < 2) {
-      sc = (int)((hd.y >> sh) & 63u);
-      m = (int)((hd.z >> sh) & 63u);
-    } else {
-      const uint32_t b = hd.w >> sh;
-      sc = (int)((b & 0xFu) | ((((hd.y >> sh) >> 6) & 3u) << 4));
-      m = (int)(((b >> 4) & 0xFu) | ((((hd.z >> sh) >> 6) & 3u) << 4));
     }
   }
 };
@@ -1369,9 +1457,7 @@ struct MmaQ6K {
   __device__ static long long at(int p) { return (420LL * p) & ~15LL; }
   __device__ static bool full(int, long long) { return true; }
 
-  // Below 4 tokens, the class of B column g (what this lane supplies), and where its half of k starts.
-  template <int TPT>
-  __device__ static int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
+  // Below 4 tokens, where B column g's half of k starts (its class's sub-block).
   template <int TPT>
   __device__ static int b_class(int g) { return TPT < 4 ? 32 * column_class<TPT>(g) : 0; }
 
@@ -1407,19 +1493,21 @@ struct MmaQ6K {
 
   // tiled: the pair's superblocks at 0 and SLOT of the stage row, both on 8-byte boundaries (no realignment).
   template <int TILES, int TPT>
-  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j, bool tiled) {
+  __device__ static void pair(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* stage, int p,
+                              int nsb, int g, int j, bool tiled) {
     const uint8_t* first = stage + (tiled ? 0 : (4 * p) & 15);
-    pair_half<false>(acc, x, first, 2 * p, g, j);
+    pair_half<false, TILES, TPT>(acc, x, first, 2 * p, g, j);
     if (tiled)
-      pair_half<false>(acc, x, first + SLOT, 2 * p + 1, g, j);
+      pair_half<false, TILES, TPT>(acc, x, first + SLOT, 2 * p + 1, g, j);
     else
-      pair_half<true>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
+      pair_half<true, TILES, TPT>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
   }
 
+  // matvec_q's unit of class cl in (h, m) (16 bytes of ql: k = 4h + m + 2cl) is runs r = 0 and 1, sub-blocks
+  // 8h + m + 2cl + 4r: the unit's contribution is ue::q6k of the two runs' integers, as matvec_q's.
   template <bool ODD, int TILES, int TPT>
-  __device__ static void pair_half(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* blocks, int sb,
-                                   int g, int j) {
+  __device__ static void pair_half(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* blocks,
+                                   int sb, int g, int j) {
     // d of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
     constexpr int H = TPT > 1 ? 2 : 1;
     float d[H];
@@ -1438,32 +1526,37 @@ struct MmaQ6K {
         uint32_t wa[4], wb[4];  // m-rows g and g + 8
         unit<ODD>(wa, blocks + g * ROW, hf, m, j);
         unit<ODD>(wb, blocks + (g + 8) * ROW, hf, m, j);
+        const uint32_t a[2][4] = {{wa[0], wb[0], wa[1], wb[1]}, {wa[2], wb[2], wa[3], wb[3]}};  // run r's k
+        const int c = 8 * hf + m;  // run 0's sub-block in class 0
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t a[4] = {wa[2 * r], wb[2 * r], wa[2 * r + 1], wb[2 * r + 1]};
-          const int c = 8 * hf + m + 4 * r;  // k 0-15's sub-block; k 16-31's is c + 2
+        for (int nt = 0; nt < TILES; ++nt) {
+          int dots[2][2][4];  // per run, per class: rows g, g + 8 x planes 0, 1 (below 4 tokens dots[r][0] only)
 #pragma unroll
-          for (int nt = 0; nt < TILES; ++nt) {
-            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * c;
-            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (from 4 tokens on; below, dots[0] only)
+          for (int r = 0; r < 2; ++r) {
+            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * (c + 4 * r);
             if constexpr (TPT < 4) {
               const uint32_t b = *reinterpret_cast<const uint32_t*>(bx);
-              tc::mma_16832_u8s8(dots[0], a, cs ? 0u : b, cs ? b : 0u);
+              tc::mma_16832_u8s8(dots[r][0], a[r], cs ? 0u : b, cs ? b : 0u);
             } else {
-              tc::mma_16832_u8s8(dots[0], a, *reinterpret_cast<const uint32_t*>(bx), 0u);
-              tc::mma_16832_u8s8(dots[1], a, 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
+              tc::mma_16832_u8s8(dots[r][0], a[r], *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(dots[r][1], a[r], 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
             }
+          }
 #pragma unroll
-            for (int ci = 0; ci < TPT; ++ci) {
-              const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-              const int* dt = dots[TPT < 4 ? 0 : cl];
-              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1];
-              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + c + 2 * cl];  // {D, s}
+          for (int ci = 0; ci < TPT; ++ci) {
+            const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
+            float i[2], ad[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int* dt = dots[r][TPT < 4 ? 0 : cl];
+              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1], sub = c + 2 * cl + 4 * r;
+              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + sub];  // {D, s}
               // |256 q0 + q1 - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
-              const int sc = reinterpret_cast<const int8_t*>(scales[h])[c + 2 * cl];
-              const float f = __fmul_rn(d[h], (float)(sc * (256 * q0 + q1 - 32 * act.y)));
-              acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+              const int sc = reinterpret_cast<const int8_t*>(scales[h])[sub];
+              i[r] = (float)(sc * (256 * q0 + q1 - 32 * act.y));
+              ad[r] = __int_as_float(act.x);
             }
+            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::q6k(d[h], i, ad));
           }
         }
       }
@@ -1620,13 +1713,13 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
 // A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
 // issued by the caller, before its PDL wait).
 template <class F, int STAGES, int STAGE, int TILES, int TPT, class Copy>
-__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const Copy& copy, uint8_t* ring, int p0,
-                                           int count, long long row_bytes, const MmaAct<TILES>& x, int nsb, int g,
-                                           int j, int lane) {
+__device__ __forceinline__ void mma_stream(fx::Sum (&acc)[TILES][SLOTS<TPT>], const Copy& copy, uint8_t* ring,
+                                           int p0, int count, long long row_bytes, const MmaAct<TILES>& x, int nsb,
+                                           int g, int j, int lane) {
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
-    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
+    for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[nt][sl] = fx::zero();
   for (int i = 0; i < count; ++i) {
     tc::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
@@ -1645,15 +1738,38 @@ __device__ __forceinline__ void warp_pairs(int w, int nsb, int& p0, int& count) 
   count = (w + 1) * pairs / W - p0;
 }
 
-// m-row mr of token t from the W warps' partial sums: each warp's class 0 + class 1, added in warp order (the
-// reduction order every matvec_mma kernel shares).
+// The W warps' fixed-point sums of a tile's 16 m-rows per token, in shared memory for the block's epilogue.
 template <int W, int N>
-__device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], int t, int mr) {
-  float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
+struct Parts {
+  long long v[W][N][16];
+  float probe[W][N][16];
+
+  // Warp w's sums (acc[nt][slot], its lanes' as the formats' combinations hold them): below 4 tokens a (row, token)'s
+  // two classes lie in lanes j and j ^ (TPT == 1 ? 1 : 2), added first; the class-0 lane keeps the sum.
+  template <int TILES, int TPT>
+  __device__ __forceinline__ void keep(int w, const fx::Sum (&acc)[TILES][SLOTS<TPT>], int g, int j) {
 #pragma unroll
-  for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
-  return v;
-}
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+      for (int sl = 0; sl < SLOTS<TPT>; ++sl) {
+        fx::Sum s = acc[nt][sl];
+        if constexpr (TPT < 4) fx::add(s, shfl_xor(s, TPT == 1 ? 1 : 2));
+        const int t = 4 * nt + j % TPT, mr = g + 8 * (TPT == 1 ? j >> 1 : sl);
+        if (TPT == 4 || combo_class<TPT>(0, j) == 0) {
+          v[w][t][mr] = s.v;
+          probe[w][t][mr] = s.probe;
+        }
+      }
+  }
+
+  // m-row mr of token t: the warps' sums added (in any order: the same bits).
+  __device__ __forceinline__ float value(int t, int mr) const {
+    fx::Sum s = fx::zero();
+#pragma unroll
+    for (int w = 0; w < W; ++w) fx::add(s, fx::Sum{v[w][t][mr], probe[w][t][mr]});
+    return fx::value(s);
+  }
+};
 
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
 // may start before the PDL wait, overlapping what runs before.
@@ -1712,7 +1828,7 @@ struct TileWork {
 
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, const Rope& rope, int deferred, const float* inv_rms,
-                                       int s, uint8_t* rings, float (&part)[W][2][N][16], const Group& gr) const {
+                                       int s, uint8_t* rings, Parts<W, N>& part, const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = pick(seg.rows, s);
     float* out = pick(seg.out, s);
@@ -1730,20 +1846,16 @@ struct TileWork {
     static_assert(!ROPE || 8 * N <= 32 * W, "a rotation pair a thread");
     const RopePairIn pair_in =
         pair_live ? rope_pair_in(pair_t, bias, row_of(m0), row_of(m1), role, rope) : RopePairIn{0.f, 0.f, 0.f, 0, -1};
-    float acc[TILES][TPT];
-    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
+    fx::Sum acc[TILES][SLOTS<TPT>];
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
                                  j, lane);
-#pragma unroll
-    for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-      for (int ci = 0; ci < TPT; ++ci)
-        part[warp][combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[nt][ci];
+    part.template keep<TILES, TPT>(warp, acc, g, j);
     gr.sync();
     TRACE_MARK(4);
 
     // m-row mr of token t (times a deferred norm's factor).
     auto total = [&](int mr, int t) {
-      const float v = warps_total(part, t, mr);
+      const float v = part.value(t, mr);
       return deferred ? __fmul_rn(v, inv_rms[t]) : v;
     };
     if constexpr (!ROPE) {
@@ -1774,7 +1886,7 @@ template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
-                                         float (&part)[W][2][N][16]) {
+                                         mv::Parts<W, N>& part) {
   using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -1810,7 +1922,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   using F = mv::MmaFormat<T>;
   using F2 = mv::MmaFormat<T2>;
   constexpr int STAGE = 16 * (F::ROW > F2::ROW ? F::ROW : F2::ROW);
-  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<W, N> part;
   const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
     if (st.x == 2) {  // its rows are those of its own type (GGUF rows, or tiled)
@@ -1835,9 +1947,8 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // waves: 2,500). Warp w streams pairs w, w + 4, ... of tile 0, then of tile 1, ... through its ring, so that the
 // block's warps read neighbouring pieces of the same rows at a time: with each warp walking its own tile's whole rows
 // (pieces 2.3 KB apart in each row at a time) the step took 53.1 us longer (8 alternations, every pair).
-// Reduction order: per (row, token), each warp sums its pairs' contributions per class in order, class 0 + class 1;
-// the warps' values are added in warp order, bias last; independent of n. Then SwiGLU as the swiglu kernel computes
-// it, and the same quantization.
+// Reduction: matvec_mma's (fixed point: gate and up bitwise matvec's rows), the deferred norm's factor, bias. Then
+// SwiGLU as the swiglu kernel computes it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
 // for a deferred norm's sums); rows % 32 == 0.
 namespace mv {
@@ -1884,7 +1995,7 @@ struct GluWork {
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, int8_t* __restrict__ yq, ActScale* __restrict__ ys,
                                        int deferred, const float* inv_rms, int block, uint8_t* rings,
-                                       float (&part)[4][W][2][N][16], const Group& gr) const {
+                                       Parts<W, N> (&part)[4], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = seg.rows[0], nsb = cols / 256;
     uint8_t* ring = rings + warp * STAGES * STAGE;
@@ -1895,14 +2006,10 @@ struct GluWork {
         next.k = 0;
         next.shift += tile_bytes(row_bytes);
       }
-    float acc[TILES][TPT];
-    auto keep = [&](int q) {  // this warp's sums of tile q
+    fx::Sum acc[TILES][SLOTS<TPT>];
+    auto keep = [&](int q) { part[q].template keep<TILES, TPT>(warp, acc, g, j); };  // this warp's sums of tile q
 #pragma unroll
-      for (int ci = 0; ci < TPT; ++ci)
-        part[q][warp][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
-    };
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+    for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[0][sl] = fx::zero();
     if (count == 0)  // fewer pairs than warps: this one adds zeros
       for (int q = 0; q < 4; ++q) keep(q);
     for (int item = 0, q = 0, k = 0; item < items; ++item) {
@@ -1915,7 +2022,7 @@ struct GluWork {
         keep(q++);
         k = 0;
 #pragma unroll
-        for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+        for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[0][sl] = fx::zero();
       }
     }
     gr.sync();
@@ -1924,7 +2031,7 @@ struct GluWork {
     // Warp t: token t's 32 outputs, lane l the row 32 block + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
     if (warp < n) {
       const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * block + lane;
-      float gate = warps_total(part[q], t, i), up = warps_total(part[q], t, i + 8);
+      float gate = part[q].value(t, i), up = part[q].value(t, i + 8);
       if (deferred) {
         gate = __fmul_rn(gate, inv_rms[t]);
         up = __fmul_rn(up, inv_rms[t]);
@@ -1950,7 +2057,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::GluWork<F, N, STAGES>;
-  __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<Work::W, N> part[4];  // per tile
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
@@ -1979,8 +2086,8 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // llama-3.1-8b's two norms on the H200 (scripts/ab_skip_ops.py).
 //
 // Blocks. Two tiles of 16 rows (32 rows: one activation group, which the block quantizes itself) of W warps each,
-// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row's sum, and so
-// the residual, is bitwise that launch's plus the residual. grid rows / 32, block 64 W, dynamic shared memory
+// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does; each row's sum is a
+// fixed-point sum, bitwise matvec's, and the residual that plus the residual. grid rows / 32, block 64 W, dynamic shared memory
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 namespace mv {
 
@@ -2011,22 +2118,20 @@ struct NormWork {
                                        long long row_bytes, float r, float* __restrict__ residual,
                                        const float* __restrict__ norm_weight, int8_t* __restrict__ yq,
                                        ActScale* __restrict__ ys, float* __restrict__ norm_ss, int block,
-                                       uint8_t* rings, float (&part)[2][W][2][N][16], const Group& gr) const {
+                                       uint8_t* rings, Parts<W, N> (&part)[2], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int half = warp / W, wi = warp % W, rows = seg.rows[0];
     const float weight = warp < n ? __ldg(norm_weight + 32 * block + lane) : 0.f;  // before the stream (TileWork)
-    float acc[TILES][TPT];
-    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
+    fx::Sum acc[TILES][SLOTS<TPT>];
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
                                  lane);
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci)
-      part[half][wi][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
+    part[half].template keep<TILES, TPT>(wi, acc, g, j);
     gr.sync();
     TRACE_MARK(4);
 
     if (warp < n) {
       const int t = warp, h = lane >> 4, mr = lane & 15, row = 32 * block + lane;
-      r = __fadd_rn(r, warps_total(part[h], t, mr));  // matvec_mma's sum
+      r = __fadd_rn(r, part[h].value(t, mr));  // matvec_mma's sum
       residual[(long long)t * rows + row] = r;
       float ss = __fmul_rn(r, r);
 #pragma unroll
@@ -2052,7 +2157,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::NormWork<F, N, W, STAGES>;
-  __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<W, N> part[2];  // per tile
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
