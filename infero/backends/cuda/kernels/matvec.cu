@@ -1530,33 +1530,34 @@ struct MmaQ6K {
         const int c = 8 * hf + m;  // run 0's sub-block in class 0
 #pragma unroll
         for (int nt = 0; nt < TILES; ++nt) {
-          int dots[2][2][4];  // per run, per class: rows g, g + 8 x planes 0, 1 (below 4 tokens dots[r][0] only)
+          float i[TPT][2], ad[TPT][2];  // per combination, run r's (float)(sc (dot - 32 s)) and D
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
+          for (int r = 0; r < 2; ++r) {  // run 0's floats formed before run 1's mma: fewer registers live
+            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (below 4 tokens dots[0] only)
             const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * (c + 4 * r);
             if constexpr (TPT < 4) {
               const uint32_t b = *reinterpret_cast<const uint32_t*>(bx);
-              tc::mma_16832_u8s8(dots[r][0], a[r], cs ? 0u : b, cs ? b : 0u);
+              tc::mma_16832_u8s8(dots[0], a[r], cs ? 0u : b, cs ? b : 0u);
             } else {
-              tc::mma_16832_u8s8(dots[r][0], a[r], *reinterpret_cast<const uint32_t*>(bx), 0u);
-              tc::mma_16832_u8s8(dots[r][1], a[r], 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
+              tc::mma_16832_u8s8(dots[0], a[r], *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(dots[1], a[r], 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
             }
-          }
 #pragma unroll
-          for (int ci = 0; ci < TPT; ++ci) {
-            const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-            float i[2], ad[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int* dt = dots[r][TPT < 4 ? 0 : cl];
+            for (int ci = 0; ci < TPT; ++ci) {
+              const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
+              const int* dt = dots[TPT < 4 ? 0 : cl];
               const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1], sub = c + 2 * cl + 4 * r;
               const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + sub];  // {D, s}
               // |256 q0 + q1 - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
               const int sc = reinterpret_cast<const int8_t*>(scales[h])[sub];
-              i[r] = (float)(sc * (256 * q0 + q1 - 32 * act.y));
-              ad[r] = __int_as_float(act.x);
+              i[ci][r] = (float)(sc * (256 * q0 + q1 - 32 * act.y));
+              ad[ci][r] = __int_as_float(act.x);
             }
-            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::q6k(d[h], i, ad));
+          }
+#pragma unroll
+          for (int ci = 0; ci < TPT; ++ci) {
+            const int h = H > 1 ? combo_half<TPT>(ci, j) : 0;
+            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::q6k(d[h], i[ci], ad[ci]));
           }
         }
       }
