@@ -63,7 +63,8 @@
 //
 // Speed on the H200 (n = 1, scripts/bench_matvec.py, docs/performance.md): 2.3-2.6 TB/s of weights on the large
 // Q4_K matrices, 2.2 on Q6_K 4096x14336, 3.1-3.5 on the vocabulary heads, 1.2-1.7 on matrices of one wave or
-// less (latency-bound: few loads in flight per SM). Q4_K: 160 SASS instructions per 2 rows x 32 weights.
+// less (latency-bound: few loads in flight per SM), measured with float sums. Q4_K: 167 SASS instructions per 2 rows
+// x 32 weights (160 with float sums, before 031e47e).
 
 #include "pdl.cuh"
 #include "trace.cuh"
@@ -1315,7 +1316,10 @@ __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ 
 // stage rows, copies, fragments and scales). A first Q6_K policy gave each 16-weight run its own mma.m16n8k16 and
 // scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
 // MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
-// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200.
+// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200. Those were float sums: with matvec_q's unit
+// expressions in fixed point (031e47e) the stream loop of matvec_mma<12, 1, 4, 2> went from 866 to 1,093 SASS
+// instructions a superblock pair (twice the float work: a Q4_K sub-block is two units), <14, 1, 4, 3>'s from 1,367
+// to 1,480; not yet timed on the GPU.
 //
 // Reduction (batch invariance). Each lane computes, for the (row, token, class) combinations it scales, matvec_q's
 // unit contributions c_u from the mma's exact integer sums (the same integers and unit_expr.cuh's expressions: a
