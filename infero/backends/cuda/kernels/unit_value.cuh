@@ -18,11 +18,13 @@
 //   IQ4_XS  w = kvalues[q]       S = 1          A = d (ls - 32)     B = 0           M = 0
 //   Q4_K    w = q (0..15)        S = 1          A = d sc            B = -dmin m     M = s
 //   Q5_K    w = q (0..31)        S = 1          A = d sc            B = -dmin m     M = s
-//   Q6_K    w = q (0..63)        S_r = sc_r     A = d               B = -32 d       M = sum_r sc_r s_r
-//   Q3_K    w = q (0..7)         S_r = sc_r-32  A = d               B = -4 d        M = sum_r (sc_r - 32) s_r
+//   Q6_K    w = q - 32 (-32..31) S_r = sc_r     A = d               B = 0           M = 0
+//   Q3_K    w = q - 4 (-4..3)    S_r = sc_r-32  A = d               B = 0           M = 0
 //   Q2_K    w = q (0..3)         S_r = sc_r     A = d               B = -dmin       M = sum_r m_r s_r
 // (s: the unit's sum of 256 q0 + q1, s_r a run's; sc, m: the sub-block's scale and min as the format stores them;
-// Q3_K's q is its two low bits plus 4 times its high bit.) |I_p| < 2^24 for every type, so (float)I_p is exact.
+// Q3_K's q is its two low bits plus 4 times its high bit.) |I_p| < 2^24 for every type (the largest, Q6_K's:
+// 2 runs x 16 x 32 x 127 x 128 = 16,646,144) and |M| < 2^24 (Q2_K's: 2 x 15 x 16 x 32639), so (float)I_p and
+// (float)M are exact. Q6_K and Q3_K take their offsets into w: with w = q, I_p reaches 2^25 and M 2^27.
 // The unit's value:
 //   c = D * (A * T + B * M),   T = 256 I_0 + I_1 rounded once   (value() below, explicit _rn: no contraction)
 // Spans. The units of columns [256 k, 256 k + 256) form span k (a row's last span may hold fewer: absent units
