@@ -129,8 +129,9 @@ _GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _I, ctypes.c_float)
 _NORM_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _P, _P, _P)
 # Widest row whose deferred norm a reader takes (matvec.cu's NORM_LOADS groups of 32 per lane).
 NORM_MAX_COLS = 8 * 32 * 32
-# Static shared memory of matvec_mma's partial sums (mv::Parts: 16 m-rows' int64 sums and probes), per warp and token.
-_MMA_PART_BYTES = 192
+# Static shared memory of matvec_mma's partial sums (mv::Parts: 16 m-rows' int64 sums and NaN bytes), per warp and
+# token.
+_MMA_PART_BYTES = 144
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma

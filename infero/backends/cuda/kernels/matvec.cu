@@ -1426,7 +1426,8 @@ struct MmaQ4K {
             const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
             const int* dl = lo[TPT < 4 ? 0 : cl];
             const int* dh = hi[TPT < 4 ? 0 : cl];
-            const int dot0 = 256 * dl[2 * rh] + dl[2 * rh + 1], dot1 = (256 * dh[2 * rh] + dh[2 * rh + 1]) >> 4;
+            const int dot0 = rh ? 256 * dl[2] + dl[3] : 256 * dl[0] + dl[1];  // selects: an index would go to memory
+            const int dot1 = (rh ? 256 * dh[2] + dh[3] : 256 * dh[0] + dh[1]) >> 4;
             const int2 a0 = act[2 * grp + cl], a1 = act[2 * grp + 2 + cl];  // {D, s} of the unit's runs
             const float scdot[2] = {(float)(sc[h][0] * dot0), (float)(sc[h][1] * dot1)};
             const float ms[2] = {(float)(m[h][0] * a0.y), (float)(m[h][1] * a1.y)};
@@ -1743,11 +1744,13 @@ __device__ __forceinline__ void warp_pairs(int w, int nsb, int& p0, int& count) 
   count = (w + 1) * pairs / W - p0;
 }
 
-// The W warps' fixed-point sums of a tile's 16 m-rows per token, in shared memory for the block's epilogue.
+// The W warps' fixed-point sums of a tile's 16 m-rows per token, in shared memory for the block's epilogue: each
+// sum's int64 and whether its probe is NaN (a byte: 144 bytes a warp and token, where 192 with the float probes put
+// the widest Q4_K rows on the H200, 31232 columns, past its shared memory at two tokens).
 template <int W, int N>
 struct Parts {
   long long v[W][N][16];
-  float probe[W][N][16];
+  bool nan[W][N][16];
 
   // Warp w's sums (acc[nt][slot], its lanes' as the formats' combinations hold them): below 4 tokens a (row, token)'s
   // two classes lie in lanes j and j ^ (TPT == 1 ? 1 : 2), added first; the class-0 lane keeps the sum.
@@ -1762,16 +1765,19 @@ struct Parts {
         const int t = 4 * nt + j % TPT, mr = g + 8 * (TPT == 1 ? j >> 1 : sl);
         if (TPT == 4 || combo_class<TPT>(0, j) == 0) {
           v[w][t][mr] = s.v;
-          probe[w][t][mr] = s.probe;
+          nan[w][t][mr] = s.probe != s.probe;
         }
       }
   }
 
-  // m-row mr of token t: the warps' sums added (in any order: the same bits).
+  // m-row mr of token t: the warps' sums added (in any order: the same bits; a NaN probe is the GPU's one NaN).
   __device__ __forceinline__ float value(int t, int mr) const {
     fx::Sum s = fx::zero();
 #pragma unroll
-    for (int w = 0; w < W; ++w) fx::add(s, fx::Sum{v[w][t][mr], probe[w][t][mr]});
+    for (int w = 0; w < W; ++w) {
+      s.v += v[w][t][mr];
+      if (nan[w][t][mr]) s.probe = __int_as_float(0x7FFFFFFF);
+    }
     return fx::value(s);
   }
 };
