@@ -56,4 +56,20 @@ __device__ __forceinline__ float span_of_lanes(float c) {
   return __fadd_rn(c, __shfl_xor_sync(0xFFFFFFFFu, c, 4));
 }
 
+// The same tree walked by one thread over a span's units in column order with three partials: span_step(p, c_k, k)
+// for k = 0, ..., 7 (k a constant of an unrolled loop); after k = 7, p[0] is span()'s value.
+__device__ __forceinline__ void span_step(float (&p)[3], float c, int k) {
+  if (k == 0 || k == 2 || k == 4 || k == 6) {
+    p[k == 0 ? 0 : k == 6 ? 2 : 1] = c;
+  } else {
+    const int i = k == 1 ? 0 : k == 7 ? 2 : 1;
+    p[i] = __fadd_rn(p[i], c);
+    if (k == 3) p[0] = __fadd_rn(p[0], p[1]);
+    if (k == 7) {
+      p[1] = __fadd_rn(p[1], p[2]);
+      p[0] = __fadd_rn(p[0], p[1]);
+    }
+  }
+}
+
 }  // namespace uv
