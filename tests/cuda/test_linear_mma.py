@@ -2,10 +2,11 @@
 
 1. Bitwise the mat-vec: every row of an n-token launch is the bits the mat-vec (matvec_q, or matvec_mma where it
    takes a tiled Q4_K / Q6_K matrix) gives the same token in 16-token slices: both follow the linear-layer
-   definition (fixed-point sums of matvec_q's unit contributions), whatever the tiles or splits of either kernel.
+   definition (unit_value.cuh: per-unit values, span trees, spans in fixed point), whatever the tiles or splits of
+   either kernel.
    The two kernels are compared with each other, never with bits recorded from one of them.
 2. Against float64 numpy: x as the kernel sees it (quantize_like_kernel's two planes) times gguf's dequantized
-   weights; only fp32 rounding of the unit expressions and one rounding of the sum remain (bound 1e-5, as the
+   weights; only fp32 rounding of the unit values and span trees and one rounding of the sum remain (bound 1e-5, as the
    mat-vec's).
 3. A deferred norm's factor: with norm_ss given, every output is the plain output times 1 / rms (formed as the
    mat-vec forms it, emulated in float32 here), then + bias.

@@ -22,8 +22,7 @@ STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
 NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 256
 MAX_SPLITS = 16
-_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # mma_units.cuh's Policy<T>::PIECES
-_EXTRA = (14, 8)  # types staging a word a (unit, row)
+_PIECES = {12: 9, 13: 11, 14: 14, 8: 17}  # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
 
 runtime.declare(SOURCE, ["linear_mma_finish"])
 for _t in TYPES:
@@ -50,8 +49,7 @@ def grid_of(n: int) -> tuple[int, int]:
 def shared_bytes(ggml_type: int, n: int) -> int:
     """Dynamic shared memory: two stage buffers of activations and scales (640 bytes a token) and weight pieces."""
     wr, wt = grid_of(n)
-    rows = 16 * wr
-    return 2 * (640 * 32 * wt + 8 * rows * (16 * _PIECES[ggml_type] + (4 if ggml_type in _EXTRA else 0)))
+    return 2 * (640 * 32 * wt + 16 * _PIECES[ggml_type] * 16 * wr)
 
 
 @functools.lru_cache(maxsize=1024)

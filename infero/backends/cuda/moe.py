@@ -225,8 +225,7 @@ class ExpertMats(ctypes.Structure):
 
 def _allow_shared(fn, shared: int) -> None:
     """Opt fn in to `shared` bytes of dynamic shared memory where that passes the default 48 KiB (moe_sort and the
-    routing moe_router keep 16 bytes an expert: past 3,072 experts; matvec_experts_mma's two chunks of 2,048 columns
-    from 32 pairs)."""
+    routing moe_router keep 16 bytes an expert: past 3,072 experts; matvec_experts_mma's two stages of 64 pairs)."""
     if shared > _shared_allowed.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _shared_allowed[fn] = shared
@@ -283,16 +282,14 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
     driver.launch(fn, grid, (32 * per_block,), args, _GROUPED_ARGS, stream, pdl=True)
 
 
-_MMA_PIECES = {12: 2, 13: 3, 14: 2, 8: 2}  # 16-byte pieces matvec_experts_mma stages a (unit, row): mu::Policy
+_MMA_PIECES = {12: 9, 13: 11, 14: 14, 8: 17}  # 16-byte pieces matvec_experts_mma stages a (stage, row): mu::Policy
 
 
 def mma_shared(ggml_type: int, group: int, cols: int) -> int:
-    """matvec_experts_mma's dynamic shared memory: two buffers of a chunk of ceil(cols / 256) units, each unit with
-    its activations and scales (80 bytes a pair) and its weights (the format's pieces, and for Q6_K / Q8_0 a word, a
-    row)."""
+    """matvec_experts_mma's dynamic shared memory: two buffers of a stage (256 columns), each with the pairs'
+    activations and scales (640 bytes a pair) and the rows' weights (the format's pieces a row)."""
     rows = 16 * MMA_WARPS // (group // 16)
-    extra = 4 * rows if ggml_type in (14, 8) else 0
-    return 2 * -(-cols // 256) * (80 * group + 16 * _MMA_PIECES[ggml_type] * rows + extra)
+    return 2 * (640 * group + 16 * _MMA_PIECES[ggml_type] * rows)
 
 
 def _grouped_mma(outs, mats, grouping: Grouping, per_token: int, stream: driver.Stream, quantized) -> None:

@@ -1,9 +1,9 @@
 // linear_mma: a linear layer out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias) on the int8 tensor
 // cores for steps of more than the mat-vec's 16 tokens (prefill chunks, batched decode, mixed steps), types Q4_K,
-// Q5_K, Q6_K, Q8_0. Every output is the linear-layer definition's (docs/kernels.md, rule 2): fx::value of the
-// fixed-point sum over the row's units of each unit's fp32 contribution (mma_units.cuh: bitwise mv::Unit<T>::dot),
-// times a deferred norm's 1 / rms where the activation carries one, then + bias (__fadd_rn): bitwise what matvec_q
-// gives the token alone, whatever n, the token's place or the split of the units below.
+// Q5_K, Q6_K, Q8_0. Every output is the linear-layer definition's (unit_value.cuh; docs/kernels.md, rule 2): fx::value
+// of the fixed-point sum of the row's span values (mma_units.cuh), times a deferred norm's 1 / rms where the
+// activation carries one, then + bias (__fadd_rn): bitwise what the mat-vec gives the token alone, whatever n, the
+// token's place or the split of the spans below.
 //
 // Layouts. W: GGUF rows [rows, row_bytes], or for Q4_K / Q6_K with `tiled` quant.cuh's tiled layout. The activation:
 // act_quant.cuh's planes xq [2, n, cols] and scales xs [n, cols / 16] (matvec.quantize, or a fused writer); with
@@ -12,12 +12,12 @@
 //
 // Blocks: 8 warps, WR x WT of them, a warp 16 rows x 32 tokens (8 column tiles of 4 tokens, two planes each), a
 // block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py). grid: (row tiles, token tiles,
-// splits); split z takes a contiguous range of the row's stages (256 columns: 8 units), so narrow matrices still
+// splits); split z takes a contiguous range of the row's stages (256 columns: a span), so narrow matrices still
 // fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through shared memory,
 // two buffers: stage s + 1 is copied by cp.async (Q4_K / Q5_K pieces too; Q6_K's and Q8_0's 2-byte aligned pieces
 // are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one barrier a
-// stage. Each A fragment (16 rows of a unit) feeds 8 column tiles, so the per-(output, unit) epilogue (the unit
-// expression and fx::add) sets the pace. One split: outputs written directly; more: each block writes its int64
+// stage. Each A fragment (16 rows of a unit) and its A, B feed 8 column tiles; the per-(output, unit) work (two
+// exact floats, uv::value, a tree add) sets the pace, fx::add once a span. One split: outputs written directly; more: each block writes its int64
 // sums and probes to part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
@@ -25,7 +25,7 @@
 
 namespace lm {
 
-constexpr int THREADS = 256, KU = 8, NT = 8;  // threads a block; units a stage; column tiles a warp
+constexpr int THREADS = 256, NT = 8;  // threads a block; column tiles a warp
 
 // RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
 // sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
@@ -48,12 +48,12 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
                const float* __restrict__ norm_ss, float norm_eps, const float* __restrict__ bias, int n, int rows,
                int cols, long long row_bytes, int tiled, int splits) {
   using P = mu::Policy<T>;
-  constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = lm::KU, NT = lm::NT;
+  constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = mu::KU, NT = lm::NT;
   static_assert(WR * WT * 32 == lm::THREADS, "8 warps");
-  // A buffer: activations [KU][2 runs][TOK][2 planes][16], scales [KU][TOK][2 runs], weight pieces
-  // [KU][PIECES][ROWS][16], words [KU][ROWS] (linear_mma.shared_bytes).
-  constexpr int ACT_BYTES = 640 * TOK, BUF_BYTES = ACT_BYTES + KU * ROWS * (16 * P::PIECES + (P::EXTRA ? 4 : 0));
-  constexpr int PC = KU * P::PIECES * ROWS / lm::THREADS, XC = KU * ROWS / lm::THREADS;  // register-path loads a thread
+  // A buffer: activations [KU][2 halves][TOK][2 planes][16], scales [KU][TOK][2 halves], weight pieces
+  // [PIECES][ROWS][16] (linear_mma.shared_bytes).
+  constexpr int ACT_BYTES = 640 * TOK, BUF_BYTES = ACT_BYTES + 16 * P::PIECES * ROWS;
+  constexpr int PC = (P::PIECES * ROWS + lm::THREADS - 1) / lm::THREADS;  // register-path loads a thread
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[TOK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
@@ -64,11 +64,12 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   const int8_t* xq1 = xq + (long long)n * cols;
   const bool active = tb < live;
 
-  auto weight_block = [&](int r, int u) {
-    return mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, tiled);
+  auto stage_of = [&](int r, int st) {
+    return mu::stage_at<T>(weight, min(row0 + r, rows - 1), st, row_bytes, tiled);
   };
-  // Stage st's cp.async copies into buffer b: the activation slices, their scales and (ASYNC) the weight pieces.
-  // Tokens past the step's end are not copied: the columns of a live tile that read them are never written.
+  // Stage st's cp.async copies into buffer b: the activation slices, their scales (a unit's two halves at once) and
+  // (ASYNC) the weight pieces. Tokens past the step's end are not copied: the columns of a live tile that read them
+  // are never written.
   auto issue = [&](int st, int b) {
     const int u0 = st * KU;
     uint8_t* sb = smem + b * BUF_BYTES;
@@ -76,47 +77,35 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     for (int i = tid; i < 4 * KU * TOK; i += lm::THREADS) {
       const int plane = i & 1, p = (i >> 1) % TOK, kr = (i >> 1) / TOK;
       const int8_t* plane_row = (plane ? xq1 : xq) + (long long)(tok0 + p) * cols;
-      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 16 * P::act(u0 + (kr >> 1), kr & 1));
+      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 32 * u0 + 16 * kr);
     }
-    for (int i = tid; i < 2 * KU * TOK; i += lm::THREADS) {
-      const int p = (i >> 1) % TOK;
-      const ActScale* scale_row = xs + (long long)(tok0 + p) * (cols / 16);
-      if (p < live) tc::cp_async<8>(ss + i, scale_row + P::act(u0 + (i >> 1) / TOK, i & 1));
+    for (int i = tid; i < KU * TOK; i += lm::THREADS) {
+      const int p = i % TOK;
+      if (p < live) tc::cp_async<16>(ss + 2 * i, xs + (long long)(tok0 + p) * (cols / 16) + 2 * (u0 + i / TOK));
     }
     if constexpr (P::ASYNC) {
       uint8_t* sa = sb + ACT_BYTES;
-      for (int i = tid; i < KU * P::PIECES * ROWS; i += lm::THREADS) {
-        const int r = i % ROWS, kp = i / ROWS, u = u0 + kp / P::PIECES;
-        tc::cp_async<16>(sa + 16 * i, P::piece_at(weight_block(r, u), mu::place<T>(u), kp % P::PIECES));
-      }
+      for (int i = tid; i < P::PIECES * ROWS; i += lm::THREADS)
+        tc::cp_async<16>(sa + 16 * i, P::piece_at(stage_of(i % ROWS, st), i / ROWS));
     }
   };
-  // The register path (!ASYNC): stage st's pieces and words loaded into held / heldx, then stored into buffer b.
+  // The register path (!ASYNC): stage st's pieces loaded into held, then stored into buffer b.
   uint4 held[P::ASYNC ? 1 : PC];
-  uint32_t heldx[P::ASYNC ? 1 : XC];
   auto load = [&](int st) {
     if constexpr (!P::ASYNC) {
-      const int u0 = st * KU;
 #pragma unroll
       for (int q = 0; q < PC; ++q) {
-        const int i = tid + q * lm::THREADS, r = i % ROWS, kp = i / ROWS, u = u0 + kp / P::PIECES;
-        held[q] = P::piece(weight_block(r, u), mu::place<T>(u), kp % P::PIECES);
-      }
-#pragma unroll
-      for (int q = 0; q < XC; ++q) {
-        const int i = tid + q * lm::THREADS, u = u0 + i / ROWS;
-        heldx[q] = P::extra(weight_block(i % ROWS, u), mu::place<T>(u));
+        const int i = tid + q * lm::THREADS;
+        if (i < P::PIECES * ROWS) held[q] = P::piece(stage_of(i % ROWS, st), i / ROWS, KU);
       }
     }
   };
   auto store = [&](int b) {
     if constexpr (!P::ASYNC) {
-      uint8_t* sa = smem + b * BUF_BYTES + ACT_BYTES;
-      uint32_t* sx = reinterpret_cast<uint32_t*>(sa + 16 * KU * P::PIECES * ROWS);
+      uint4* sa = reinterpret_cast<uint4*>(smem + b * BUF_BYTES + ACT_BYTES);
 #pragma unroll
-      for (int q = 0; q < PC; ++q) reinterpret_cast<uint4*>(sa)[tid + q * lm::THREADS] = held[q];
-#pragma unroll
-      for (int q = 0; q < XC; ++q) sx[tid + q * lm::THREADS] = heldx[q];
+      for (int q = 0; q < PC; ++q)
+        if (tid + q * lm::THREADS < P::PIECES * ROWS) sa[tid + q * lm::THREADS] = held[q];
     }
   };
 
@@ -131,42 +120,19 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     store(0);
   }
   for (int st = st0; st < st1; ++st) {
-    const int b = (st - st0) & 1, u0 = st * KU;
+    const int b = (st - st0) & 1;
     const bool next = st + 1 < st1;
     if (next) load(st + 1);  // in flight during this stage's mma work
     tc::cp_async_wait<0>();
-    {  // the scales this thread copied: each half's sum as a float in place (exact: |s| < 2^24), once per stage
-      int* sums = reinterpret_cast<int*>(smem + b * BUF_BYTES + 512 * TOK);
-      for (int i = tid; i < 2 * KU * TOK; i += lm::THREADS) sums[2 * i + 1] = __float_as_int((float)sums[2 * i + 1]);
-    }
+    mu::scales<T>(reinterpret_cast<ActScale*>(smem + b * BUF_BYTES + 512 * TOK), KU * TOK, tid, lm::THREADS);
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
     if (next) issue(st + 1, b ^ 1);
     tc::cp_async_commit();
     const uint8_t* sb = smem + b * BUF_BYTES;
-    const ActScale* ss = reinterpret_cast<const ActScale*>(sb + 512 * TOK);
-    const uint8_t* sa = sb + ACT_BYTES;
-    const uint32_t* sx = reinterpret_cast<const uint32_t*>(sa + 16 * KU * P::PIECES * ROWS);
+    const float2* dm = reinterpret_cast<const float2*>(sb + 512 * TOK);
     // A warp's 8 column tiles all live (the common case) run without a test between their mma chains.
     auto compute = [&](auto whole) {
-#pragma unroll 2
-      for (int k = 0; k < KU; ++k) {
-        uint32_t a[4];
-        typename P::Scale sc[2];
-        P::frag(a, sc, sa + 16 * k * P::PIECES * ROWS, sx + k * ROWS, ROWS, rl, u0 + k, j);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int pb = tb + 4 * nt;
-          if (!decltype(whole)::value && pb >= live) break;
-          const uint8_t* bw = sb + 32 * (2 * k * TOK + pb) + 16 * g + 4 * j;
-          float dot[2][2];
-          mu::dots<P::SPLIT>(dot, a, mu::word(bw), mu::word(bw + 32 * TOK));
-          const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * TOK + pb + j));  // {D, s} of runs 0, 1
-          const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
-          const float fs[2] = {__int_as_float(v.y), __int_as_float(v.w)};  // the half sums, made floats above
-#pragma unroll
-          for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
-        }
-      }
+      mu::span_tiles<T, NT, decltype(whole)::value>(sum, sb + ACT_BYTES, sb, dm, ROWS, TOK, rl, tb, live, KU, g, j);
     };
     if (tb + 4 * NT <= live) {
       compute(mu::Flag<true>());

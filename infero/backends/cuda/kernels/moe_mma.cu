@@ -9,21 +9,18 @@
 // planes xq [2, act_rows, cols] and scales xs [act_rows, cols / 16]; pair order[i] reads row order[i] / per_token and
 // writes row order[i] of its segment's out [pairs, rows]. cols: a multiple of 256 (K-quants) or 32 (Q8_0).
 //
-// Numerics: matvec_q's units (mma_units.cuh: each unit's fp32 contribution bitwise what mv::Unit<T>::dot gives).
-//
-// Sums (batch invariance, docs/kernels.md rule 2): a pair's row is fx::value of the fixed-point sum of its units'
-// contributions (fixed_point.cuh), the definition matvec_q's rows follow, so no order of the units matters. The
-// block stages the row's units in 8 chunks (u % 8 == s: for the K-quants the quants at one offset of every
-// superblock), each chunk's weights, activations and scales in shared memory, and walks them in turn.
+// Numerics: the linear-layer definition (unit_value.cuh) through mma_units.cuh, each pair's row fx::value of its
+// spans' fixed-point sum, so no split or order of the spans matters.
 //
 // Blocks. grid: (row tiles x segments, an upper bound of the groups); a block past num_groups does nothing. 4 warps;
 // a warp computes 16 rows x 16 pairs (4 column tiles of 4 pairs); G / 16 warps split the group's pairs, the others
-// the rows: a block holds 64 (G = 16), 32 (G = 32) or 16 (G = 64) rows. Shared memory per chunk (ceil(units / 8)
-// units): activations [units][2 runs][G][2 planes][16 bytes] (lane (g, j)'s B words at 16 g + 4 j: conflict free),
-// scales [units][G][2 runs], weights [units][pieces][rows][16 bytes] and, for Q6_K / Q8_0, a word a (unit, row).
-// Two buffers: chunk s + 1 is copied by cp.async while chunk s's mma work runs, one block barrier a chunk. Q6_K and
-// Q8_0 blocks are 2-byte aligned: their weight pieces come from the 4-byte words around them, through registers, just
-// before their chunk's barrier. Speed on the H200: not measured yet (scripts/bench_moe_experts.py, its --mma groups).
+// the rows: a block holds 64 (G = 16), 32 (G = 32) or 16 (G = 64) rows. The block walks the row's stages (256
+// columns, a span: a Q8_0 row's last may be partial) through two shared buffers (mma_units.cuh's staging: the
+// activation [8][2][G][2][16 bytes], its scales [8][G][2], the weights [pieces][rows][16 bytes]); stage s + 1's
+// activations and 16-byte aligned weights are copied by cp.async while stage s's mma work runs, one block barrier a
+// stage. Q6_K and Q8_0 blocks are 2-byte aligned: their weight pieces come from the 4-byte words around them, through
+// registers, just before their stage's barrier. Speed on the H200: not measured yet (scripts/bench_moe_experts.py,
+// its --mma groups).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
 #include "mma_units.cuh"
@@ -48,14 +45,12 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
                                                                     const ActScale* __restrict__ xs, int act_rows,
                                                                     int rows, int cols, long long row_bytes) {
   using P = mu::Policy<T>;
-  constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4;
+  constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4, KU = mu::KU, THREADS = 32 * xm::WARPS;
+  constexpr int ACT_BYTES = 640 * G, BUF_BYTES = ACT_BYTES + 16 * P::PIECES * ROWS;  // moe.mma_shared
   static_assert(G % 16 == 0 && WP <= xm::WARPS, "G: 16, 32 or 64");
-  extern __shared__ __align__(16) uint8_t smem[];  // two chunk buffers, chunk c in buffer c % 2
+  extern __shared__ __align__(16) uint8_t smem[];  // two stage buffers, stage s in buffer s % 2
   __shared__ int arow[G];
-  const int units = cols / 32, chunk = (units + 7) / 8;
-  // A buffer: activations [chunk][2][G][2][16], scales [chunk][G][2], weights [chunk][PIECES][ROWS][16], words
-  // [chunk][ROWS] (moe.mma_shared).
-  const int act_bytes = 80 * chunk * G, buf_bytes = act_bytes + chunk * ROWS * (16 * P::PIECES + (P::EXTRA ? 4 : 0));
+  const int units = cols / 32, stages = (units + KU - 1) / KU;
   const int tiles = (rows + ROWS - 1) / ROWS;
   const int seg = blockIdx.x / tiles, row0 = (blockIdx.x % tiles) * ROWS;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
@@ -70,25 +65,26 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   const bool active = 16 * wp < n;
   __syncthreads();  // arow, for the copies
 
-  // Chunk s's copies into its buffer by cp.async (no registers: they overlap the previous chunk's mma work): the
-  // activation slices, their scales and, where 16-byte aligned (ASYNC), the weight pieces.
-  auto issue = [&](int s) {
-    const int count = (units - s + 7) / 8;
-    uint8_t* sb = smem + (s & 1) * buf_bytes;
-    ActScale* ss = reinterpret_cast<ActScale*>(sb + 64 * chunk * G);
-    for (int i = tid; i < 4 * count * G; i += 32 * xm::WARPS) {
-      const int plane = i & 1, p = (i >> 1) % G, jr = (i >> 1) / G;
-      tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 16 * P::act(s + 8 * (jr >> 1), jr & 1));
+  auto stage_of = [&](int r, int st) {
+    return mu::stage_at<T>(weight, min(row0 + r, rows - 1), st, row_bytes, false);
+  };
+  // Stage st's copies into buffer st % 2 by cp.async (no registers: they overlap the previous stage's mma work): the
+  // activation slices, their scales (a unit's two halves at once) and, where 16-byte aligned (ASYNC), the weights.
+  auto issue = [&](int st) {
+    const int u0 = st * KU, valid = min(KU, units - u0);
+    uint8_t* sb = smem + (st & 1) * BUF_BYTES;
+    ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * G);
+    for (int i = tid; i < 4 * KU * G; i += THREADS) {
+      const int plane = i & 1, p = (i >> 1) % G, kr = (i >> 1) / G;
+      if ((kr >> 1) < valid)
+        tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 32 * u0 + 16 * kr);
     }
-    for (int i = tid; i < 2 * count * G; i += 32 * xm::WARPS)
-      tc::cp_async<8>(ss + i, xs + (long long)arow[(i >> 1) % G] * (cols / 16) + P::act(s + 8 * ((i >> 1) / G), i & 1));
+    for (int i = tid; i < KU * G; i += THREADS)
+      if (i / G < valid) tc::cp_async<16>(ss + 2 * i, xs + (long long)arow[i % G] * (cols / 16) + 2 * (u0 + i / G));
     if constexpr (P::ASYNC) {
-      uint8_t* sa = sb + act_bytes;
-      for (int i = tid; i < count * P::PIECES * ROWS; i += 32 * xm::WARPS) {
-        const int r = i % ROWS, jp = i / ROWS, u = s + 8 * (jp / P::PIECES);
-        const uint8_t* b = mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, false);
-        tc::cp_async<16>(sa + 16 * i, P::piece_at(b, mu::place<T>(u), jp % P::PIECES));
-      }
+      uint8_t* sa = sb + ACT_BYTES;
+      for (int i = tid; i < P::PIECES * ROWS; i += THREADS)
+        tc::cp_async<16>(sa + 16 * i, P::piece_at(stage_of(i % ROWS, st), i / ROWS));
     }
   };
 
@@ -97,59 +93,25 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   for (int nt = 0; nt < NT; ++nt) sum[nt][0] = sum[nt][1] = fx::zero();
   issue(0);
   tc::cp_async_commit();
-  for (int s = 0; s < 8; ++s) {
-    const int count = (units - s + 7) / 8;  // units s, s + 8, ... of a row
-    const uint8_t* sb = smem + (s & 1) * buf_bytes;
-    const ActScale* ss = reinterpret_cast<const ActScale*>(sb + 64 * chunk * G);
-    uint8_t* sa = smem + (s & 1) * buf_bytes + act_bytes;
-    uint32_t* sx = reinterpret_cast<uint32_t*>(sa + 16 * chunk * P::PIECES * ROWS);
-    if constexpr (!P::ASYNC) {  // 2-byte aligned pieces, realigned in registers (the buffer's chunk s - 2 is done)
+  for (int st = 0; st < stages; ++st) {
+    const int valid = min(KU, units - st * KU);
+    uint8_t* sb = smem + (st & 1) * BUF_BYTES;
+    if constexpr (!P::ASYNC) {  // 2-byte aligned pieces, realigned in registers (the buffer's stage st - 2 is done)
+      uint4* sa = reinterpret_cast<uint4*>(sb + ACT_BYTES);
 #pragma unroll 4
-      for (int i = tid; i < count * P::PIECES * ROWS; i += 32 * xm::WARPS) {
-        const int r = i % ROWS, jp = i / ROWS, u = s + 8 * (jp / P::PIECES);
-        const uint8_t* b = mu::block_at<T>(weight, min(row0 + r, rows - 1), u, row_bytes, false);
-        *reinterpret_cast<uint4*>(sa + 16 * i) = P::piece(b, mu::place<T>(u), jp % P::PIECES);
-      }
-      for (int i = tid; i < count * ROWS; i += 32 * xm::WARPS) {
-        const int u = s + 8 * (i / ROWS);
-        sx[i] = P::extra(mu::block_at<T>(weight, min(row0 + i % ROWS, rows - 1), u, row_bytes, false), mu::place<T>(u));
-      }
+      for (int i = tid; i < P::PIECES * ROWS; i += THREADS) sa[i] = P::piece(stage_of(i % ROWS, st), i / ROWS, valid);
     }
     tc::cp_async_wait<0>();
-    {  // the scales this thread copied: each half's sum as a float in place (exact: |s| < 2^24), once per chunk
-      int* sums = reinterpret_cast<int*>(smem + (s & 1) * buf_bytes + 64 * chunk * G);
-      for (int i = tid; i < 2 * count * G; i += 32 * xm::WARPS)
-        sums[2 * i + 1] = __float_as_int((float)sums[2 * i + 1]);
-    }
-    __syncthreads();  // chunk s landed for every thread; every warp done with chunk s - 1, whose buffer s + 1 takes
-    if (s < 7) issue(s + 1);
+    mu::scales<T>(reinterpret_cast<ActScale*>(sb + 512 * G), KU * G, tid, THREADS);
+    __syncthreads();  // stage st landed for every thread; every warp done with stage st - 1, whose buffer st + 1 takes
+    if (st + 1 < stages) issue(st + 1);
     tc::cp_async_commit();
+    const float2* dm = reinterpret_cast<const float2*>(sb + 512 * G);
     // A warp's 4 column tiles all live (the common case) run without a test between their mma chains.
-    auto compute = [&](auto whole) {
-      for (int k = 0; k < count; ++k) {
-        const int u = s + 8 * k;
-        uint32_t a[4];
-        typename P::Scale sc[2];
-        P::frag(a, sc, sa + 16 * k * P::PIECES * ROWS, sx + k * ROWS, ROWS, rl, u, j);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int pb = 16 * wp + 4 * nt;
-          if (!decltype(whole)::value && pb >= n) break;
-          const uint8_t* b = sb + 32 * (2 * k * G + pb) + 16 * g + 4 * j;
-          float dot[2][2];
-          mu::dots<P::SPLIT>(dot, a, mu::word(b), mu::word(b + 32 * G));
-          const int4 v = *reinterpret_cast<const int4*>(ss + 2 * (k * G + pb + j));  // {D, s} of runs 0, 1
-          const float ad[2] = {__int_as_float(v.x), __int_as_float(v.z)};
-          const float fs[2] = {__int_as_float(v.y), __int_as_float(v.w)};  // the half sums, made floats above
-#pragma unroll
-          for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], P::unit(sc[h], dot[h], ad, fs));
-        }
-      }
-    };
     if (16 * wp + 4 * NT <= n) {
-      compute(mu::Flag<true>());
+      mu::span_tiles<T, NT, true>(sum, sb + ACT_BYTES, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
     } else if (active) {
-      compute(mu::Flag<false>());
+      mu::span_tiles<T, NT, false>(sum, sb + ACT_BYTES, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
     }
   }
   if (!active) return;
