@@ -1317,7 +1317,7 @@ __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ 
 // scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
 // MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
 // on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200. Those were float sums: with matvec_q's unit
-// expressions in fixed point (031e47e) the stream loop of matvec_mma<12, 1, 4, 2> went from 866 to 1,093 SASS
+// expressions in fixed point (031e47e) the stream loop of matvec_mma<12, 1, 4, 2> went from 866 to 1,071 SASS
 // instructions a superblock pair (twice the float work: a Q4_K sub-block is two units), <14, 1, 4, 3>'s from 1,367
 // to 1,480; not yet timed on the GPU.
 //
