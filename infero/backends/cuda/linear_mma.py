@@ -23,6 +23,7 @@ NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 256
 MAX_SPLITS = 16
 _PIECES = {12: 9, 13: 11, 14: 14, 8: 17}  # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
+_PREP = (12, 13)  # Policy<T>::PREP: {A, B} staged per (row, unit)
 
 runtime.declare(SOURCE, ["linear_mma_finish"])
 for _t in TYPES:
@@ -47,9 +48,11 @@ def grid_of(n: int) -> tuple[int, int]:
 
 
 def shared_bytes(ggml_type: int, n: int) -> int:
-    """Dynamic shared memory: two stage buffers of activations and scales (640 bytes a token) and weight pieces."""
+    """Dynamic shared memory: two stage buffers of activations and scales (640 bytes a token), weight pieces and,
+    for Q4_K / Q5_K, each (row, unit)'s {A, B} (8 bytes)."""
     wr, wt = grid_of(n)
-    return 2 * (640 * 32 * wt + 16 * _PIECES[ggml_type] * 16 * wr)
+    rows = 16 * wr
+    return 2 * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (64 * rows if ggml_type in _PREP else 0))
 
 
 @functools.lru_cache(maxsize=1024)

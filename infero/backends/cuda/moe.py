@@ -287,9 +287,10 @@ _MMA_PIECES = {12: 9, 13: 11, 14: 14, 8: 17}  # 16-byte pieces matvec_experts_mm
 
 def mma_shared(ggml_type: int, group: int, cols: int) -> int:
     """matvec_experts_mma's dynamic shared memory: two buffers of a stage (256 columns), each with the pairs'
-    activations and scales (640 bytes a pair) and the rows' weights (the format's pieces a row)."""
+    activations and scales (640 bytes a pair) and the rows' weights (the format's pieces a row, and for Q4_K / Q5_K
+    each unit's {A, B}: 64 bytes)."""
     rows = 16 * MMA_WARPS // (group // 16)
-    return 2 * (640 * group + 16 * _MMA_PIECES[ggml_type] * rows)
+    return 2 * (640 * group + 16 * _MMA_PIECES[ggml_type] * rows + (64 * rows if ggml_type in (12, 13) else 0))
 
 
 def _grouped_mma(outs, mats, grouping: Grouping, per_token: int, stream: driver.Stream, quantized) -> None:

@@ -17,8 +17,9 @@
 // two buffers: stage s + 1 is copied by cp.async (Q4_K / Q5_K pieces too; Q6_K's and Q8_0's 2-byte aligned pieces
 // are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one barrier a
 // stage. Each A fragment (16 rows of a unit) and its A, B feed 8 column tiles; the per-(output, unit) work (two
-// exact floats, uv::value, a tree add) sets the pace, fx::add once a span. One split: outputs written directly; more: each block writes its int64
-// sums and probes to part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
+// exact floats, uv::value, a tree add) sets the pace, fx::add once a span. One split: outputs written directly;
+// more: each block writes its int64 sums and probes to part [splits, n, rows] and linear_mma_finish adds them (in
+// any order: integers).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
 #include "mma_units.cuh"
@@ -50,9 +51,10 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   using P = mu::Policy<T>;
   constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = mu::KU, NT = lm::NT;
   static_assert(WR * WT * 32 == lm::THREADS, "8 warps");
-  // A buffer: activations [KU][2 halves][TOK][2 planes][16], scales [KU][TOK][2 halves], weight pieces
-  // [PIECES][ROWS][16] (linear_mma.shared_bytes).
-  constexpr int ACT_BYTES = 640 * TOK, BUF_BYTES = ACT_BYTES + 16 * P::PIECES * ROWS;
+  // A buffer: activations [KU][TOK][2 planes][32], scales [KU][TOK][2 halves], weight pieces [PIECES][ROWS][16],
+  // for PREP types their {A, B} [KU][ROWS] (linear_mma.shared_bytes).
+  constexpr int ACT_BYTES = 640 * TOK, W_BYTES = 16 * P::PIECES * ROWS;
+  constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? 8 * KU * ROWS : 0);
   constexpr int PC = (P::PIECES * ROWS + lm::THREADS - 1) / lm::THREADS;  // register-path loads a thread
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[TOK];
@@ -75,9 +77,9 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     uint8_t* sb = smem + b * BUF_BYTES;
     ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * TOK);
     for (int i = tid; i < 4 * KU * TOK; i += lm::THREADS) {
-      const int plane = i & 1, p = (i >> 1) % TOK, kr = (i >> 1) / TOK;
+      const int plane = (i >> 1) & 1, p = (i >> 2) % TOK, k = (i >> 2) / TOK;
       const int8_t* plane_row = (plane ? xq1 : xq) + (long long)(tok0 + p) * cols;
-      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 32 * u0 + 16 * kr);
+      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 32 * (u0 + k) + 16 * (i & 1));
     }
     for (int i = tid; i < KU * TOK; i += lm::THREADS) {
       const int p = i % TOK;
@@ -125,14 +127,18 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     if (next) load(st + 1);  // in flight during this stage's mma work
     tc::cp_async_wait<0>();
     mu::scales<T>(reinterpret_cast<ActScale*>(smem + b * BUF_BYTES + 512 * TOK), KU * TOK, tid, lm::THREADS);
+    mu::prep<T>(reinterpret_cast<float2*>(smem + b * BUF_BYTES + ACT_BYTES + W_BYTES), smem + b * BUF_BYTES + ACT_BYTES,
+                ROWS, tid);
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
     if (next) issue(st + 1, b ^ 1);
     tc::cp_async_commit();
     const uint8_t* sb = smem + b * BUF_BYTES;
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * TOK);
+    const float2* ab = reinterpret_cast<const float2*>(sb + ACT_BYTES + W_BYTES);
     // A warp's 8 column tiles all live (the common case) run without a test between their mma chains.
     auto compute = [&](auto whole) {
-      mu::span_tiles<T, NT, decltype(whole)::value>(sum, sb + ACT_BYTES, sb, dm, ROWS, TOK, rl, tb, live, KU, g, j);
+      mu::span_tiles<T, NT, decltype(whole)::value>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, live, KU, g,
+                                                    j);
     };
     if (tb + 4 * NT <= live) {
       compute(mu::Flag<true>());

@@ -2,21 +2,24 @@
 // moe_mma.cu's matvec_experts_mma. Types: Q4_K, Q5_K, Q6_K, Q8_0.
 //
 // A stage is a span: 256 columns, 8 units of 32, each aligned with one activation group. mma.m16n8k32 s8 x s8 takes
-// a unit whole: the A fragment holds 16 rows x the unit's 32 integers w (k 0-15 its first 16 columns, k 16-31 the
-// rest; lane (g, j) elements 4j..4j+3 of each half), B column c plane c % 2 of token c / 2 over the same columns, so
-// C's column pair j is token j's (I_0, I_1) of rows g and g + 8. The accumulator starts at EXACT, so each sum lands
-// as the bits of the float 1.5 2^23 + I (|I| < 2^22: Q8_0's 32 x 127 x 127 is the largest), made the exact float I
-// by one subtraction. Q6_K scales its 16-column runs apart: one mma a run with the other half of B zero, then
-// I_p = S_1 I_1r + S_0 I_0r as floats (each product and the sum below 2^24: exact, unit_value.cuh's bound).
-// A and B are formed once per (row, unit) from the staged block and shared by the warp's token tiles; D and M once
-// per (token, unit) when the stage lands (scales()), shared by the rows. c = uv::value, the span's 8 units walked in
+// a unit whole, its k order permuted (an integer sum does not depend on it): lane (g, j)'s k 4j..4j+3 are the unit's
+// columns 8j..8j+3 and its k 16 + 4j.. columns 8j + 4.., so its two B words are 8 consecutive bytes of a column (one
+// 64-bit load). The A fragment holds 16 rows x the unit's 32 integers w in that order, B column c plane c % 2 of
+// token c / 2, so C's column pair j is token j's (I_0, I_1) of rows g and g + 8. The accumulator starts at EXACT,
+// so each sum lands as the bits of the float 1.5 2^23 + I (|I| < 2^22: Q8_0's 32 x 127 x 127 is the largest), made
+// the exact float I by one subtraction. Q6_K scales its 16-column runs apart: one mma a run (lanes j < 2 hold run
+// 0's columns: each run's A fragment has the other lanes' words zero), then I_p = S_1 I_p1 + S_0 I_p0 as floats
+// (each product and the sum below 2^24: exact, unit_value.cuh's bound).
+// A and B are formed once per (row, unit) and shared by the warp's token tiles (Q4_K / Q5_K: by prep(), when the
+// stage lands, into [8][rows] float2s); D and M once per (token, unit) when the stage lands (scales()), shared by
+// the rows. c = uv::value, the span's 8 units walked in
 // column order by uv::span_step, each span's value fx::add-ed.
 //
 // Staging. A kernel copies each row's stage into shared memory as PIECES 16-byte pieces, [PIECES][rows][16 bytes]
-// (lane (g, j) reads word j of rows g and g + 8: conflict free): piece_at() (ASYNC: the stage 16-byte aligned in GGUF
-// rows and the tiled layout, copied by cp.async) or piece() through registers (2-byte aligned blocks). The
-// activation: [8 units][2 halves][tokens][2 planes][16 bytes] and the scales [8][tokens][2 halves] (act_quant.cuh's
-// ActScale), which scales() turns into {D, M} in the half-0 slot.
+// (lanes of one j read one word of rows g and g + 8: conflict free): piece_at() (ASYNC: the stage 16-byte aligned in
+// GGUF rows and the tiled layout, copied by cp.async) or piece() through registers (2-byte aligned blocks). The
+// activation: [8 units][tokens][2 planes][32 bytes] and the scales [8][tokens][2 halves] (act_quant.cuh's ActScale),
+// which scales() turns into {D, M} in the half-0 slot.
 #pragma once
 
 #include "act_quant.cuh"
@@ -56,9 +59,10 @@ __device__ __forceinline__ uint32_t staged(const uint8_t* sw, int rows, int p, i
 }
 
 // ---- formats ------------------------------------------------------------------------------------------------------
-// Policy<T>: a row's stage is PIECES 16-byte pieces from stage_at(); frag() the lane's A words of rows rl and rl + 8
-// for unit k of the staged stage and their A, B (and Q6_K's run scales); I() the unit's (I_0, I_1) of row h from the
-// mma (mma() issues it); HAS_M: M = s, the unit's activation sum (else B = M = 0).
+// Policy<T>: a row's stage is PIECES 16-byte pieces from stage_at(); frag() the lane's A words (RUNS fragments) of
+// rows rl and rl + 8 for unit k of the staged stage and their A, B (and Q6_K's run scales); mma() the unit's sums,
+// value() its c for row h; HAS_M: M = s, the unit's activation sum (else B = M = 0); PREP: prep() forms a row's
+// A, B of the stage's 8 units once, frag() reads them.
 
 template <int T> struct Policy;
 
@@ -67,33 +71,44 @@ template <int T> struct Policy;
 template <int T>
 struct PolicyK45 {
   static constexpr int BYTES = T == GGML_Q4_K ? 144 : 176, PIECES = BYTES / 16, QS = T == GGML_Q4_K ? 1 : 3;
-  static constexpr bool ASYNC = true, HAS_M = true;
-  struct Unit { float a[2], b[2]; };
+  static constexpr int RUNS = 1;
+  static constexpr bool ASYNC = true, HAS_M = true, PREP = true;
+  struct Unit { float2 ab[2]; };
   __device__ static const uint8_t* piece_at(const uint8_t* stage, int i) { return stage + 16 * i; }
-  __device__ static void frag(uint32_t (&a)[4], Unit& un, const uint8_t* sw, int rows, int rl, int k, int j) {
-    const int c = k >> 1, nib = 4 * (k & 1);
+  // Row r's {A, B} of units 0-7 into ab[k rows + r], from its staged header (piece 0).
+  __device__ static void prep(float2* ab, const uint8_t* sw, int rows, int r) {
+    const uint4 hd = *reinterpret_cast<const uint4*>(sw + 16 * r);
+    const uint32_t w[4] = {hd.x, hd.y, hd.z, hd.w};
+    const float d = f16_lo(hd.x), dmin = f16_lo(hd.x >> 16);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      int scale[2], min[2];
+      quant::k4_scales_mins(w, c, scale, min);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)  // fp16 x 6 bits: exact
+        ab[(2 * c + e) * rows + r] = make_float2(__fmul_rn(d, (float)scale[e]), __fmul_rn(-dmin, (float)min[e]));
+    }
+  }
+  __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2* ab, int rows, int rl,
+                              int k, int j) {
+    const int c = k >> 1, nib = 4 * (k & 1), p = QS + 2 * c + (j >> 1), w = 2 * (j & 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rl + 8 * h;
-      a[h] = (staged(sw, rows, QS + 2 * c, r, j) >> nib) & 0x0F0F0F0Fu;
-      a[2 + h] = (staged(sw, rows, QS + 2 * c + 1, r, j) >> nib) & 0x0F0F0F0Fu;
+      a[0][h] = (staged(sw, rows, p, r, w) >> nib) & 0x0F0F0F0Fu;
+      a[0][2 + h] = (staged(sw, rows, p, r, w + 1) >> nib) & 0x0F0F0F0Fu;
       if constexpr (T == GGML_Q5_K) {
-        a[h] |= ((staged(sw, rows, 1, r, j) >> k) & 0x01010101u) << 4;
-        a[2 + h] |= ((staged(sw, rows, 2, r, j) >> k) & 0x01010101u) << 4;
+        a[0][h] |= ((staged(sw, rows, 1 + (j >> 1), r, w) >> k) & 0x01010101u) << 4;
+        a[0][2 + h] |= ((staged(sw, rows, 1 + (j >> 1), r, w + 1) >> k) & 0x01010101u) << 4;
       }
-      const uint4 hd = *reinterpret_cast<const uint4*>(sw + 16 * r);
-      const uint32_t w[4] = {hd.x, hd.y, hd.z, hd.w};
-      int scale[2], min[2];
-      quant::k4_scales_mins(w, c, scale, min);
-      un.a[h] = __fmul_rn(f16_lo(hd.x), (float)scale[k & 1]);  // fp16 x 6 bits: exact
-      un.b[h] = __fmul_rn(-f16_lo(hd.x >> 16), (float)min[k & 1]);
+      un.ab[h] = ab[k * rows + r];
     }
   }
-  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a, b0, b1, EXACT);
+  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.a[h], un.b[h], exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), dm.y);
+    return uv::value(dm.x, un.ab[h].x, un.ab[h].y, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), dm.y);
   }
 };
 template <> struct Policy<GGML_Q4_K> : PolicyK45<GGML_Q4_K> {};
@@ -104,38 +119,46 @@ template <> struct Policy<GGML_Q5_K> : PolicyK45<GGML_Q5_K> {};
 // in qh[32 hh + i], bits 2m, 2m + 1; run r's scale scales[2k + r]. w = q - 32.
 template <>
 struct Policy<GGML_Q6_K> {
-  static constexpr int BYTES = 210, PIECES = 14;
-  static constexpr bool ASYNC = false, HAS_M = false;
-  struct Unit { float a[2], s0[2], s1[2]; };
+  static constexpr int BYTES = 210, PIECES = 14, RUNS = 2;
+  static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
+  struct Unit { float a[2], s0[2], s1[2], k0[2], k1[2]; };  // k_r = -S_r 1.5 2^23: exact
   __device__ static uint4 piece(const uint8_t* stage, int i, int = KU) {
     return i < 13 ? load16_at2(stage + 16 * i) : make_uint4(quant::ld_u16(stage + 208), 0u, 0u, 0u);
   }
-  __device__ static void frag(uint32_t (&a)[4], Unit& un, const uint8_t* sw, int rows, int rl, int k, int j) {
-    const int hh = k >> 2, m = k & 3, ql = 4 * hh + 2 * (m & 1), nib = 4 * (m >> 1);
+  __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2*, int rows, int rl,
+                              int k, int j) {
+    const int hh = k >> 2, m = k & 3, ql = 4 * hh + 2 * (m & 1) + (j >> 1), nib = 4 * (m >> 1), w = 2 * (j & 1);
+    const bool run0 = j < 2;  // columns 8j.. lie in run 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rl + 8 * h;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t lo = (staged(sw, rows, ql + half, r, j) >> nib) & 0x0F0F0F0Fu;
-        const uint32_t hi = ((staged(sw, rows, 8 + 2 * hh + half, r, j) >> (2 * m)) & 0x03030303u) << 4;
-        a[2 * half + h] = __vsub4(lo | hi, 0x20202020u);
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t lo = (staged(sw, rows, ql, r, w + e) >> nib) & 0x0F0F0F0Fu;
+        const uint32_t hi = ((staged(sw, rows, 8 + 2 * hh + (j >> 1), r, w + e) >> (2 * m)) & 0x03030303u) << 4;
+        const uint32_t q = __vsub4(lo | hi, 0x20202020u);
+        a[0][2 * e + h] = run0 ? q : 0u;
+        a[1][2 * e + h] = run0 ? 0u : q;
       }
       const uint32_t sc = staged(sw, rows, 12, r, k >> 1) >> (16 * (k & 1));
       un.s0[h] = (float)(int)(int8_t)(sc & 0xFFu);
       un.s1[h] = (float)(int)(int8_t)((sc >> 8) & 0xFFu);
+      un.k0[h] = __fmul_rn(un.s0[h], -12582912.f);
+      un.k1[h] = __fmul_rn(un.s1[h], -12582912.f);
       un.a[h] = f16_lo(staged(sw, rows, 13, r, 0));
     }
   }
-  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a, b0, 0u, EXACT);
-    tc::mma_16832_s8s8(c[1], a, 0u, b1, EXACT);
+  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+    tc::mma_16832_s8s8(c[1], a[1], b0, b1, EXACT);
   }
+  // S_r I_pr = fmaf(S_r, 1.5 2^23 + I_pr, k_r), exact, then their exact sum.
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
     float i[2];
 #pragma unroll
     for (int p = 0; p < 2; ++p)
-      i[p] = __fmaf_rn(un.s1[h], exact_float(c[1][2 * h + p]), __fmul_rn(un.s0[h], exact_float(c[0][2 * h + p])));
+      i[p] = __fadd_rn(__fmaf_rn(un.s0[h], __int_as_float(c[0][2 * h + p]), un.k0[h]),
+                       __fmaf_rn(un.s1[h], __int_as_float(c[1][2 * h + p]), un.k1[h]));
     return uv::value(dm.x, un.a[h], 0.f, i[0], i[1], 0.f);
   }
 };
@@ -144,28 +167,31 @@ struct Policy<GGML_Q6_K> {
 // 8 d's. Blocks past `valid` (a row's last, partial stage) read block valid - 1: their units are skipped.
 template <>
 struct Policy<GGML_Q8_0> {
-  static constexpr int BYTES = 272, PIECES = 17;
-  static constexpr bool ASYNC = false, HAS_M = false;
+  static constexpr int BYTES = 272, PIECES = 17, RUNS = 1;
+  static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
   struct Unit { float a[2]; };
   __device__ static uint4 piece(const uint8_t* stage, int i, int valid) {
     if (i < 16) return load16_at2(stage + 34 * min(i >> 1, valid - 1) + 2 + 16 * (i & 1));
     uint32_t d[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      d[q] = quant::ld_u16(stage + 34 * min(2 * q, valid - 1)) | (quant::ld_u16(stage + 34 * min(2 * q + 1, valid - 1)) << 16);
+      d[q] = quant::ld_u16(stage + 34 * min(2 * q, valid - 1)) |
+             (quant::ld_u16(stage + 34 * min(2 * q + 1, valid - 1)) << 16);
     return make_uint4(d[0], d[1], d[2], d[3]);
   }
-  __device__ static void frag(uint32_t (&a)[4], Unit& un, const uint8_t* sw, int rows, int rl, int k, int j) {
+  __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2*, int rows, int rl,
+                              int k, int j) {
+    const int p = 2 * k + (j >> 1), w = 2 * (j & 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rl + 8 * h;
-      a[h] = staged(sw, rows, 2 * k, r, j);
-      a[2 + h] = staged(sw, rows, 2 * k + 1, r, j);
+      a[0][h] = staged(sw, rows, p, r, w);
+      a[0][2 + h] = staged(sw, rows, p, r, w + 1);
       un.a[h] = f16_lo(staged(sw, rows, 16, r, k >> 1) >> (16 * (k & 1)));
     }
   }
-  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a, b0, b1, EXACT);
+  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
     return uv::value(dm.x, un.a[h], 0.f, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), 0.f);
@@ -175,7 +201,8 @@ struct Policy<GGML_Q8_0> {
 // The start of stage st (columns 256 st ..) of row `row` of a matrix at data (rows row_bytes apart, or for Q4_K /
 // Q6_K with tiled set in quant.cuh's tiled layout).
 template <int T>
-__device__ __forceinline__ const uint8_t* stage_at(const uint8_t* data, int row, int st, long long row_bytes, bool tiled) {
+__device__ __forceinline__ const uint8_t* stage_at(const uint8_t* data, int row, int st, long long row_bytes,
+                                                  bool tiled) {
   if constexpr (T == GGML_Q4_K || T == GGML_Q6_K) {
     if (tiled) return data + tiled_offset<T>(row, st, row_bytes);
   }
@@ -194,31 +221,41 @@ __device__ __forceinline__ void scales(ActScale* ss, int count, int tid, int thr
   }
 }
 
+// PREP types: rows [0, rows) of the staged stage's {A, B} formed into ab, each row by the thread that copied its
+// header (piece 0: thread r of a block of at least `rows` threads).
+template <int T>
+__device__ __forceinline__ void prep(float2* ab, const uint8_t* sw, int rows, int tid) {
+  if constexpr (Policy<T>::PREP) {
+    if (tid < rows) Policy<T>::prep(ab, sw, rows, tid);
+  }
+}
+
 // One span of a warp's 16 rows (rl, rl + 8) x NT column tiles of 4 tokens from the staged stage: the weights sw
-// ([PIECES][rows][16]), the activation sb ([KU][2][tok][2][16]) and its {D, M} dm ([KU][tok] at 2 x); tile nt's
+// ([PIECES][rows][16]) and their {A, B} ab (PREP types), the activation sb ([KU][tok][2][32]) and its {D, M} dm
+// ([KU][tok] at 2 x); tile nt's
 // tokens pb0 + 4 nt ..; units from `valid` on are absent (+0). With WHOLE false tiles from `live` on are skipped.
 // Each output's span value is fx::add-ed to sum.
 template <int T, int NT, bool WHOLE>
-__device__ __forceinline__ void span_tiles(fx::Sum (&sum)[NT][2], const uint8_t* sw, const uint8_t* sb,
-                                           const float2* dm, int rows, int tok, int rl, int pb0, int live, int valid,
-                                           int g, int j) {
+__device__ __forceinline__ void span_tiles(fx::Sum (&sum)[NT][2], const uint8_t* sw, const float2* ab,
+                                           const uint8_t* sb, const float2* dm, int rows, int tok, int rl, int pb0,
+                                           int live, int valid, int g, int j) {
   using P = Policy<T>;
   float part[NT][2][3];
 #pragma unroll
   for (int k = 0; k < KU; ++k) {
     const bool here = k < valid;
-    uint32_t a[4];
+    uint32_t a[P::RUNS][4];
     typename P::Unit un;
-    if (here) P::frag(a, un, sw, rows, rl, k, j);
+    if (here) P::frag(a, un, sw, ab, rows, rl, k, j);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int pb = pb0 + 4 * nt;
       if (!WHOLE && pb >= live) break;
       float c[2] = {0.f, 0.f};
       if (here) {
-        const uint8_t* bw = sb + 32 * (2 * k * tok + pb) + 16 * g + 4 * j;
+        const uint2 bw = *reinterpret_cast<const uint2*>(sb + 64 * (k * tok + pb) + 32 * g + 8 * j);
         int acc[2][4];
-        P::mma(acc, a, word(bw), word(bw + 32 * tok));
+        P::mma(acc, a, bw.x, bw.y);
         const float2 v = dm[2 * (k * tok + pb + j)];
 #pragma unroll
         for (int h = 0; h < 2; ++h) c[h] = P::value(un, acc, h, v);

@@ -16,7 +16,8 @@
 // a warp computes 16 rows x 16 pairs (4 column tiles of 4 pairs); G / 16 warps split the group's pairs, the others
 // the rows: a block holds 64 (G = 16), 32 (G = 32) or 16 (G = 64) rows. The block walks the row's stages (256
 // columns, a span: a Q8_0 row's last may be partial) through two shared buffers (mma_units.cuh's staging: the
-// activation [8][2][G][2][16 bytes], its scales [8][G][2], the weights [pieces][rows][16 bytes]); stage s + 1's
+// activation [8][G][2][32 bytes], its scales [8][G][2], the weights [pieces][rows][16 bytes], Q4_K / Q5_K's {A, B}
+// [8][rows]); stage s + 1's
 // activations and 16-byte aligned weights are copied by cp.async while stage s's mma work runs, one block barrier a
 // stage. Q6_K and Q8_0 blocks are 2-byte aligned: their weight pieces come from the 4-byte words around them, through
 // registers, just before their stage's barrier. Speed on the H200: not measured yet (scripts/bench_moe_experts.py,
@@ -46,7 +47,8 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
                                                                     int rows, int cols, long long row_bytes) {
   using P = mu::Policy<T>;
   constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4, KU = mu::KU, THREADS = 32 * xm::WARPS;
-  constexpr int ACT_BYTES = 640 * G, BUF_BYTES = ACT_BYTES + 16 * P::PIECES * ROWS;  // moe.mma_shared
+  constexpr int ACT_BYTES = 640 * G, W_BYTES = 16 * P::PIECES * ROWS;
+  constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? 8 * KU * ROWS : 0);  // moe.mma_shared
   static_assert(G % 16 == 0 && WP <= xm::WARPS, "G: 16, 32 or 64");
   extern __shared__ __align__(16) uint8_t smem[];  // two stage buffers, stage s in buffer s % 2
   __shared__ int arow[G];
@@ -75,9 +77,9 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
     uint8_t* sb = smem + (st & 1) * BUF_BYTES;
     ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * G);
     for (int i = tid; i < 4 * KU * G; i += THREADS) {
-      const int plane = i & 1, p = (i >> 1) % G, kr = (i >> 1) / G;
-      if ((kr >> 1) < valid)
-        tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 32 * u0 + 16 * kr);
+      const int plane = (i >> 1) & 1, p = (i >> 2) % G, k = (i >> 2) / G;
+      if (k < valid)
+        tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 32 * (u0 + k) + 16 * (i & 1));
     }
     for (int i = tid; i < KU * G; i += THREADS)
       if (i / G < valid) tc::cp_async<16>(ss + 2 * i, xs + (long long)arow[i % G] * (cols / 16) + 2 * (u0 + i / G));
@@ -103,15 +105,17 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
     }
     tc::cp_async_wait<0>();
     mu::scales<T>(reinterpret_cast<ActScale*>(sb + 512 * G), KU * G, tid, THREADS);
+    mu::prep<T>(reinterpret_cast<float2*>(sb + ACT_BYTES + W_BYTES), sb + ACT_BYTES, ROWS, tid);
     __syncthreads();  // stage st landed for every thread; every warp done with stage st - 1, whose buffer st + 1 takes
     if (st + 1 < stages) issue(st + 1);
     tc::cp_async_commit();
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * G);
+    const float2* ab = reinterpret_cast<const float2*>(sb + ACT_BYTES + W_BYTES);
     // A warp's 4 column tiles all live (the common case) run without a test between their mma chains.
     if (16 * wp + 4 * NT <= n) {
-      mu::span_tiles<T, NT, true>(sum, sb + ACT_BYTES, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
+      mu::span_tiles<T, NT, true>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
     } else if (active) {
-      mu::span_tiles<T, NT, false>(sum, sb + ACT_BYTES, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
+      mu::span_tiles<T, NT, false>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, G, rl, 16 * wp, n, valid, g, j);
     }
   }
   if (!active) return;
