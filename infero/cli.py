@@ -43,6 +43,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=DEVICES, default=os.environ.get("INFERO_DEVICE", "auto"),
                    help="where to run; auto takes the GPU when there is one [env INFERO_DEVICE]")  # fmt: skip
+    p.add_argument("--batch-invariant", action="store_true", default=_env_switch(BATCH_INVARIANT_ENV),
+                   help="GPU: give a request's logits the same bits whatever shares its steps, at a cost in wider "
+                        f"steps (docs/kernels.md) [env {BATCH_INVARIANT_ENV}=1]")  # fmt: skip
+
+
+BATCH_INVARIANT_ENV = "INFERO_BATCH_INVARIANT"
+
+
+def _env_switch(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args) -> int:
     from infero import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, chat_template=args.chat_template, show_progress=True)
+    llm = LLM(args.model, device=args.device, chat_template=args.chat_template, show_progress=True,
+              batch_invariant=args.batch_invariant)  # fmt: skip
     print(llm.summary(), file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -308,7 +319,7 @@ def _bench(args) -> int:
     from infero import LLM
     from infero.bench import decode
 
-    llm = LLM(args.model, device=args.device, show_progress=True)
+    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=args.batch_invariant)
     print(llm.summary(), file=sys.stderr)
     result = decode.run(llm, args.prompt_tokens, args.decode_tokens)
     print(decode.format_table(llm.config.name, llm.backend.name, result))

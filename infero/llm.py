@@ -48,6 +48,7 @@ class LLM:
         chat_template: str | os.PathLike | None = None,
         engine_config: EngineConfig | None = None,
         show_progress: bool = False,
+        batch_invariant: bool = False,
     ):
         start = time.monotonic()
         self.path = Path(model) if model is not None else default_model_path()
@@ -55,6 +56,8 @@ class LLM:
         self.config = self.checkpoint.config
         self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
         self.backend = select_backend(device, self.config.head_dim)
+        if hasattr(self.backend, "batch_invariant"):  # the numpy backend is invariant as it is
+            self.backend.batch_invariant = batch_invariant
         compile_kernels = getattr(self.backend, "compile_kernels", None)  # the GPU backend's, before the long load
         if compile_kernels is not None:
             compile_kernels(self.checkpoint)

@@ -41,6 +41,13 @@ def test_generate_json_greedy_matches_the_python_api(capsys, tiny_model_path):
     assert all(lp["top_logprobs"][0]["token_id"] == lp["token_id"] for lp in result["logprobs"])  # greedy = top-1
 
 
+def test_generate_takes_batch_invariant_mode_and_gives_the_same_text(capsys, tiny_model_path):
+    argv = ["generate", "--model", str(tiny_model_path), "--greedy", "--max-tokens", "8", "--json", "Hello"]
+    code, out, _ = run_cli(capsys, *argv)
+    code_inv, out_inv, _ = run_cli(capsys, *argv, "--batch-invariant")
+    assert code == code_inv == 0 and json.loads(out_inv)["text"] == json.loads(out)["text"]
+
+
 def test_generate_streams_text(capsys, tiny_model_path):
     code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_path), "--seed", "3", "--max-tokens", "8",
                            "--ignore-eos", "hello")  # fmt: skip

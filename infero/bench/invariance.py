@@ -127,7 +127,7 @@ def main(args) -> int:
     """The check's table; exit status 1 if any case differs."""
     from infero import LLM
 
-    llm = LLM(args.model, device=args.device, show_progress=True)
+    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=args.batch_invariant)
     cases = check(llm, args.prompt_tokens, seed=args.seed)
     print(f"{llm.config.name} ({llm.backend.name}): a {args.prompt_tokens}-token prompt")
     print(format_table(cases))

@@ -25,6 +25,7 @@ from infero.server.tool_parsers import TOOL_PARSERS
 
 SHUTDOWN_TIMEOUT_S = 30.0
 PREFIX_CACHING_ENV = "INFERO_ENABLE_PREFIX_CACHING"
+BATCH_INVARIANT_ENV = "INFERO_BATCH_INVARIANT"
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
           "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
 
@@ -109,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get(PREFIX_CACHING_ENV),
                         help="reuse the KV cache of earlier requests' identical prompt prefixes (default: on) "
                              f"[env {PREFIX_CACHING_ENV}=on|off]")  # fmt: skip
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get(BATCH_INVARIANT_ENV),
+                        help="give a request's logits the same bits whatever other requests share its steps (GPU; "
+                             "costs speed in steps of more than 2 tokens, docs/kernels.md) (default: off) "
+                             f"[env {BATCH_INVARIANT_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
          help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (default: the format its chat "
@@ -151,6 +157,11 @@ def _switch(value: bool | str | None, env: str) -> bool | None:
     if value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise InferoError(f"{env}={value!r} is not a switch; set it to on or off")
+
+
+def batch_invariant(args: argparse.Namespace) -> bool:
+    """--batch-invariant / --no-batch-invariant, else INFERO_BATCH_INVARIANT (on/off), else off."""
+    return bool(_switch(args.batch_invariant, BATCH_INVARIANT_ENV))
 
 
 def notes(args: argparse.Namespace) -> list[str]:
@@ -198,6 +209,7 @@ def main(args: argparse.Namespace) -> int:
         raise ModelFileError(f"model file {path} does not exist; pass --model FILE.gguf (or set INFERO_MODEL)")
     name = args.served_model_name or served_name(path)
     config = engine_config(args)
+    invariant = batch_invariant(args)
     settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser)  # fmt: skip
@@ -206,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
 
     def load():
         return LLM(path, device=args.device, chat_template=args.chat_template, engine_config=config,
-                   show_progress=True)  # fmt: skip
+                   show_progress=True, batch_invariant=invariant)  # fmt: skip
 
     def on_ready(llm) -> None:
         print(llm.summary(), file=sys.stderr)

@@ -1,13 +1,15 @@
 """CudaOps.linears groups matrices into mat-vec launches: one per block format and width (at most three
-matrices each); float weights, K-quants on the skinny GEMM and more than 16 tokens one linear call per matrix.
-Runs without a GPU: the launchers are replaced by recorders."""
+matrices each); float weights and more than 16 tokens one linear call per matrix, which takes the int8 GEMM or the
+mat-vec in slices; where decode steps fold a norm, every width keeps its deferred form. Runs without a GPU: the
+launchers are replaced by recorders."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from infero.backends.cuda import matvec
+from infero.backends.cuda import linear_mma, matvec
+from infero.backends.cuda import ops as ops_module
 from infero.backends.cuda.ops import CudaOps
 from infero.checkpoint.tensor_types import GGMLType as T
 
@@ -33,7 +35,7 @@ def recorded(monkeypatch):
         return np.empty((x.shape[0], weight.rows), np.float32)
 
     monkeypatch.setattr(CudaOps, "linear", linear)
-    ops = CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None))
+    ops = CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None, batch_invariant=False))
     return ops, calls
 
 
@@ -96,6 +98,61 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
                                       ("many", [0, 1]), ("linear", 0), ("many", [1, 2])]  # fmt: skip
 
 
+def test_batch_invariant_mode_keeps_every_block_format_on_mat_vec_launches_up_to_16_tokens(recorded):
+    """In batch-invariant mode no width moves a K-quant to the skinny GEMM, whose bits differ from the mat-vec's;
+    matrices of one type and width share a launch at every count up to 16 tokens."""
+    ops, calls = recorded
+    ops.backend.batch_invariant = True
+    ops._skinny = {int(T.Q4_K): None, int(T.Q6_K): None, int(T.Q8_0): None}
+    for n in (3, 8, 16):
+        ops.linears(activations(n), weights(T.Q4_K, T.Q8_0, T.Q6_K, T.Q4_K))
+    assert [c[:2] for c in calls] == [("many", [0, 3]), ("many", [1]), ("many", [2])] * 3
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """(ops, calls): CudaOps.linear's launches recorded as ("matvec", rows of the slice), ("linear_mma", n),
+    ("router",) and ("gemm", n)."""
+    calls = []
+    monkeypatch.setattr(matvec, "matvec", lambda out, weight, x, *rest: calls.append(("matvec", x.shape[0])))
+    monkeypatch.setattr(linear_mma, "linear_mma", lambda out, weight, *rest: calls.append(("linear_mma", out.shape[0])))
+    # linear_mma takes these here (its own supports() grows with its kernel's types)
+    monkeypatch.setattr(linear_mma, "supports", lambda w, n: w.ggml_type in (T.Q4_K, T.Q8_0) and w.cols % 256 == 0)
+    monkeypatch.setattr(ops_module.moe, "router", lambda out, *rest: calls.append(("router",)))
+    monkeypatch.setattr(ops_module.gemm, "gemm", lambda out, *rest: calls.append(("gemm", out.shape[0])))
+    ops = CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None, batch_invariant=True))
+    monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
+    return ops, calls
+
+
+class _Rows(SimpleNamespace):
+    def rows(self, a, b):
+        return _Rows(ptr=self.ptr, shape=(b - a,) + self.shape[1:])
+
+
+@pytest.mark.parametrize(
+    "qtype, cols, n, launches",
+    [
+        (T.Q4_K, 256, 40, [("linear_mma", 40)]),
+        (T.Q8_0, 4096, 17, [("linear_mma", 17)]),
+        (T.Q4_K, 256, 16, [("matvec", 16)]),
+        (T.Q5_0, 256, 40, [("matvec", 16), ("matvec", 16), ("matvec", 8)]),  # not linear_mma's: slices
+        (T.Q8_0, 896, 33, [("matvec", 16), ("matvec", 16), ("matvec", 1)]),  # rows of no whole 256-column stage
+        (T.F16, 256, 20, [("matvec", 16), ("matvec", 4)]),
+    ],
+)
+def test_past_16_tokens_a_linear_takes_the_int8_gemm_or_mat_vec_slices(routed, monkeypatch, qtype, cols, n, launches):
+    """In batch-invariant mode, past the mat-vec's 16 tokens a quantized linear runs linear_mma, whose rows are the
+    mat-vec's bits, where it takes the type and width, else the mat-vec in slices of 16 rows (a row's bits do not
+    depend on its slice); never the fp16 GEMM."""
+    ops, calls = routed
+    monkeypatch.setattr(ops_module, "_few_float32_rows", lambda x, w: False)
+    x = _Rows(ptr=1 << 20, shape=(n, cols))
+    ops.ws.empty = lambda shape, dtype: _Rows(ptr=1 << 21, shape=tuple(shape))
+    ops.linear(x, SimpleNamespace(ggml_type=int(qtype), rows=64, cols=cols, tiled=False))
+    assert calls == launches
+
+
 @pytest.mark.parametrize(
     "types, n, rope_dim, cols, launches",
     [
@@ -154,7 +211,7 @@ def test_k_quants_take_the_tensor_core_matvec_where_its_shared_memory_fits(monke
     [
         (T.Q4_K, (T.Q4_K, T.Q4_K), 1, True),  # o before the FFN norm, read by gate and up
         (T.Q6_K, (T.Q4_K, T.Q4_K, T.Q6_K), 2, True),  # down before the next attention norm, read by q/k/v
-        (T.Q4_K, (T.Q4_K, T.Q4_K), 3, False),  # three tokens: the readers do not stage the activation
+        (T.Q4_K, (T.Q4_K, T.Q4_K), 3, "deferred"),  # three tokens: add_rms_norm writes the deferred form
         (T.Q8_0, (T.Q4_K, T.Q4_K), 1, False),  # the linear off the tensor cores
         (T.Q4_K, (T.Q4_K, T.Q8_0), 1, False),  # a reader off them
         (T.Q4_K, (T.F16,), 1, False),
@@ -166,18 +223,38 @@ def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_tak
 ):
     """A decode step's linear into the residual stream runs the residual add and the norm in its own launch
     (matvec_norm, the 1 / rms applied by the readers) where it and every weight that reads the normed output take
-    the tensor-core mat-vec at one or two tokens; otherwise as linear, then add_rms_norm."""
+    the tensor-core mat-vec at one or two tokens. In batch-invariant mode the same layer keeps the deferred form at
+    other widths (add_rms_norm writes it; the readers apply the norm), so that the readers' bits do not depend on the
+    width; layers that cannot fold it run linear, then add_rms_norm."""
     ops, calls = recorded
+    ops.backend.batch_invariant = True
     monkeypatch.setattr(matvec, "_num_sms", [132])
     monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
     monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
-    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
+    monkeypatch.setattr(ops_module.elementwise, "add_rms_norm", lambda out, residual, x, w, eps, stream, quantized:
+                        calls.append(("deferred",) if quantized.norm_ss is not None else ("quantized",)))  # fmt: skip
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: n <= 2)
     monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
     monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: None)
+    monkeypatch.setattr(CudaOps, "_workspace_activation", lambda self, x, norm=None: matvec.Activation(
+        None, None, object() if norm is not None else None, norm or 0.0))  # fmt: skip
     weight = SimpleNamespace(index=9, ggml_type=int(weight_type), rows=2048, cols=2048)
     readers = [SimpleNamespace(ggml_type=int(t), rows=64, cols=2048) for t in reader_types]
     ops.linear_add_rms_norm(activations(n, 2048), weight, object(), None, 1e-5, readers)
-    assert calls == ([("norm", 9)] if folded else [("linear", 9), ("add_rms_norm",)])
+    expected = {True: [("norm", 9)], False: [("linear", 9), ("add_rms_norm",)], "deferred": [("linear", 9),
+                                                                                           ("deferred",)]}  # fmt: skip
+    assert calls == expected[folded]
+
+
+def test_outside_batch_invariant_mode_widths_the_fold_does_not_take_normalize_in_add_rms_norm(recorded, monkeypatch):
+    ops, calls = recorded
+    monkeypatch.setattr(matvec, "_num_sms", [132])
+    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: False)
+    weight = SimpleNamespace(index=9, ggml_type=int(T.Q4_K), rows=2048, cols=2048)
+    readers = [SimpleNamespace(ggml_type=int(T.Q4_K), rows=64, cols=2048) for _ in range(2)]
+    ops.linear_add_rms_norm(activations(3, 2048), weight, object(), None, 1e-5, readers)
+    assert calls == [("linear", 9), ("add_rms_norm",)]
 
 
 def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():

@@ -62,6 +62,7 @@ class CudaBackend:
         self.ops = CudaOps(self)
         self.workspace: Workspace | None = None
         self.use_graphs = True
+        self.batch_invariant = False  # CudaOps.invariant: every row the mat-vec's bits at every width
         self._graphs: dict[tuple[int, int], tuple[driver.Graph, DeviceTensor]] = {}  # (bucket, id(cache))
         self.kernel_status = ""
         self.startup_seconds: dict[str, float] = {}  # the parts of the time to ready spent here: compile, graphs

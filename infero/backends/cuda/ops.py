@@ -16,6 +16,7 @@ from infero.backends.cuda import (
     elementwise,
     embedding,
     gemm,
+    linear_mma,
     matvec,
     moe,
     skinny_gemm,
@@ -97,6 +98,9 @@ class CudaOps:
         self._skinny: dict[int, DeviceTensor] = {}  # per weight type, x in its skinny-GEMM column order
         self._skinny_keys: dict[int, tuple] = {}
         self._act_width = 0
+        # Activations of more than MATVEC_MAX_TOKENS rows in the mat-vec's format, in the workspace: by _key, for
+        # the readers after their writer (only this forward's generation is kept).
+        self._ws_acts: dict[tuple, matvec.Activation] = {}
 
     def prepare(self, config) -> None:
         """The fixed buffers of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -110,7 +114,8 @@ class CudaOps:
         arena = self.backend.weights_arena
         q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
         self._act_q = [empty((int(np.prod(q_shape)),), np.int8, arena) for _ in range(2)]
-        self._act_s = [empty((int(np.prod(s_shape)),), np.int32, arena) for _ in range(2)]
+        # The scales, and after them a deferred norm's sums (a quarter more: one float a group of 32).
+        self._act_s = [empty((int(np.prod(s_shape)) * 5 // 4,), np.int32, arena) for _ in range(2)]
         self._act_keys, self._act_norms = [None, None], [None, None]
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
@@ -165,16 +170,42 @@ class CudaOps:
         key = self._key(x)
         if key in self._act_keys:
             return self._activation(self._act_keys.index(key), x.shape)
+        if key in self._ws_acts:
+            return self._ws_acts[key]
         quantized = self._quantize_into(x)
+        if quantized is None and len(x.shape) == 2 and x.shape[0] > MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0:
+            self._require_values(x)
+            quantized = self._workspace_activation(x)
         if quantized is not None:
             matvec.quantize(quantized.q, quantized.s, x, self.stream)
         return quantized
+
+    def _workspace_activation(self, x: DeviceTensor, norm=None) -> matvec.Activation:
+        """A workspace buffer in the mat-vec's activation format for x (any number of rows), now owned by x; norm:
+        the eps of a deferred RMSNorm (its norm_ss follows the scales)."""
+        n, cols = x.shape
+        q_shape, s_shape = matvec.activation_shapes(n, cols)
+        q = self.ws.empty(q_shape, np.int8)
+        ss_bytes = n * (cols // 32) * 4 if norm is not None else 0
+        s_all = self.ws.empty((int(np.prod(s_shape)) * 4 + ss_bytes,), np.uint8)
+        s = DeviceTensor(s_all.ptr, s_shape, np.dtype(np.int32), s_all)
+        if norm is None:
+            act = matvec.Activation(q, s)
+        else:
+            norm_ss = DeviceTensor(s.ptr + s.nbytes, (n, cols // 32), np.dtype(np.float32), s_all)
+            act = matvec.Activation(q, s, norm_ss, norm)
+        generation = self.ws.generation
+        self._ws_acts = {k: v for k, v in self._ws_acts.items() if k[2] == generation}
+        self._ws_acts[self._key(x)] = act
+        return act
 
     def _require_values(self, x: DeviceTensor) -> None:
         """Raise if x is linear_add_rms_norm's output with a deferred norm, which has no float values, only its
         quantized form for the readers it was given (checked while a buffer still holds that form)."""
         key = self._key(x)
-        if any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms, strict=True)):
+        deferred_here = key in self._ws_acts and self._ws_acts[key].norm_ss is not None
+        if deferred_here or any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms,
+                                                                                   strict=True)):  # fmt: skip
             raise RuntimeError("a linear_add_rms_norm output whose norm its readers apply was read as float32 values; "
                                "pass every weight that reads it as `readers`")  # fmt: skip
 
@@ -249,28 +280,44 @@ class CudaOps:
         elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized)
         return out, residual
 
+    @property
+    def invariant(self) -> bool:
+        """Batch-invariant mode (CudaBackend.batch_invariant; docs/kernels.md): every quantized linear layer runs
+        kernels that give each row the mat-vec's bits, the mat-vec family up to MATVEC_MAX_TOKENS tokens and past it
+        the int8 tensor-core GEMM (linear_mma) where it takes the type, else the mat-vec in slices of
+        MATVEC_MAX_TOKENS; float weights the float mat-vec in slices; a norm the decode step folds stays deferred
+        at every width. Off: the skinny GEMM and the fp16 GEMM, whose bits differ from the mat-vec's, take wider
+        steps (faster on the H200 at 3-64 tokens and in prefill: docs/performance.md)."""
+        return getattr(self.backend, "batch_invariant", False)
+
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
         n = x.shape[0]
-        return (bool(self._skinny) and skinny_gemm.supports(weight, n) and n >= SKINNY_MIN_TOKENS[weight.ggml_type]
-                and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
+        return (not self.invariant and bool(self._skinny) and skinny_gemm.supports(weight, n)
+                and n >= SKINNY_MIN_TOKENS[weight.ggml_type] and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
 
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
         out = self.ws.empty((n, weight.rows), np.float32)
+        quantized = weight.ggml_type not in matvec.FLOAT_TYPES
         if bias is None and _few_float32_rows(x, weight):
             self._require_values(x)
             moe.router(out, x, weight, self.stream)
         elif self._takes_skinny(x, weight):
             xa = self._skinny_input(x, weight.ggml_type)
             skinny_gemm.skinny_gemm(out, weight, xa, bias, self.stream, self.ws)
-        elif n <= MATVEC_MAX_TOKENS and weight.ggml_type not in matvec.FLOAT_TYPES:
+        elif quantized and n <= MATVEC_MAX_TOKENS:
             matvec.matvec(out, weight, x, bias, self.stream, self.ws, self._quantized(x))
+        elif quantized and self.invariant and linear_mma.supports(weight, n):
+            linear_mma.linear_mma(out, weight, self._quantized(x), bias, self.stream, self.ws)
+        elif n <= MATVEC_MAX_TOKENS or self.invariant:
+            # The mat-vec's rows do not depend on its token count: slices of it give every row its bits.
+            self._require_values(x)
+            for a in range(0, n, MATVEC_MAX_TOKENS):
+                b = min(a + MATVEC_MAX_TOKENS, n)
+                matvec.matvec(out.rows(a, b), weight, x.rows(a, b), bias, self.stream, self.ws)
         else:
             self._require_values(x)
-            if n <= MATVEC_MAX_TOKENS:
-                matvec.matvec(out, weight, x, bias, self.stream, self.ws)
-            else:
-                gemm.gemm(out, weight, x, bias, self.stream, self.ws)
+            gemm.gemm(out, weight, x, bias, self.stream, self.ws)
         return out
 
     def linear_add_rms_norm(self, x: DeviceTensor, weight: QuantWeight, residual: DeviceTensor, norm_weight, eps: float,
@@ -280,21 +327,40 @@ class CudaOps:
         readers run on the tensor cores at one or two tokens (a decode step), the linear's own launch adds into the
         residual and writes the readers' activation, leaving the norm's 1 / rms to them (matvec.matvec_norm: no
         add_rms_norm kernel); the output then exists only in that form, for those readers."""
-        if not self._defers_norm(x, weight, residual, readers):
-            return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
-        h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: its readers take the quantized form
-        quantized = self._quantized(x)
-        out_quantized = self._quantize_into(h, keep=x, norm=eps)
-        matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
-        return h, residual
+        if self._defers_norm(x, weight, residual, readers):
+            h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: readers take the quantized form
+            quantized = self._quantized(x)
+            out_quantized = self._quantize_into(h, keep=x, norm=eps)
+            matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
+            return h, residual
+        y = self.linear(x, weight)
+        if not (self.invariant and residual is not None and self._norm_deferred(weight, readers)):
+            return self.add_rms_norm(y, residual, norm_weight, eps)
+        # The deferred form at every token count, so that the readers' bits do not depend on whether this step's
+        # width let matvec_norm fold the norm (docs/kernels.md, batch invariance): add_rms_norm writes it.
+        out = self.ws.empty(y.shape, np.float32)
+        deferred = self._quantize_into(out, norm=eps) or self._workspace_activation(out, norm=eps)
+        elementwise.add_rms_norm(out, residual, y, norm_weight, eps, self.stream, deferred)
+        return out, residual
 
     def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
+        """Whether matvec_norm runs this step's linear_add_rms_norm (one or two tokens on the tensor cores)."""
         n = x.shape[0]
         return (residual is not None and bool(readers) and self._quantizable(x)
                 and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, n)
                 and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
                         and matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w) for w in readers)
                 )  # fmt: skip
+
+    @staticmethod
+    def _norm_deferred(weight: QuantWeight, readers) -> bool:
+        """Whether a linear_add_rms_norm of this weight and readers leaves the norm to its readers at every token
+        count: where a decode step folds it (matvec_norm at one token), and then every reader takes the deferred
+        form at any width (the tensor-core mat-vec, linear_mma)."""
+        return (bool(readers) and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, 1)
+                and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
+                        and matvec.reads_deferred_norm(w, 1) and linear_mma.supports(w, MATVEC_MAX_TOKENS + 1)
+                        for w in readers))  # fmt: skip
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
