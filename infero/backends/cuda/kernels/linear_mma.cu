@@ -1,6 +1,6 @@
 // linear_mma: a linear layer out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias) on the int8 tensor
 // cores for steps of more than the mat-vec's 16 tokens (prefill chunks, batched decode, mixed steps), types Q4_K,
-// Q5_K, Q6_K, Q8_0, Q4_1, Q5_1. Every output is the linear-layer definition's (unit_value.cuh; docs/kernels.md,
+// Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. Every output is the linear-layer definition's (unit_value.cuh; docs/kernels.md,
 // rule 2): fx::value of the fixed-point sum of the row's span values (mma_units.cuh), times a deferred norm's
 // 1 / rms where the activation carries one, then + bias (__fadd_rn): bitwise what the mat-vec gives the token alone,
 // whatever n, the token's place or the split of the spans below.

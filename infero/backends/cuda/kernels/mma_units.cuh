@@ -1,5 +1,5 @@
 // The linear-layer definition (unit_value.cuh) on the int8 tensor cores, shared by linear_mma.cu's linear_mma and
-// moe_mma.cu's matvec_experts_mma. Types: Q4_K, Q5_K, Q6_K, Q8_0 (both), Q4_1, Q5_1 (linear_mma).
+// moe_mma.cu's matvec_experts_mma. Types: Q4_K, Q5_K, Q6_K, Q8_0 (both), Q4_0, Q4_1, Q5_0, Q5_1 (linear_mma).
 //
 // A stage is a span: 256 columns, 8 units of 32, each aligned with one activation group. mma.m16n8k32 s8 x s8 takes
 // a unit whole, its k order permuted (an integer sum does not depend on it): lane (g, j)'s k 4j..4j+3 are the unit's
@@ -198,19 +198,25 @@ struct Policy<GGML_Q8_0> {
   }
 };
 
-// Q4_1 / Q5_1: a stage is 8 blocks (d, m [, qh 4 bytes], qs 16), staged whole (160 / 192 bytes: 16-byte aligned in
-// GGUF rows of a multiple of 256 columns). Unit k is block k: column i < 16 the low nibble of qs[i], i >= 16 the high
-// nibble of qs[i - 16]; Q5_1's fifth bit i of qh. Block starts and fields are 4-byte aligned.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: a stage is 8 blocks (d [, m] [, qh 4 bytes], qs 16), staged whole (144 / 160 / 176 /
+// 192 bytes: 16-byte aligned in GGUF rows of a multiple of 256 columns). Unit k is block k: column i < 16 the low
+// nibble of qs[i], i >= 16 the high nibble of qs[i - 16]; Q5's fifth bit i of qh. A = d, B = m or -8 d / -16 d.
+// Q4_0's and Q5_0's fields are 2-byte aligned: their words are put together from the two staged words around them.
 template <int T>
 struct Policy32 {
-  static constexpr int BLOCK = T == GGML_Q4_1 ? 20 : 24, QS = T == GGML_Q4_1 ? 4 : 8, BYTES = 8 * BLOCK;
-  static constexpr int PIECES = BYTES / 16, RUNS = 1;
+  static constexpr bool MIN = T == GGML_Q4_1 || T == GGML_Q5_1, FIVE = T == GGML_Q5_0 || T == GGML_Q5_1;
+  static constexpr int BLOCK = 18 + (MIN ? 2 : 0) + (FIVE ? 4 : 0), QH = MIN ? 4 : 2, QS = QH + (FIVE ? 4 : 0);
+  static constexpr int BYTES = 8 * BLOCK, PIECES = BYTES / 16, RUNS = 1;
   static constexpr bool ASYNC = true, HAS_M = true, PREP = false;
   struct Unit { float a[2], b[2]; };
   __device__ static const uint8_t* piece_at(const uint8_t* stage, int i) { return stage + 16 * i; }
-  // The 4-byte word at byte o of row r's staged stage.
+  // The 4 bytes at byte o (2-byte aligned) of row r's staged stage; the second word only read where o is not
+  // 4-byte aligned (known at compile time in an unrolled unit loop), so none past the stage is.
   __device__ static uint32_t at(const uint8_t* sw, int rows, int r, int o) {
-    return staged(sw, rows, o >> 4, r, (o >> 2) & 3);
+    const int a = o & ~3;
+    const uint32_t lo = staged(sw, rows, a >> 4, r, (a >> 2) & 3);
+    if ((o & 3) == 0) return lo;
+    return __funnelshift_r(lo, staged(sw, rows, (a + 4) >> 4, r, ((a + 4) >> 2) & 3), 8 * (o & 3));
   }
   // Bit i of x's low 4 bits into bit 4 of byte i.
   __device__ static uint32_t spread4(uint32_t x) { return ((x & 0xFu) * 0x00204081u & 0x01010101u) << 4; }
@@ -222,14 +228,14 @@ struct Policy32 {
       const int r = rl + 8 * h;
       a[0][h] = (at(sw, rows, r, o) >> nib) & 0x0F0F0F0Fu;
       a[0][2 + h] = (at(sw, rows, r, o + 4) >> nib) & 0x0F0F0F0Fu;
-      if constexpr (T == GGML_Q5_1) {
-        const uint32_t qh = at(sw, rows, r, BLOCK * k + 4) >> (8 * j);
+      if constexpr (FIVE) {
+        const uint32_t qh = at(sw, rows, r, BLOCK * k + QH) >> (8 * j);
         a[0][h] |= spread4(qh);
         a[0][2 + h] |= spread4(qh >> 4);
       }
       const uint32_t dm = at(sw, rows, r, BLOCK * k);
       un.a[h] = f16_lo(dm);
-      un.b[h] = f16_lo(dm >> 16);
+      un.b[h] = MIN ? f16_lo(dm >> 16) : __fmul_rn(un.a[h], FIVE ? -16.f : -8.f);
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
@@ -239,7 +245,9 @@ struct Policy32 {
     return uv::value(dm.x, un.a[h], un.b[h], exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), dm.y);
   }
 };
+template <> struct Policy<GGML_Q4_0> : Policy32<GGML_Q4_0> {};
 template <> struct Policy<GGML_Q4_1> : Policy32<GGML_Q4_1> {};
+template <> struct Policy<GGML_Q5_0> : Policy32<GGML_Q5_0> {};
 template <> struct Policy<GGML_Q5_1> : Policy32<GGML_Q5_1> {};
 
 // The start of stage st (columns 256 st ..) of row `row` of a matrix at data (rows row_bytes apart, or for Q4_K /
