@@ -1,4 +1,4 @@
-"""The int8 tensor-core linear layer for steps of more than the mat-vec's tokens (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0-Q5_1):
+"""The int8 tensor-core linear layer for steps of more than the mat-vec's tokens (Q4_K-Q6_K, Q8_0, Q4_0-Q5_1, IQ4):
 out[n, rows] = x @ W.T (+ bias), x in the mat-vec's activation format (matvec.quantize, or a fused writer; a
 deferred norm's too). Every row is bitwise what matvec_q gives the token alone (kernels/linear_mma.cu says how):
 a prefill chunk, a batched decode step and a mixed step give a request the same bits.
@@ -16,14 +16,15 @@ from infero.backends.cuda.tensor import DeviceTensor, QuantWeight, Workspace
 from infero.checkpoint.tensor_types import GGMLType
 
 SOURCE = "linear_mma.cu"
-TYPES = tuple(int(GGMLType[name]) for name in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
+_NAMES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+TYPES = tuple(int(GGMLType[name]) for name in _NAMES)
 STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
 # The kernel's warp grids (WR row warps x WT token warps): 16 WR rows x 32 WT tokens a block.
 NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 256
 MAX_SPLITS = 16
 # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
-_PIECES = {12: 9, 13: 11, 14: 14, 8: 17, 2: 9, 3: 10, 6: 11, 7: 12}
+_PIECES = {12: 9, 13: 11, 14: 14, 8: 17, 2: 9, 3: 10, 6: 11, 7: 12, 20: 9, 23: 9}
 _PREP = (12, 13)  # Policy<T>::PREP: {A, B} staged per (row, unit)
 
 runtime.declare(SOURCE, ["linear_mma_finish"])

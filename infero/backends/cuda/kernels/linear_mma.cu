@@ -1,9 +1,9 @@
 // linear_mma: a linear layer out[n, rows] = x[n, cols] @ dequant(W)[rows, cols]^T (+ bias) on the int8 tensor
 // cores for steps of more than the mat-vec's 16 tokens (prefill chunks, batched decode, mixed steps), types Q4_K,
-// Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. Every output is the linear-layer definition's (unit_value.cuh; docs/kernels.md,
-// rule 2): fx::value of the fixed-point sum of the row's span values (mma_units.cuh), times a deferred norm's
-// 1 / rms where the activation carries one, then + bias (__fadd_rn): bitwise what the mat-vec gives the token alone,
-// whatever n, the token's place or the split of the spans below.
+// Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS. Every output is the linear-layer definition's
+// (unit_value.cuh; docs/kernels.md, rule 2): fx::value of the fixed-point sum of the row's span values
+// (mma_units.cuh), times a deferred norm's 1 / rms where the activation carries one, then + bias (__fadd_rn):
+// bitwise what the mat-vec gives the token alone, whatever n, the token's place or the split of the spans below.
 //
 // Layouts. W: GGUF rows [rows, row_bytes], or for Q4_K / Q6_K with `tiled` quant.cuh's tiled layout. The activation:
 // act_quant.cuh's planes xq [2, n, cols] and scales xs [n, cols / 16] (matvec.quantize, or a fused writer); with
@@ -14,7 +14,7 @@
 // block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py). grid: (row tiles, token tiles,
 // splits); split z takes a contiguous range of the row's stages (256 columns: a span), so narrow matrices still
 // fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through shared memory,
-// two buffers: stage s + 1 is copied by cp.async (Q4_K / Q5_K pieces too; Q6_K's and Q8_0's 2-byte aligned pieces
+// two buffers: stage s + 1 is copied by cp.async (16-byte aligned stages' pieces too; Q6_K's, Q8_0's and IQ4_XS's
 // are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one barrier a
 // stage. Each A fragment (16 rows of a unit) and its A, B feed 8 column tiles; the per-(output, unit) work (two
 // exact floats, uv::value, a tree add) sets the pace, fx::add once a span. One split: outputs written directly;

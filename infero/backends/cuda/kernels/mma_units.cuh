@@ -1,5 +1,6 @@
 // The linear-layer definition (unit_value.cuh) on the int8 tensor cores, shared by linear_mma.cu's linear_mma and
-// moe_mma.cu's matvec_experts_mma. Types: Q4_K, Q5_K, Q6_K, Q8_0 (both), Q4_0, Q4_1, Q5_0, Q5_1 (linear_mma).
+// moe_mma.cu's matvec_experts_mma. Types: Q4_K, Q5_K, Q6_K, Q8_0 (both); Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS
+// (linear_mma).
 //
 // A stage is a span: 256 columns, 8 units of 32, each aligned with one activation group. mma.m16n8k32 s8 x s8 takes
 // a unit whole, its k order permuted (an integer sum does not depend on it): lane (g, j)'s k 4j..4j+3 are the unit's
@@ -56,6 +57,15 @@ __device__ __forceinline__ float exact_float(int biased) { return __fsub_rn(__in
 // Word j of piece p of staged row r.
 __device__ __forceinline__ uint32_t staged(const uint8_t* sw, int rows, int p, int r, int j) {
   return word(sw + 16 * (p * rows + r) + 4 * j);
+}
+
+// The 4 bytes at byte o (2-byte aligned) of staged row r; the second word only read where o is not 4-byte aligned
+// (known at compile time in an unrolled unit loop), so none past the stage is.
+__device__ __forceinline__ uint32_t staged_at(const uint8_t* sw, int rows, int r, int o) {
+  const int a = o & ~3;
+  const uint32_t lo = staged(sw, rows, a >> 4, r, (a >> 2) & 3);
+  if ((o & 3) == 0) return lo;
+  return __funnelshift_r(lo, staged(sw, rows, (a + 4) >> 4, r, ((a + 4) >> 2) & 3), 8 * (o & 3));
 }
 
 // ---- formats ------------------------------------------------------------------------------------------------------
@@ -198,26 +208,21 @@ struct Policy<GGML_Q8_0> {
   }
 };
 
-// Q4_0 / Q4_1 / Q5_0 / Q5_1: a stage is 8 blocks (d [, m] [, qh 4 bytes], qs 16), staged whole (144 / 160 / 176 /
-// 192 bytes: 16-byte aligned in GGUF rows of a multiple of 256 columns). Unit k is block k: column i < 16 the low
-// nibble of qs[i], i >= 16 the high nibble of qs[i - 16]; Q5's fifth bit i of qh. A = d, B = m or -8 d / -16 d.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL: a stage is 8 blocks (d [, m] [, qh 4 bytes], qs 16), staged whole (144 / 160 /
+// 176 / 192 / 144 bytes: 16-byte aligned in GGUF rows of a multiple of 256 columns). Unit k is block k: column i < 16
+// the low nibble of qs[i], i >= 16 the high nibble of qs[i - 16]; Q5's fifth bit i of qh; IQ4_NL's w its kvalue.
+// A = d, B = m or -8 d / -16 d (IQ4_NL: B = M = 0).
 // Q4_0's and Q5_0's fields are 2-byte aligned: their words are put together from the two staged words around them.
 template <int T>
 struct Policy32 {
   static constexpr bool MIN = T == GGML_Q4_1 || T == GGML_Q5_1, FIVE = T == GGML_Q5_0 || T == GGML_Q5_1;
+  static constexpr bool NL = T == GGML_IQ4_NL;
   static constexpr int BLOCK = 18 + (MIN ? 2 : 0) + (FIVE ? 4 : 0), QH = MIN ? 4 : 2, QS = QH + (FIVE ? 4 : 0);
   static constexpr int BYTES = 8 * BLOCK, PIECES = BYTES / 16, RUNS = 1;
-  static constexpr bool ASYNC = true, HAS_M = true, PREP = false;
+  static constexpr bool ASYNC = true, HAS_M = !NL, PREP = false;
   struct Unit { float a[2], b[2]; };
   __device__ static const uint8_t* piece_at(const uint8_t* stage, int i) { return stage + 16 * i; }
-  // The 4 bytes at byte o (2-byte aligned) of row r's staged stage; the second word only read where o is not
-  // 4-byte aligned (known at compile time in an unrolled unit loop), so none past the stage is.
-  __device__ static uint32_t at(const uint8_t* sw, int rows, int r, int o) {
-    const int a = o & ~3;
-    const uint32_t lo = staged(sw, rows, a >> 4, r, (a >> 2) & 3);
-    if ((o & 3) == 0) return lo;
-    return __funnelshift_r(lo, staged(sw, rows, (a + 4) >> 4, r, ((a + 4) >> 2) & 3), 8 * (o & 3));
-  }
+  __device__ static uint32_t at(const uint8_t* sw, int rows, int r, int o) { return staged_at(sw, rows, r, o); }
   // Bit i of x's low 4 bits into bit 4 of byte i.
   __device__ static uint32_t spread4(uint32_t x) { return ((x & 0xFu) * 0x00204081u & 0x01010101u) << 4; }
   __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2*, int rows, int rl,
@@ -233,22 +238,61 @@ struct Policy32 {
         a[0][h] |= spread4(qh);
         a[0][2 + h] |= spread4(qh >> 4);
       }
+      if constexpr (NL) {
+        a[0][h] = quant::iq4_lookup4(a[0][h]);
+        a[0][2 + h] = quant::iq4_lookup4(a[0][2 + h]);
+      }
       const uint32_t dm = at(sw, rows, r, BLOCK * k);
       un.a[h] = f16_lo(dm);
-      un.b[h] = MIN ? f16_lo(dm >> 16) : __fmul_rn(un.a[h], FIVE ? -16.f : -8.f);
+      un.b[h] = MIN ? f16_lo(dm >> 16) : __fmul_rn(un.a[h], NL ? 0.f : FIVE ? -16.f : -8.f);
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
     tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.a[h], un.b[h], exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), dm.y);
+    return uv::value(dm.x, un.a[h], NL ? 0.f : un.b[h], exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]),
+                     NL ? 0.f : dm.y);
   }
 };
 template <> struct Policy<GGML_Q4_0> : Policy32<GGML_Q4_0> {};
+template <> struct Policy<GGML_IQ4_NL> : Policy32<GGML_IQ4_NL> {};
 template <> struct Policy<GGML_Q4_1> : Policy32<GGML_Q4_1> {};
 template <> struct Policy<GGML_Q5_0> : Policy32<GGML_Q5_0> {};
 template <> struct Policy<GGML_Q5_1> : Policy32<GGML_Q5_1> {};
+
+// IQ4_XS: a stage is one superblock (d, scales_h, scales_l[4], qs 128: 136 bytes, 8-byte aligned), pieces 0-7 its
+// bytes 0-127, 8 the last 8. Unit k is sub-block k: column i < 16 the low nibble of qs[16k + i], i >= 16 the high
+// nibble of qs[16k + i - 16], w its kvalue; A = d (ls - 32), B = M = 0.
+template <>
+struct Policy<GGML_IQ4_XS> {
+  static constexpr int BYTES = 136, PIECES = 9, RUNS = 1;
+  static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
+  struct Unit { float a[2]; };
+  __device__ static uint4 piece(const uint8_t* stage, int i, int = KU) {
+    if (i < 8) return load16_at2(stage + 16 * i);
+    const uint2 v = *reinterpret_cast<const uint2*>(stage + 128);
+    return make_uint4(v.x, v.y, 0u, 0u);
+  }
+  __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2*, int rows, int rl,
+                              int k, int j) {
+    const int o = 8 + 16 * k + 8 * (j & 1), nib = 4 * (j >> 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = rl + 8 * h;
+      a[0][h] = quant::iq4_lookup4((staged_at(sw, rows, r, o) >> nib) & 0x0F0F0F0Fu);
+      a[0][2 + h] = quant::iq4_lookup4((staged_at(sw, rows, r, o + 4) >> nib) & 0x0F0F0F0Fu);
+      const uint32_t w0 = staged(sw, rows, 0, r, 0);
+      un.a[h] = __fmul_rn(f16_lo(w0), (float)quant::iq4xs_scale(w0 >> 16, sw + 16 * r + 4, k));  // exact
+    }
+  }
+  __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+  }
+  __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
+    return uv::value(dm.x, un.a[h], 0.f, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), 0.f);
+  }
+};
 
 // The start of stage st (columns 256 st ..) of row `row` of a matrix at data (rows row_bytes apart, or for Q4_K /
 // Q6_K with tiled set in quant.cuh's tiled layout).
