@@ -1,4 +1,4 @@
-"""linear_mma, the int8 tensor-core linear layer for more than 16 tokens (K-quants, Q8_0, Q4_0-Q5_1, IQ4_NL, IQ4_XS).
+"""linear_mma, the int8 tensor-core linear layer for more than 16 tokens (Q4_K-Q6_K, Q8_0, Q4_0-Q5_1, IQ4_NL, IQ4_XS).
 
 1. Bitwise the mat-vec: every row of an n-token launch is the bits the mat-vec (matvec_q, or matvec_mma where it
    takes a tiled Q4_K / Q6_K matrix) gives the same token in 16-token slices: both follow the linear-layer
