@@ -13,8 +13,7 @@
 // (each product and the sum below 2^24: exact, unit_value.cuh's bound).
 // A and B are formed once per (row, unit) and shared by the warp's token tiles (Q4_K / Q5_K: by prep(), when the
 // stage lands, into [8][rows] float2s); D and M once per (token, unit) when the stage lands (scales()), shared by
-// the rows. c = uv::value, the span's 8 units walked in
-// column order by uv::span_step, each span's value fx::add-ed.
+// the rows. c = uv::value, the span's 8 units walked in column order by uv::span_step, each span's value fx::add-ed.
 //
 // Staging. A kernel copies each row's stage into shared memory as PIECES 16-byte pieces, [PIECES][rows][16 bytes]
 // (lanes of one j read one word of rows g and g + 8: conflict free): piece_at() (ASYNC: the stage 16-byte aligned in
