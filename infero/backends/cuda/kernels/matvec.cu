@@ -40,20 +40,23 @@
 // tensor's bytes, never outside their 16-byte chunk (so never outside a mapped page; compute-sanitizer may still
 // report them).
 //
-// Reduction (batch invariance, issue 29). For each (row, token) of a block format the output is the sum of its
-// units' fp32 contributions c_u (a fixed expression of exact integer dot products and the fp16/fp32 scales, written
-// with _rn intrinsics so no FMA contraction can differ between instantiations; unit_expr.cuh's for the formats
-// the tensor cores take) in fixed point (fixed_point.cuh): each c_u rounded once onto 2^-32 and added as int64,
-// a probe carrying NaN/Inf. Integer sums do not depend on their order, so a lane's units, the warp's lanes
-// (Spread) and, in matvec_mma, the warps and tiles may be combined in any way; the sum's float, then bias, then
-// any epilogue. Nothing depends on n, N, RPW, the block size, the kernel or the other segments of the launch: a
-// row's result is bitwise the same for every batch width and position in the batch, whether its matrix runs
-// alone or grouped, on matvec_q or matvec_mma. The activation quantization is per token. Float weights
-// (matvec_f) keep float sums: a lane's units in increasing order, then a fixed xor butterfly.
+// Reduction (batch invariance, issue 29). For each (row, token) of a block format the output is unit_value.cuh's
+// definition: per 32-column unit (one activation group) the integers I_0, I_1 (per-plane dots, run scales applied
+// in integers) and M, and the block's A and B, give c = uv::value; the 8 units of each 256-column span are summed
+// by span()'s fixed tree; the spans in fixed point (fixed_point.cuh: each rounded once onto 2^-32 and added as
+// int64, a probe carrying NaN/Inf); then fx::value and the bias. In matvec_q lane k of each 8 holds unit k of a
+// span (the K-quants first exchange the 16-element halves their lanes hold with one xor shuffle, exact), so
+// uv::span_of_lanes forms the span's value and one lane a span adds it; integer sums do not depend on their order,
+// so a lane's spans and the warp's lanes (Spread) combine in any way. Nothing depends on n, N, RPW, the block size
+// or the other segments of the launch: a row's result is bitwise the same for every batch width and position in the
+// batch, whether its matrix runs alone or grouped, and the int8 GEMM (linear_mma.cu) computes the same.
+// matvec_mma (the tensor-core form below) still sums the units of the definition before 9d48028 (unit_expr.cuh), so
+// its rows are not yet bitwise matvec_q's. The activation quantization is per token. Float weights (matvec_f) keep
+// float sums: a lane's units in increasing order, then a fixed xor butterfly.
 //
-// Numerics. The integer dots are exact (|256 q0 + q1| <= 32639: a 16-element run times any format's values and
-// sub-block scale stays below 2^31, see the units); a unit's scale products are fp32, its rounding onto 2^-32
-// (2.3e-10 absolute) below fp32's own for outputs above 4e-3. One int8 plane
+// Numerics. The integer dots are exact and below 2^24 (unit_value.cuh's bounds), so their floats are exact; T =
+// 256 I_0 + I_1 is rounded once, then A T + B M and the factor D; a span's rounding onto 2^-32 (2.3e-10 absolute) is
+// below fp32's own for outputs above 4e-3. One int8 plane
 // alone (d = amax / 127) leaves rms d / sqrt(12) per element: ~0.54% of a Gaussian row's rms, and 0.6-1.2% on
 // real LLM hidden states, whose per-channel outliers set amax for their groups. Through 30 layers that left
 // SmolLM2-135M's logits 3-13% (relative L2) off (numpy forward with the linears' inputs so quantized; 1-7%
@@ -70,7 +73,8 @@
 #include "trace.cuh"
 #include "act_quant.cuh"
 #include "fixed_point.cuh"
-#include "unit_expr.cuh"
+#include "unit_expr.cuh"  // matvec_mma still on the old unit expressions
+#include "unit_value.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
 
@@ -250,23 +254,39 @@ __device__ __forceinline__ void load_act(Act<R>& a, const int8_t* __restrict__ x
   }
 }
 
-// Run r's exact integer dot with the activation, 256 dot(q, q0) + dot(q, q1): |result| <= 16 * max|q| * 32639
-// (2^31 over max|q| * scale = 4112: every format's product with its sub-block scale fits, see the units).
+// Run r's integer dot with activation plane p (0, 1).
 template <bool U = false, int R>
-__device__ __forceinline__ int dot_run(const int (&q)[4], const Act<R>& a, int r) {
-  return dot16<U>(q, a.x1[r], dot16<U>(q, a.x0[r]) * 256);
+__device__ __forceinline__ int plane_dot(const int (&q)[4], const Act<R>& a, int r, int p) {
+  return dot16<U>(q, p == 0 ? a.x0[r] : a.x1[r]);
+}
+
+// Sum of plane p over run r (the K-quants whose w carries an offset: dot(q - o, x) = dot(q, x) - o sum(x)).
+template <int R>
+__device__ __forceinline__ int plane_sum(const Act<R>& a, int r, int p) {
+  const int ones[4] = {0x01010101, 0x01010101, 0x01010101, 0x01010101};
+  return dot16(ones, p == 0 ? a.x0[r] : a.x1[r]);
+}
+
+// A K-quant lane holds one 16-element half of each of its runs' groups; the lane OFF apart holds the other halves.
+// Each keeps one run (KEEP: its own half's integer) and receives the partner's half of the same group (exact).
+__device__ __forceinline__ int with_partner(int keep, int send, int off) {
+  return keep + __shfl_xor_sync(0xFFFFFFFFu, send, off);
 }
 
 // ---- per-format units -----------------------------------------------------------------------------------------
 // Unit<T>: ELEMS elements per unit, RUNS 16-element runs; runs(u, g, h) names each run's activation group and
-// half; fetch(raw, row, u) issues the unit's weight loads; decode(w, raw, row, u) unpacks them; dot(w, a) is the
-// unit's float contribution for one token's activations a.
+// half; fetch(raw, row, u) issues the unit's weight loads; decode(w, raw, row, u) unpacks them. Per token,
+// prep(a, k) forms what the rows share (D, M, plane sums) and value(w, a, tk, k) the lane's unit_value.cuh value:
+// lane k of each 8 (SPAN_LANES = 4: each 4, two units a lane, their sum) holds 32-column unit k of its span, so
+// span_value() forms the span's value. All lanes must call value() (the K-quants exchange halves by shuffles).
 
 template <int T> struct Unit;
 
 // The 32-element formats: a unit is one block; run 0 = elements 0..15, run 1 = 16..31 (same group).
 struct Block32 {
-  static constexpr int ELEMS = 32, RUNS = 2;
+  static constexpr int ELEMS = 32, RUNS = 2, SPAN_LANES = 8;
+  struct Tok { float d, m; };
+  __device__ static Tok prep(const Act<2>& a, int) { return Tok{a.d[0], (float)(a.s[0] + a.s[1])}; }
   __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = g[1] = u;
     h[0] = 0;
@@ -298,14 +318,14 @@ struct Unit4NL : Block32 {
     }
     w.d = f16_lo(raw.d);
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    int i;
-    if constexpr (T == GGML_Q4_0) {
-      i = dot_run(w.q[0], a, 0) + (dot_run<true>(w.q[1], a, 1) >> 4) - 8 * (a.s[0] + a.s[1]);
-    } else {
-      i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
-    }
-    return __fmul_rn(__fmul_rn(w.d, a.d[0]), (float)i);
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int) {
+    float i[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      i[p] = (float)(T == GGML_Q4_0 ? plane_dot(w.q[0], a, 0, p) + (plane_dot<true>(w.q[1], a, 1, p) >> 4)
+                                    : plane_dot(w.q[0], a, 0, p) + plane_dot(w.q[1], a, 1, p));
+    return T == GGML_Q4_0 ? uv::value(tk.d, w.d, __fmul_rn(-8.f, w.d), i[0], i[1], tk.m)
+                          : uv::value(tk.d, w.d, 0.f, i[0], i[1], 0.f);
   }
 };
 template <> struct Unit<GGML_Q4_0> : Unit4NL<GGML_Q4_0> {};
@@ -333,14 +353,13 @@ struct Unit41 : Block32 {
     w.d = f16_lo(v[0]);
     w.m = f16_hi(v[0]);
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    int i;
-    if constexpr (T == GGML_Q4_1) {
-      i = dot_run(w.q[0], a, 0) + (dot_run<true>(w.q[1], a, 1) >> 4);
-    } else {
-      i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
-    }
-    return __fmul_rn(a.d[0], __fmaf_rn(w.d, (float)i, __fmul_rn(w.m, (float)(a.s[0] + a.s[1]))));
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int) {
+    float i[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      i[p] = (float)(T == GGML_Q4_1 ? plane_dot(w.q[0], a, 0, p) + (plane_dot<true>(w.q[1], a, 1, p) >> 4)
+                                    : plane_dot(w.q[0], a, 0, p) + plane_dot(w.q[1], a, 1, p));
+    return uv::value(tk.d, w.d, w.m, i[0], i[1], tk.m);
   }
 };
 template <> struct Unit<GGML_Q4_1> : Unit41<GGML_Q4_1> {};
@@ -375,10 +394,12 @@ struct Unit50 : Block32 {
     }
     w.d = f16_lo(raw.d);
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    int i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
-    if constexpr (T == GGML_Q5_0) i -= 16 * (a.s[0] + a.s[1]);
-    return ue::block32(w.d, a.d[0], (float)i);
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int) {
+    float i[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) i[p] = (float)(plane_dot(w.q[0], a, 0, p) + plane_dot(w.q[1], a, 1, p));
+    return T == GGML_Q5_0 ? uv::value(tk.d, w.d, __fmul_rn(-16.f, w.d), i[0], i[1], tk.m)
+                          : uv::value(tk.d, w.d, 0.f, i[0], i[1], 0.f);
   }
 };
 template <> struct Unit<GGML_Q5_0> : Unit50<GGML_Q5_0> {};
@@ -404,22 +425,30 @@ struct Unit<GGML_IQ4_XS> : Block32 {
     const int hi = (int)((raw.hd.w[0] >> (16 + 2 * k)) & 3u);
     w.dsc = __fmul_rn(f16_lo(raw.hd.w[0]), (float)((lo | (hi << 4)) - 32));  // exact: 11 + 6 significant bits
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    // |i| reaches 32 * 127 * 32639: times the scale it would pass 2^31, so the scale is in the float factor.
-    const int i = dot_run(w.q[0], a, 0) + dot_run(w.q[1], a, 1);
-    return __fmul_rn(__fmul_rn(w.dsc, a.d[0]), (float)i);
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int) {
+    float i[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) i[p] = (float)(plane_dot(w.q[0], a, 0, p) + plane_dot(w.q[1], a, 1, p));
+    return uv::value(tk.d, w.dsc, 0.f, i[0], i[1], 0.f);
   }
 };
 
-// Q4_K / Q5_K: unit u = 16 bytes of qs: block u/8, k = u%8 covers l in [16(k%2), +16) of sub-blocks 2(k/2) (low
-// nibbles, run 0) and 2(k/2) + 1 (high nibbles, run 1).
+// Q4_K / Q5_K: lane unit u = 16 bytes of qs: block u/8, k = u%8 covers l in [16(k%2), +16) of sub-blocks 2(k/2)
+// (low nibbles, run 0) and 2(k/2) + 1 (high nibbles, run 1). Lanes k and k ^ 1 hold the two halves of both: lane k
+// keeps run k % 2, so it forms the value of sub-block k (the 32-column unit k of the span).
 template <int T>
 struct UnitK45 {
-  static constexpr int ELEMS = 32, RUNS = 2, BYTES = T == GGML_Q4_K ? 144 : 176, QS = T == GGML_Q4_K ? 16 : 48;
+  static constexpr int ELEMS = 32, RUNS = 2, SPAN_LANES = 8, BYTES = T == GGML_Q4_K ? 144 : 176,
+                       QS = T == GGML_Q4_K ? 16 : 48;
   struct RawQ4 { Win<4, 16> hd, qs; };
   struct RawQ5 { Win<4, 16> hd, qs, qh; };
   using Raw = typename Pick<T == GGML_Q4_K, RawQ4, RawQ5>::type;
-  struct W { int q[2][4]; float d, dmin; int sc[2], m[2]; };
+  struct W { int q[2][4]; float a, b; };  // unit_value.cuh's A = d sc, B = -dmin m of sub-block k
+  struct Tok { float d, m; };
+  __device__ static Tok prep(const Act<2>& a, int k) {
+    const int b = k & 1;
+    return Tok{b ? a.d[1] : a.d[0], (float)with_partner(b ? a.s[1] : a.s[0], b ? a.s[0] : a.s[1], 1)};
+  }
   __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
     g[0] = (u >> 3) * 8 + (k >> 1) * 2;
     g[1] = g[0] + 1;
@@ -441,32 +470,61 @@ struct UnitK45 {
         w.q[1][i] |= (int)(((raw.qh.w[i] >> (2 * c + 1)) & 0x01010101u) << 4);
       }
     }
-    quant::k4_scales_mins(raw.hd.w, c, w.sc, w.m);
-    w.d = f16_lo(raw.hd.w[0]);
-    w.dmin = f16_hi(raw.hd.w[0]);
+    int sc[2], m[2];
+    quant::k4_scales_mins(raw.hd.w, c, sc, m);
+    // Exact products: an fp16 times a 6-bit integer.
+    w.a = __fmul_rn(f16_lo(raw.hd.w[0]), (float)((k & 1) ? sc[1] : sc[0]));
+    w.b = __fmul_rn(-f16_hi(raw.hd.w[0]), (float)((k & 1) ? m[1] : m[0]));
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    float scdot[2], ms[2];
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int k) {
+    const int b = k & 1;
+    float i[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int dot = r == 1 && T == GGML_Q4_K ? dot_run<true>(w.q[1], a, 1) >> 4 : dot_run(w.q[r], a, r);
-      scdot[r] = (float)(w.sc[r] * dot);
-      ms[r] = (float)(w.m[r] * a.s[r]);
+    for (int p = 0; p < 2; ++p) {
+      const int d0 = plane_dot(w.q[0], a, 0, p);
+      const int d1 = T == GGML_Q4_K ? plane_dot<true>(w.q[1], a, 1, p) >> 4 : plane_dot(w.q[1], a, 1, p);
+      i[p] = (float)with_partner(b ? d1 : d0, b ? d0 : d1, 1);
     }
-    return ue::k45(w.d, w.dmin, scdot, ms, a.d);
+    return uv::value(tk.d, w.a, w.b, i[0], i[1], tk.m);
   }
 };
 template <> struct Unit<GGML_Q4_K> : UnitK45<GGML_Q4_K> {};
 template <> struct Unit<GGML_Q5_K> : UnitK45<GGML_Q5_K> {};
 
-// Q6_K: unit u = 16 bytes of ql: block u/8, k = u%8, h = k/4, l0 = 16(k%4): low nibbles are elements
-// 128h + l0 + i (run 0), high nibbles 128h + 64 + l0 + i (run 1); their high bits sit in qh[32h + 16(k%2) + i].
+// Q6_K: lane k of each 8 takes chunk j = chunk(k) of a block's ql: block u/8, h = j/4, l0 = 16(j%4): low nibbles
+// are elements 128h + l0 + i (run 0), high nibbles 128h + 64 + l0 + i (run 1); their high bits sit in
+// qh[32h + 16(j%2) + i]. Run 0 is group 4h + k%2, run 1 group 4h + 2 + k%2, half (k/2)%2: lanes k and k ^ 2 hold
+// the two halves of both, and lane k keeps run (k/2)%2, group k (chunk() puts the lanes in the span's column order).
 template <>
 struct Unit<GGML_Q6_K> {
-  static constexpr int ELEMS = 32, RUNS = 2;
+  static constexpr int ELEMS = 32, RUNS = 2, SPAN_LANES = 8;
   struct Raw { Win16At2 ql, qh; uint32_t sc0, sc1, d; };
   struct W { int q[2][4]; float d; int sc[2]; };
+  struct Tok { float d; int sum[2][2]; };  // sum[r][p]: plane p's sum over run r
+  __device__ static int chunk(int k) { return (k & 4) | ((k & 1) << 1) | ((k >> 1) & 1); }
+  __device__ static Tok prep(const Act<2>& a, int k) {
+    Tok tk;
+    tk.d = (k & 2) ? a.d[1] : a.d[0];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) tk.sum[r][p] = plane_sum(a, r, p);
+    return tk;
+  }
+  __device__ static float value(const W& w, const Act<2>& a, const Tok& tk, int k) {
+    // w = q - 32: I_p = sc_r (dot(q, x_p) - 32 sum(x_p)) over each run, |I_p| < 2^24 (unit_value.cuh).
+    const int b = (k >> 1) & 1;
+    float i[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int d0 = w.sc[0] * (plane_dot(w.q[0], a, 0, p) - 32 * tk.sum[0][p]);
+      const int d1 = w.sc[1] * (plane_dot(w.q[1], a, 1, p) - 32 * tk.sum[1][p]);
+      i[p] = (float)with_partner(b ? d1 : d0, b ? d0 : d1, 2);
+    }
+    return uv::value(tk.d, w.d, 0.f, i[0], i[1], 0.f);
+  }
   __device__ static void runs(int u, int k, int (&g)[2], int (&h)[2]) {
+    k = chunk(k);
     g[0] = (u >> 3) * 8 + (k >> 2) * 4 + ((k & 3) >> 1);
     g[1] = g[0] + 2;
     h[0] = h[1] = k & 1;
@@ -475,6 +533,7 @@ struct Unit<GGML_Q6_K> {
     return row + (u >> 3) * 210 + 128 + 32 * (k >> 2) + 16 * (k & 1);
   }
   __device__ static void fetch(Raw& raw, const uint8_t* row, int u, int k) {
+    k = chunk(k);
     const uint8_t* b = row + (u >> 3) * 210;
     raw.ql.fetch(b + 16 * k);
     raw.qh.fetch(qh_at(row, u, k));
@@ -483,6 +542,7 @@ struct Unit<GGML_Q6_K> {
     raw.d = ldg_u16(b + 208);
   }
   __device__ static void decode(W& w, const Raw& raw, const uint8_t* row, int u, int k) {
+    k = chunk(k);
     uint32_t ql[4], qh[4];
     raw.ql.get(row + (u >> 3) * 210 + 16 * k, ql);
     raw.qh.get(qh_at(row, u, k), qh);
@@ -497,19 +557,23 @@ struct Unit<GGML_Q6_K> {
     w.sc[1] = (int)(int8_t)raw.sc1;
     w.d = f16_lo(raw.d);
   }
-  __device__ static float dot(const W& w, const Act<2>& a) {
-    // |dot - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
-    const int i0 = w.sc[0] * (dot_run(w.q[0], a, 0) - 32 * a.s[0]);
-    const int i1 = w.sc[1] * (dot_run(w.q[1], a, 1) - 32 * a.s[1]);
-    const float i[2] = {(float)i0, (float)i1};
-    return ue::q6k(w.d, i, a.d);
-  }
 };
 
 // Q2_K / Q3_K: unit u = 16 bytes of qs: block u/4, c = u%4, h = c/2, half = c%2; bit pair s (0..3) of those bytes
 // holds elements 128h + 32s + 16 half + i (run s, activation group 8(u/4) + 4h + s), scale index 8h + 2s + half.
+// Lanes c and c ^ 1 hold the two halves of the same four groups: lane c keeps runs 2 half, 2 half + 1, so it forms
+// the values of groups 2c and 2c + 1 (units 2c, 2c + 1 of the span) and returns their sum, span()'s first level.
 struct UnitK23 {
-  static constexpr int ELEMS = 64, RUNS = 4;
+  static constexpr int ELEMS = 64, RUNS = 4, SPAN_LANES = 4;
+  // Run s's own integer with the partner's half of the same group, for the lane's unit j (run 2 half + j).
+  __device__ static int unit_int(const int (&v)[4], int j, int half) {
+    return with_partner(half ? v[2 + j] : v[j], half ? v[j] : v[2 + j], 1);
+  }
+  struct Tok { float d[2]; };  // the D of the lane's two groups
+  __device__ static Tok prep(const Act<4>& a, int k) {
+    const int half = k & 1;
+    return Tok{{half ? a.d[2] : a.d[0], half ? a.d[3] : a.d[1]}};
+  }
   __device__ static void runs(int u, int k, int (&g)[4], int (&h)[4]) {
     const int c = k & 3;
 #pragma unroll
@@ -547,17 +611,23 @@ struct Unit<GGML_Q2_K> : UnitK23 {
     w.d = f16_lo(raw.dd);
     w.dmin = f16_hi(raw.dd);
   }
-  __device__ static float dot(const W& w, const Act<4>& a) {
-    float c = 0.f;
+  __device__ static float value(const W& w, const Act<4>& a, const Tok& tk, int k) {
+    int v0[4], v1[4], ms[4];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int q[4] = {(w.qs[0] >> (2 * s)) & 0x03030303, (w.qs[1] >> (2 * s)) & 0x03030303,
                         (w.qs[2] >> (2 * s)) & 0x03030303, (w.qs[3] >> (2 * s)) & 0x03030303};
-      const int i = w.sc[s] * dot_run(q, a, s);
-      const float f = __fmaf_rn(w.d, (float)i, -__fmul_rn(w.dmin, (float)(w.m[s] * a.s[s])));
-      c = s == 0 ? __fmul_rn(a.d[0], f) : __fmaf_rn(a.d[s], f, c);
+      v0[s] = w.sc[s] * plane_dot(q, a, s, 0);
+      v1[s] = w.sc[s] * plane_dot(q, a, s, 1);
+      ms[s] = w.m[s] * a.s[s];
     }
-    return c;
+    const int half = k & 1;
+    float c[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      c[j] = uv::value(tk.d[j], w.d, -w.dmin, (float)unit_int(v0, j, half), (float)unit_int(v1, j, half),
+                       (float)unit_int(ms, j, half));
+    return __fadd_rn(c[0], c[1]);
   }
 };
 
@@ -592,18 +662,50 @@ struct Unit<GGML_Q3_K> : UnitK23 {
     }
     w.d = f16_lo(raw.d);
   }
-  __device__ static float dot(const W& w, const Act<4>& a) {
-    float c = 0.f;
+  __device__ static float value(const W& w, const Act<4>& a, const Tok& tk, int k) {
+    // w = q - 4: I_p = (sc - 32)(dot(q, x_p) - 4 sum(x_p)) over each run.
+    int v0[4], v1[4];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const float i = (float)(w.sc[s] * (dot_run(w.q[s], a, s) - 4 * a.s[s]));
-      c = s == 0 ? __fmul_rn(a.d[0], i) : __fmaf_rn(a.d[s], i, c);
+      v0[s] = w.sc[s] * (plane_dot(w.q[s], a, s, 0) - 4 * plane_sum(a, s, 0));
+      v1[s] = w.sc[s] * (plane_dot(w.q[s], a, s, 1) - 4 * plane_sum(a, s, 1));
     }
-    return __fmul_rn(w.d, c);
+    const int half = k & 1;
+    float c[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      c[j] = uv::value(tk.d[j], w.d, 0.f, (float)unit_int(v0, j, half), (float)unit_int(v1, j, half), 0.f);
+    return __fadd_rn(c[0], c[1]);
   }
 };
 
 // ---- the reductions --------------------------------------------------------------------------------------------
+
+// A lane's unit value c (0 for a unit past the row's end) into its span's value, added to acc by the span's first
+// lane. SPAN_LANES = 4: c already holds span()'s first level (two units), the lanes add the rest of its tree.
+template <class U>
+__device__ __forceinline__ void add_span(fx::Sum& acc, float c, int lane) {
+  if constexpr (U::SPAN_LANES == 8) {
+    c = uv::span_of_lanes(c);
+  } else {
+    c = __fadd_rn(c, __shfl_xor_sync(0xFFFFFFFFu, c, 1));
+    c = __fadd_rn(c, __shfl_xor_sync(0xFFFFFFFFu, c, 2));
+  }
+  if ((lane & (U::SPAN_LANES - 1)) == 0) fx::add(acc, c);
+}
+
+// One token's activation a against the lane's units w[RPW] of this step (live: the unit is inside the row; every
+// lane calls, for the shuffles).
+template <class U, int RPW, int STRIDE>
+__device__ __forceinline__ void add_units(fx::Sum* acc, const typename U::W (&w)[RPW], const Act<U::RUNS>& a,
+                                          bool live, int k, int lane) {
+  const typename U::Tok tk = U::prep(a, k);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float c = U::value(w[r], a, tk, k);
+    add_span<U>(acc[r * STRIDE], live ? c : 0.f, lane);
+  }
+}
 
 // Float weights (matvec_f, matvec_experts_f): every lane gets the sums over the warp's lanes, by a fixed xor
 // butterfly.
@@ -858,20 +960,21 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
   // A ring of raw weight bytes: ring[0] is this unit's, ring[a] unit u + 32a (clamped to the last unit: a cached
   // re-read near the row's end), so AHEAD units per row are in flight while this unit's dot products run.
   typename U::Raw ring[AHEAD + 1][RPW];
-  if (lane < units) {
 #pragma unroll
-    for (int a = 0; a < AHEAD; ++a)
+  for (int a = 0; a < AHEAD; ++a)
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1), k);
-  }
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[a][r], wrow[r], min(lane + 32 * a, units - 1), k);
   pdl_enter();  // the weights are immutable: their first loads above overlap the previous kernel's tail
   // Unrolled by the ring's length where the ring is small, so that its shift below is register renaming, not
   // moves (larger rings, Q3_K/Q6_K at depth 2-4, would spill).
   constexpr int UNROLL = N == 1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
+  // Every lane walks the row's steps (the spans' shuffles); a lane past the row's end re-reads its last unit.
 #pragma unroll UNROLL
-  for (int u = lane; u < units; u += 32) {
+  for (int u0 = 0; u0 < units; u0 += 32) {
+    const bool live = u0 + lane < units;
+    const int u = min(u0 + lane, units - 1);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u0 + lane + 32 * AHEAD, units - 1), k);
     typename U::W w[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
@@ -886,8 +989,7 @@ __global__ void __launch_bounds__(128) matvec_q(const __grid_constant__ mv::Segm
       if (t == 0 || t < n) {  // n >= 1: token 0 unconditional, so no weight load sinks into a branch
         mv::Act<U::RUNS> a;
         mv::load_act(a, xq + t * cols, xq1 + t * cols, xs + t * halves, g, h);
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) fx::add(acc[t * RPW + r], U::dot(w[r], a));
+        mv::add_units<U, RPW, 1>(acc + t * RPW, w, a, live, k, lane);
       }
     }
   }
@@ -1062,18 +1164,19 @@ __device__ __forceinline__ void expert_pair_rows(fx::Sum (&acc)[RPW], const uint
 #pragma unroll
   for (int r = 0; r < RPW; ++r) acc[r] = fx::zero();
   typename U::Raw ring[AHEAD + 1][RPW];
-  if (lane < units) {
 #pragma unroll
-    for (int i = 0; i < AHEAD; ++i)
+  for (int i = 0; i < AHEAD; ++i)
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
-  }
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[i][r], wrow[r], min(lane + 32 * i, units - 1), k);
   // Unrolled by the ring's length as matvec_q (Q5_1 so unrolled spilled 12 bytes in ptxas' allocation: not).
   constexpr int UNROLL = T != GGML_Q5_1 && sizeof(typename U::Raw) * (AHEAD + 1) * RPW <= 320 ? AHEAD + 1 : 1;
+  // Every lane walks the row's steps (the spans' shuffles); a lane past the row's end re-reads its last unit.
 #pragma unroll UNROLL
-  for (int u = lane; u < units; u += 32) {
+  for (int u0 = 0; u0 < units; u0 += 32) {
+    const bool live = u0 + lane < units;
+    const int u = min(u0 + lane, units - 1);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u0 + lane + 32 * AHEAD, units - 1), k);
     typename U::W w[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
@@ -1085,8 +1188,7 @@ __device__ __forceinline__ void expert_pair_rows(fx::Sum (&acc)[RPW], const uint
     U::runs(u, k, g, h);
     Act<U::RUNS> av;
     load_act(av, x0, x1, xsa, g, h);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) fx::add(acc[r], U::dot(w[r], av));
+    add_units<U, RPW, 1>(acc, w, av, live, k, lane);
   }
 }
 }  // namespace mv
@@ -1186,7 +1288,7 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   // The first weight loads go out before the group's pair list is read and shared (two dependent loads and a
   // barrier: the block's whole life at decode widths, where a group is one or two pairs).
   typename U::Raw ring[AHEAD + 1][RPW];
-  if (lane < units && row0 < rows) {
+  if (row0 < rows) {
 #pragma unroll
     for (int i = 0; i < AHEAD; ++i)
 #pragma unroll
@@ -1199,9 +1301,11 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
   fx::Sum acc[N * RPW];  // (row r, pair t of the group) at t RPW + r
 #pragma unroll
   for (int i = 0; i < N * RPW; ++i) acc[i] = fx::zero();
-  for (int u = lane; u < units; u += 32) {
+  for (int u0 = 0; u0 < units; u0 += 32) {
+    const bool live = u0 + lane < units;
+    const int u = min(u0 + lane, units - 1);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u + 32 * AHEAD, units - 1), k);
+    for (int r = 0; r < RPW; ++r) U::fetch(ring[AHEAD][r], wrow[r], min(u0 + lane + 32 * AHEAD, units - 1), k);
     typename U::W w[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) U::decode(w[r], ring[0][r], wrow[r], u, k);
@@ -1217,8 +1321,7 @@ __global__ void __launch_bounds__(128) matvec_experts_grouped(const __grid_const
         const long long at = (long long)arow[t] * cols;
         mv::Act<U::RUNS> a;
         mv::load_act(a, xq + at, xq1 + at, xs + (long long)arow[t] * halves, g, h);
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) fx::add(acc[t * RPW + r], U::dot(w[r], a));
+        mv::add_units<U, RPW, 1>(acc + t * RPW, w, a, live, k, lane);
       }
     }
   }
