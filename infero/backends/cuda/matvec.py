@@ -5,18 +5,19 @@ the residual of its int8 rounding at 1/256 of the first plane's scale, so x ~ D 
 group's largest value (one plane alone, ~1%, put SmolLM2's logits 1-7% off); then the mat-vec dots both against
 the packed weights with __dp4a and combines them in integers. Float weights
 (F32/F16/BF16) multiply float32 activations. Each weight byte is read once for all n tokens. The variant (tokens
-N, rows per warp RPW, warps per block) is chosen from n and the matrix shape. A block-format row is the sum of
-its units' fp32 contributions in fixed point (kernels/fixed_point.cuh: each rounded once onto 2^-32, added as
-int64), so no split or order of the units changes a bit: results are bitwise batch invariant, and every kernel
-here (matvec_q, matvec_mma and its fused forms, the experts' kernels) gives a row the same bits. Float weights
-sum in an order fixed by the width alone.
+N, rows per warp RPW, warps per block) is chosen from n and the matrix shape. A block-format row is
+kernels/unit_value.cuh's definition: a value per 32-column unit from exact integer dots and the block's scales, the
+8 units of each 256-column span by a fixed tree, the spans in fixed point (kernels/fixed_point.cuh: each rounded
+once onto 2^-32, added as int64), so no split or order of the spans changes a bit: results are bitwise batch
+invariant, and matvec_q, the experts' kernels and the int8 GEMM (linear_mma) give a row the same bits (matvec_mma
+and its fused forms still sum the unit expressions before 9d48028: not yet bitwise matvec_q's). Float weights sum
+in an order fixed by the width alone.
 
 Q4_K runs matvec_mma, and Q6_K where its rows are a multiple of 2048 wide; every other block format matvec_q. The
 mma kernel computes tiles of 16 rows on the tensor cores (two int8 planes as B columns, exact int32 sums) from
 weights staged through shared memory by cp.async: on the H200 Q4_K 2-24% faster on the decode shapes of an 8B
 model and 4.2 against 3.5 TB/s at steady state, Q6_K 8-33% (its 1024-row v projection excepted) and 3.7 against
-2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md). It computes matvec_q's unit contributions
-(the same integers and fp32 expressions) and sums them in fixed point: bitwise matvec_q's rows.
+2.9 on the 8B's head (scripts/bench_matvec_mma.py, docs/performance.md), measured with float sums.
 
 matvec_many runs up to three block-format matrices that read the same x in one launch, bitwise what separate calls
 give: a layer's q/k/v and gate/up take two launches instead of five (on the H200 the 8B's decode step lost
