@@ -211,7 +211,7 @@ def test_k_quants_take_the_tensor_core_matvec_where_its_shared_memory_fits(monke
     [
         (T.Q4_K, (T.Q4_K, T.Q4_K), 1, True),  # o before the FFN norm, read by gate and up
         (T.Q6_K, (T.Q4_K, T.Q4_K, T.Q6_K), 2, True),  # down before the next attention norm, read by q/k/v
-        (T.Q4_K, (T.Q4_K, T.Q4_K), 3, "deferred"),  # three tokens: add_rms_norm writes the deferred form
+        (T.Q4_K, (T.Q4_K, T.Q4_K), 3, False),  # three tokens: the readers do not stage the activation
         (T.Q8_0, (T.Q4_K, T.Q4_K), 1, False),  # the linear off the tensor cores
         (T.Q4_K, (T.Q4_K, T.Q8_0), 1, False),  # a reader off them
         (T.Q4_K, (T.F16,), 1, False),
@@ -223,38 +223,36 @@ def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_tak
 ):
     """A decode step's linear into the residual stream runs the residual add and the norm in its own launch
     (matvec_norm, the 1 / rms applied by the readers) where it and every weight that reads the normed output take
-    the tensor-core mat-vec at one or two tokens. In batch-invariant mode the same layer keeps the deferred form at
-    other widths (add_rms_norm writes it; the readers apply the norm), so that the readers' bits do not depend on the
-    width; layers that cannot fold it run linear, then add_rms_norm."""
+    the tensor-core mat-vec at one or two tokens; otherwise as linear, then add_rms_norm."""
     ops, calls = recorded
-    ops.backend.batch_invariant = True
     monkeypatch.setattr(matvec, "_num_sms", [132])
     monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
     monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
-    monkeypatch.setattr(ops_module.elementwise, "add_rms_norm", lambda out, residual, x, w, eps, stream, quantized:
-                        calls.append(("deferred",) if quantized.norm_ss is not None else ("quantized",)))  # fmt: skip
-    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: n <= 2)
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
     monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
     monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: None)
-    monkeypatch.setattr(CudaOps, "_workspace_activation", lambda self, x, norm=None: matvec.Activation(
-        None, None, object() if norm is not None else None, norm or 0.0))  # fmt: skip
     weight = SimpleNamespace(index=9, ggml_type=int(weight_type), rows=2048, cols=2048)
     readers = [SimpleNamespace(ggml_type=int(t), rows=64, cols=2048) for t in reader_types]
     ops.linear_add_rms_norm(activations(n, 2048), weight, object(), None, 1e-5, readers)
-    expected = {True: [("norm", 9)], False: [("linear", 9), ("add_rms_norm",)], "deferred": [("linear", 9),
-                                                                                           ("deferred",)]}  # fmt: skip
-    assert calls == expected[folded]
+    assert calls == ([("norm", 9)] if folded else [("linear", 9), ("add_rms_norm",)])
 
 
-def test_outside_batch_invariant_mode_widths_the_fold_does_not_take_normalize_in_add_rms_norm(recorded, monkeypatch):
-    ops, calls = recorded
-    monkeypatch.setattr(matvec, "_num_sms", [132])
-    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
-    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: False)
-    weight = SimpleNamespace(index=9, ggml_type=int(T.Q4_K), rows=2048, cols=2048)
-    readers = [SimpleNamespace(ggml_type=int(T.Q4_K), rows=64, cols=2048) for _ in range(2)]
-    ops.linear_add_rms_norm(activations(3, 2048), weight, object(), None, 1e-5, readers)
-    assert calls == [("linear", 9), ("add_rms_norm",)]
+def test_batch_invariant_mode_keeps_the_decode_step_off_the_tensor_core_mat_vecs(monkeypatch):
+    """Batch-invariant mode (the backend's setter) turns matvec_mma off, and with it the norms it folds and the
+    tiled layout: Q4_K / Q6_K rows take matvec_q, whose sums are linear_mma's definition; the default turns it on."""
+    monkeypatch.setattr(matvec, "_shared_optin", lambda: 232448)
+    monkeypatch.setattr(matvec, "_mma_fits", {})
+    try:
+        matvec.use_tensor_cores(False)
+        assert not matvec.takes_mma(int(T.Q4_K), 4096) and not matvec.takes_mma(int(T.Q6_K), 4096)
+        w = SimpleNamespace(ggml_type=int(T.Q4_K), rows=4096, cols=4096)
+        assert not matvec.norm_fits(w, 1) and not matvec.reads_deferred_norm(w, 1)
+        from infero.backends.cuda import weight_layout
+
+        assert not weight_layout.tiles(int(T.Q4_K), 4096, 4096)
+    finally:
+        matvec.use_tensor_cores(True)
+    assert matvec.takes_mma(int(T.Q4_K), 4096) and matvec.takes_mma(int(T.Q6_K), 4096)
 
 
 def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():

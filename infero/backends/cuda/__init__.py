@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infero.backends.cuda import delta_net, delta_rule_chunked, driver, embedding, runtime
+from infero.backends.cuda import delta_net, delta_rule_chunked, driver, embedding, matvec, runtime
 from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.compiler import compile_parallel
@@ -62,10 +62,21 @@ class CudaBackend:
         self.ops = CudaOps(self)
         self.workspace: Workspace | None = None
         self.use_graphs = True
-        self.batch_invariant = False  # CudaOps.invariant: every row the mat-vec's bits at every width
+        self._batch_invariant = False
         self._graphs: dict[tuple[int, int], tuple[driver.Graph, DeviceTensor]] = {}  # (bucket, id(cache))
         self.kernel_status = ""
         self.startup_seconds: dict[str, float] = {}  # the parts of the time to ready spent here: compile, graphs
+
+    @property
+    def batch_invariant(self) -> bool:
+        """CudaOps.invariant: every row of a linear layer the same bits at every width (docs/kernels.md); set before
+        the model loads (it decides the weights' layout: matvec.use_tensor_cores)."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        matvec.use_tensor_cores(not on)
 
     def compile_kernels(self, checkpoint) -> None:
         """Compile the kernels this checkpoint's model runs (its weight types, its head dim) for this GPU where the
@@ -175,6 +186,7 @@ class CudaBackend:
         # The engine may step on another thread than the one that loaded the model (the server's engine thread):
         # a CUDA context is current per thread.
         self.ctx.make_current()
+        matvec.use_tensor_cores(not self._batch_invariant)  # the mode of this backend, if another one ran meanwhile
         if feed is not None and feed.sampled.device_tokens is None:  # sampled on the host: known already
             batch, feed = feed.resolve(batch), None
         decode = (

@@ -308,12 +308,26 @@ def _mma_deepest(t: int, cols: int) -> tuple[int, int]:
     return warps, max(s for w, s in MMA_SHAPES if w == warps)
 
 
+_tensor_cores = [True]
+
+
+def use_tensor_cores(on: bool) -> None:
+    """Whether a type takes matvec_mma where takes_mma's shapes allow (the default), or always matvec_q: the mode
+    of the backend that launches (CudaBackend.forward and its loading set it). Batch-invariant mode turns it off,
+    matvec_mma's sums being its own unit expressions while matvec_q's, linear_mma's and the expert kernels' are
+    unit_value.cuh's (docs/kernels.md, batch invariance)."""
+    if _tensor_cores[0] != on:
+        _tensor_cores[0] = on
+        _launches.clear()
+        _mma_fits.clear()
+
+
 def takes_mma(t: int, cols: int) -> bool:
     """Whether matvec_mma runs this type and width: a type of MMA_ROW whose rings, staged activation and partial
     sums fit the GPU's shared memory at every token count (one decision for every batch width; matvec_q, which runs
     the other widths, gives the same bits: e.g. Q4_K rows of more than ~31k columns on the
     H200, 8k and more on sm_89's 99 KiB; Q6_K ~29k and 3k). Q6_K takes it at multiples of 2048 columns only."""
-    if t not in MMA_ROW or cols % MMA_COLS[t]:
+    if not _tensor_cores[0] or t not in MMA_ROW or cols % MMA_COLS[t]:
         return False
     fits = _mma_fits.get((t, cols))  # asked per layer on eager steps (rope_pays): computed once per width
     if fits is None:

@@ -114,8 +114,7 @@ class CudaOps:
         arena = self.backend.weights_arena
         q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
         self._act_q = [empty((int(np.prod(q_shape)),), np.int8, arena) for _ in range(2)]
-        # The scales, and after them a deferred norm's sums (a quarter more: one float a group of 32).
-        self._act_s = [empty((int(np.prod(s_shape)) * 5 // 4,), np.int32, arena) for _ in range(2)]
+        self._act_s = [empty((int(np.prod(s_shape)),), np.int32, arena) for _ in range(2)]
         self._act_keys, self._act_norms = [None, None], [None, None]
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
@@ -180,20 +179,11 @@ class CudaOps:
             matvec.quantize(quantized.q, quantized.s, x, self.stream)
         return quantized
 
-    def _workspace_activation(self, x: DeviceTensor, norm=None) -> matvec.Activation:
-        """A workspace buffer in the mat-vec's activation format for x (any number of rows), now owned by x; norm:
-        the eps of a deferred RMSNorm (its norm_ss follows the scales)."""
+    def _workspace_activation(self, x: DeviceTensor) -> matvec.Activation:
+        """A workspace buffer in the mat-vec's activation format for x (any number of rows), now owned by x."""
         n, cols = x.shape
         q_shape, s_shape = matvec.activation_shapes(n, cols)
-        q = self.ws.empty(q_shape, np.int8)
-        ss_bytes = n * (cols // 32) * 4 if norm is not None else 0
-        s_all = self.ws.empty((int(np.prod(s_shape)) * 4 + ss_bytes,), np.uint8)
-        s = DeviceTensor(s_all.ptr, s_shape, np.dtype(np.int32), s_all)
-        if norm is None:
-            act = matvec.Activation(q, s)
-        else:
-            norm_ss = DeviceTensor(s.ptr + s.nbytes, (n, cols // 32), np.dtype(np.float32), s_all)
-            act = matvec.Activation(q, s, norm_ss, norm)
+        act = matvec.Activation(self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
         generation = self.ws.generation
         self._ws_acts = {k: v for k, v in self._ws_acts.items() if k[2] == generation}
         self._ws_acts[self._key(x)] = act
@@ -203,9 +193,7 @@ class CudaOps:
         """Raise if x is linear_add_rms_norm's output with a deferred norm, which has no float values, only its
         quantized form for the readers it was given (checked while a buffer still holds that form)."""
         key = self._key(x)
-        deferred_here = key in self._ws_acts and self._ws_acts[key].norm_ss is not None
-        if deferred_here or any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms,
-                                                                                   strict=True)):  # fmt: skip
+        if any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms, strict=True)):
             raise RuntimeError("a linear_add_rms_norm output whose norm its readers apply was read as float32 values; "
                                "pass every weight that reads it as `readers`")  # fmt: skip
 
@@ -283,11 +271,11 @@ class CudaOps:
     @property
     def invariant(self) -> bool:
         """Batch-invariant mode (CudaBackend.batch_invariant; docs/kernels.md): every quantized linear layer runs
-        kernels that give each row the mat-vec's bits, the mat-vec family up to MATVEC_MAX_TOKENS tokens and past it
-        the int8 tensor-core GEMM (linear_mma) where it takes the type, else the mat-vec in slices of
-        MATVEC_MAX_TOKENS; float weights the float mat-vec in slices; a norm the decode step folds stays deferred
-        at every width. Off: the skinny GEMM and the fp16 GEMM, whose bits differ from the mat-vec's, take wider
-        steps (faster on the H200 at 3-64 tokens and in prefill: docs/performance.md)."""
+        kernels that give each row the same bits (unit_value.cuh's definition): matvec_q up to MATVEC_MAX_TOKENS
+        tokens, past it the int8 tensor-core GEMM (linear_mma) where it takes the type, else matvec_q in slices of
+        MATVEC_MAX_TOKENS; float weights the float mat-vec in slices. The decode step's tensor-core mat-vecs and the
+        norms they fold are off (matvec.use_tensor_cores). Off: those, the skinny GEMM and the fp16 GEMM, whose bits
+        differ from matvec_q's, are faster at their widths on the H200 (docs/performance.md)."""
         return getattr(self.backend, "batch_invariant", False)
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
@@ -333,15 +321,7 @@ class CudaOps:
             out_quantized = self._quantize_into(h, keep=x, norm=eps)
             matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
             return h, residual
-        y = self.linear(x, weight)
-        if not (self.invariant and residual is not None and self._norm_deferred(weight, readers)):
-            return self.add_rms_norm(y, residual, norm_weight, eps)
-        # The deferred form at every token count, so that the readers' bits do not depend on whether this step's
-        # width let matvec_norm fold the norm (docs/kernels.md, batch invariance): add_rms_norm writes it.
-        out = self.ws.empty(y.shape, np.float32)
-        deferred = self._quantize_into(out, norm=eps) or self._workspace_activation(out, norm=eps)
-        elementwise.add_rms_norm(out, residual, y, norm_weight, eps, self.stream, deferred)
-        return out, residual
+        return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
 
     def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
         """Whether matvec_norm runs this step's linear_add_rms_norm (one or two tokens on the tensor cores)."""
@@ -351,16 +331,6 @@ class CudaOps:
                 and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
                         and matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w) for w in readers)
                 )  # fmt: skip
-
-    @staticmethod
-    def _norm_deferred(weight: QuantWeight, readers) -> bool:
-        """Whether a linear_add_rms_norm of this weight and readers leaves the norm to its readers at every token
-        count: where a decode step folds it (matvec_norm at one token), and then every reader takes the deferred
-        form at any width (the tensor-core mat-vec, linear_mma)."""
-        return (bool(readers) and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, 1)
-                and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
-                        and matvec.reads_deferred_norm(w, 1) and linear_mma.supports(w, MATVEC_MAX_TOKENS + 1)
-                        for w in readers))  # fmt: skip
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
