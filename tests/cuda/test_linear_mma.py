@@ -94,7 +94,20 @@ def run_linear_mma(weight, x: np.ndarray, bias: np.ndarray | None, norm_ss=None,
 
 
 def run_matvec_slices(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """The mat-vec's rows for x, 16 tokens a launch."""
+    """matvec_q's rows for x, 16 tokens a launch (the tensor-core mat-vec off, as batch-invariant mode runs it: its
+    sums are not yet unit_value.cuh's); a tiled weight's rows from the same matrix in GGUF rows."""
+    from infero.backends.cuda import matvec
+
+    if weight.tiled:
+        weight, _ = make_weight(Q(weight.ggml_type), weight.rows, weight.cols, False)
+    matvec.use_tensor_cores(False)
+    try:
+        return _matvec_slices(weight, x, bias)
+    finally:
+        matvec.use_tensor_cores(True)
+
+
+def _matvec_slices(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     from infero.backends.cuda import driver, matvec, runtime
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
@@ -179,12 +192,12 @@ def test_rejects_what_it_cannot_run_with_a_clear_error(gpu):
     from infero.backends.cuda.tensor import Workspace, empty
 
     q4, _ = make_weight(Q.Q4_K, 64, 512, False)
-    q4_0, _ = make_weight(Q.Q4_0, 64, 512, False)
+    q2, _ = make_weight(Q.Q2_K, 64, 512, False)
     stream, ws = runtime.stream(), Workspace(1 << 20)
     act = _activation(np.ones((17, 512), np.float32))
-    assert not linear_mma.supports(q4_0, 17) and linear_mma.supports(q4, 17)
+    assert not linear_mma.supports(q2, 17) and linear_mma.supports(q4, 17)
     with pytest.raises(ValueError, match="not supported"):
-        linear_mma.linear_mma(empty((17, 64), np.float32), q4_0, act, None, stream, ws)
+        linear_mma.linear_mma(empty((17, 64), np.float32), q2, act, None, stream, ws)
     with pytest.raises(ValueError, match="out must be float32"):
         linear_mma.linear_mma(empty((17, 32), np.float32), q4, act, None, stream, ws)
     with pytest.raises(ValueError, match="activation_shapes"):

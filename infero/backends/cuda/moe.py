@@ -224,9 +224,11 @@ class ExpertMats(ctypes.Structure):
 
 
 def _allow_shared(fn, shared: int) -> None:
-    """Opt fn in to `shared` bytes of dynamic shared memory where that passes the default 48 KiB (moe_sort and the
-    routing moe_router keep 16 bytes an expert: past 3,072 experts; matvec_experts_mma's two stages of 64 pairs)."""
-    if shared > _shared_allowed.get(fn, 48 << 10):
+    """Opt fn in to `shared` bytes of dynamic shared memory (moe_sort and the routing moe_router keep 16 bytes an
+    expert; matvec_experts_mma's two stages). Past 32 KiB it always asks: the 48 KiB a launch may take unasked
+    includes the kernel's static shared memory (matvec_experts_mma's Q6_K stages of 16 pairs, 48 KiB exactly, failed
+    to launch with CUDA_ERROR_INVALID_VALUE on the H200)."""
+    if shared > _shared_allowed.get(fn, 32 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _shared_allowed[fn] = shared
 
