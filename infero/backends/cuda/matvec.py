@@ -132,7 +132,7 @@ _NORM_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _P, _P, _P)
 NORM_MAX_COLS = 8 * 32 * 32
 # Static shared memory of matvec_mma's partial sums (mv::Parts: 16 m-rows' int64 sums and NaN bytes), per warp and
 # token.
-_MMA_PART_BYTES = 144
+_MMA_PART_BYTES = 128  # static shared memory of matvec_mma's partial sums (part[W][2][N][16]), per warp and token
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma

@@ -1419,17 +1419,13 @@ __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ 
 // stage rows, copies, fragments and scales). A first Q6_K policy gave each 16-weight run its own mma.m16n8k16 and
 // scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
 // MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
-// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200. Those were float sums: with matvec_q's unit
-// expressions in fixed point (031e47e) the stream loop of matvec_mma<12, 1, 4, 2> went from 866 to 1,071 SASS
-// instructions a superblock pair (twice the float work: a Q4_K sub-block is two units), <14, 1, 4, 3>'s from 1,367
-// to 1,480; not yet timed on the GPU.
+// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200.
 //
-// Reduction (batch invariance). Each lane computes, for the (row, token, class) combinations it scales, matvec_q's
-// unit contributions c_u from the mma's exact integer sums (the same integers and unit_expr.cuh's expressions: a
-// Q4_K unit is one class of a 32-byte chunk, a Q6_K unit one class of a (h, m) step) and adds them in fixed point
-// (fixed_point.cuh) to one sum per (row, token) it holds; a warp's two classes of a (row, token) are added across
-// lanes, the warps' sums through shared memory (Parts), then the float, the deferred norm's factor, bias. Integer
-// sums: a row's result is bitwise matvec_q's, for every batch width, W and STAGES.
+// Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
+// increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
+// adds its warps' values in warp order; bias last. Which lane holds an accumulator depends on N, its sequence of
+// operations does not: a row's result is bitwise the same for every batch width. Numerics as matvec_q's (the same
+// activation planes and exact integer dots), summed in a different order.
 
 namespace mv {
 
@@ -1438,15 +1434,6 @@ template <int TPT>
 __device__ __forceinline__ int combo_half(int ci, int j) { return TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1; }
 template <int TPT>
 __device__ __forceinline__ int combo_class(int ci, int j) { return TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1; }
-// Below 4 tokens, the class of B column g: what lane (g, j) supplies, the other class's half of k zero.
-template <int TPT>
-__device__ __forceinline__ int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
-
-// A lane's fixed-point sums of a column tile: one per m-row it scales (its combinations of both classes share it).
-template <int TPT>
-constexpr int SLOTS = TPT == 1 ? 1 : 2;
-template <int TPT>
-__device__ __forceinline__ int combo_slot(int ci) { return TPT == 1 ? 0 : TPT == 2 ? ci : ci >> 1; }
 
 // What a format's pair() reads: this lane's B columns (xb: offsets in xa per column tile) and scales (xt: the
 // scaled token's first ActScale in sa per column tile).
@@ -1458,18 +1445,14 @@ struct MmaAct {
 };
 
 // Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk
-// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) lane (g, j) supplies qs bytes 8j..8j+7 of the
-// low nibbles to one mma.m16n8k32 and of the high nibbles to another. Lanes j = 0, 1 hold the chunk's first 16
-// bytes, 2 and 3 its last: a matvec_q unit (16 bytes of qs, run 0 in the low nibbles, run 1 in the high) is the
-// class j / 2 of a chunk, and the two classes are told apart by the B columns as MmaQ6K's: below 4 tokens column g
-// holds only the activation bytes of its class's lanes (the others supply zeros), from 4 tokens on each mma is
-// issued once per class with the other class's lanes' B zero.
+// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) two mma.m16n8k32 per 4 tokens; lane (g, j)
+// supplies qs bytes 8j..8j+7; class = sub-block parity.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
   static constexpr int SB_BYTES = 144, SLOT = 144;  // SLOT: a superblock's bytes in the tiled layout (quant.cuh)
   static constexpr bool LINEAR = true;              // at(p) = ROW p
   template <int TPT>
-  __device__ static int b_class(int) { return 0; }  // a lane's B bytes are its own k positions' in either class
+  __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
   // Pair p's first byte in a row; whether both its superblocks exist (a row's last pair may hold one: the missing
   // one's pieces, past the first LOW of the row, are zero-filled).
@@ -1477,12 +1460,10 @@ struct MmaQ4K {
   __device__ static long long at(int p) { return (long long)p * ROW; }
   __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
-  // tiled: the stage's rows the same either way. Each unit's contribution is matvec_q's ue::k45 of the same integers.
+  // tiled: the stage's rows the same either way.
   template <int TILES, int TPT>
-  __device__ static void pair(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* stage, int p,
-                              int nsb, int g, int j, bool) {
-    const uint32_t keep = TPT < 4 && (j >> 1) != column_class<TPT>(g) ? 0u : ~0u;  // this lane's B, below 4 tokens
-    const uint32_t first = j < 2 ? ~0u : 0u;  // from 4 tokens: this lane's B in class 0's mma, else in class 1's
+  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
+                              int g, int j, bool) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int sb = 2 * p + q;
@@ -1490,21 +1471,17 @@ struct MmaQ4K {
       const uint8_t* blocks = stage + 144 * q;
       // Headers of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
       constexpr int H = TPT > 1 ? 2 : 1;
-      uint32_t hd[H][4];
+      uint4 hd[H];
       float d[H], dmin[H];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        const uint4 v = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
-        hd[h][0] = v.x; hd[h][1] = v.y; hd[h][2] = v.z; hd[h][3] = v.w;
-        d[h] = f16_lo(v.x);
-        dmin[h] = f16_hi(v.x);
+        hd[h] = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
+        d[h] = f16_lo(hd[h].x);
+        dmin[h] = f16_hi(hd[h].x);
       }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int grp = 8 * sb + 2 * c;  // the activation group of sub-block 2c
-        int sc[H][2], m[H][2];           // sub-blocks 2c and 2c + 1
-#pragma unroll
-        for (int h = 0; h < H; ++h) quant::k4_scales_mins(hd[h], c, sc[h], m[h]);
         const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
         const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
         const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
@@ -1513,32 +1490,36 @@ struct MmaQ4K {
         for (int nt = 0; nt < TILES; ++nt) {
           const uint2 blo = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp);
           const uint2 bhi = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp + 32);
-          int lo[2][4], hi[2][4];  // per class (below 4 tokens [0] only); high nibbles in place: 16x their dots
-          if constexpr (TPT < 4) {
-            tc::mma_16832_u8s8(lo[0], alo, blo.x & keep, blo.y & keep);
-            tc::mma_16832_u8s8(hi[0], ahi, bhi.x & keep, bhi.y & keep);
-          } else {
-            tc::mma_16832_u8s8(lo[0], alo, blo.x & first, blo.y & first);
-            tc::mma_16832_u8s8(lo[1], alo, blo.x & ~first, blo.y & ~first);
-            tc::mma_16832_u8s8(hi[0], ahi, bhi.x & first, bhi.y & first);
-            tc::mma_16832_u8s8(hi[1], ahi, bhi.x & ~first, bhi.y & ~first);
-          }
-          const int2* act = reinterpret_cast<const int2*>(x.sa + x.xt[nt]);
+          int lo[4], hi[4];  // high nibbles in place: 16x their dots
+          tc::mma_16832_u8s8(lo, alo, blo.x, blo.y);
+          tc::mma_16832_u8s8(hi, ahi, bhi.x, bhi.y);
 #pragma unroll
           for (int ci = 0; ci < TPT; ++ci) {
             const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-            const int* dl = lo[TPT < 4 ? 0 : cl];
-            const int* dh = hi[TPT < 4 ? 0 : cl];
-            const int dot0 = rh ? 256 * dl[2] + dl[3] : 256 * dl[0] + dl[1];  // selects: an index would go to memory
-            const int dot1 = (rh ? 256 * dh[2] + dh[3] : 256 * dh[0] + dh[1]) >> 4;
-            const int2 a0 = act[2 * grp + cl], a1 = act[2 * grp + 2 + cl];  // {D, s} of the unit's runs
-            const float scdot[2] = {(float)(sc[h][0] * dot0), (float)(sc[h][1] * dot1)};
-            const float ms[2] = {(float)(m[h][0] * a0.y), (float)(m[h][1] * a1.y)};
-            const float ad[2] = {__int_as_float(a0.x), __int_as_float(a1.x)};
-            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::k45(d[h], dmin[h], scdot, ms, ad));
+            const int q0 = cl ? (rh ? hi[2] : hi[0]) : (rh ? lo[2] : lo[0]);
+            const int q1 = cl ? (rh ? hi[3] : hi[1]) : (rh ? lo[3] : lo[1]);
+            const int dot = cl ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
+            int sc, m;
+            scale_min(hd[h], c, cl, sc, m);
+            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + grp + cl);  // {D, s0, D, s1}
+            const float f = __fmaf_rn(d[h], (float)(sc * dot), -__fmul_rn(dmin[h], (float)(m * (act.y + act.w))));
+            acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
           }
         }
       }
+    }
+  }
+
+  // Sub-block 2c + p's 6-bit scale and min from a header (words: d | dmin, scales 0-3, 4-7, 8-11).
+  __device__ static void scale_min(const uint4& hd, int c, int p, int& sc, int& m) {
+    const int sh = 16 * (c & 1) + 8 * p;
+    if (c < 2) {
+      sc = (int)((hd.y >> sh) & 63u);
+      m = (int)((hd.z >> sh) & 63u);
+    } else {
+      const uint32_t b = hd.w >> sh;
+      sc = (int)((b & 0xFu) | ((((hd.y >> sh) >> 6) & 3u) << 4));
+      m = (int)(((b >> 4) & 0xFu) | ((((hd.z >> sh) >> 6) & 3u) << 4));
     }
   }
 };
@@ -1565,7 +1546,9 @@ struct MmaQ6K {
   __device__ static long long at(int p) { return (420LL * p) & ~15LL; }
   __device__ static bool full(int, long long) { return true; }
 
-  // Below 4 tokens, where B column g's half of k starts (its class's sub-block).
+  // Below 4 tokens, the class of B column g (what this lane supplies), and where its half of k starts.
+  template <int TPT>
+  __device__ static int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
   template <int TPT>
   __device__ static int b_class(int g) { return TPT < 4 ? 32 * column_class<TPT>(g) : 0; }
 
@@ -1601,21 +1584,19 @@ struct MmaQ6K {
 
   // tiled: the pair's superblocks at 0 and SLOT of the stage row, both on 8-byte boundaries (no realignment).
   template <int TILES, int TPT>
-  __device__ static void pair(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* stage, int p,
-                              int nsb, int g, int j, bool tiled) {
+  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
+                              int g, int j, bool tiled) {
     const uint8_t* first = stage + (tiled ? 0 : (4 * p) & 15);
-    pair_half<false, TILES, TPT>(acc, x, first, 2 * p, g, j);
+    pair_half<false>(acc, x, first, 2 * p, g, j);
     if (tiled)
-      pair_half<false, TILES, TPT>(acc, x, first + SLOT, 2 * p + 1, g, j);
+      pair_half<false>(acc, x, first + SLOT, 2 * p + 1, g, j);
     else
-      pair_half<true, TILES, TPT>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
+      pair_half<true>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
   }
 
-  // matvec_q's unit of class cl in (h, m) (16 bytes of ql: k = 4h + m + 2cl) is runs r = 0 and 1, sub-blocks
-  // 8h + m + 2cl + 4r: the unit's contribution is ue::q6k of the two runs' integers, as matvec_q's.
   template <bool ODD, int TILES, int TPT>
-  __device__ static void pair_half(fx::Sum (&acc)[TILES][SLOTS<TPT>], const MmaAct<TILES>& x, const uint8_t* blocks,
-                                   int sb, int g, int j) {
+  __device__ static void pair_half(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* blocks, int sb,
+                                   int g, int j) {
     // d of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
     constexpr int H = TPT > 1 ? 2 : 1;
     float d[H];
@@ -1634,38 +1615,32 @@ struct MmaQ6K {
         uint32_t wa[4], wb[4];  // m-rows g and g + 8
         unit<ODD>(wa, blocks + g * ROW, hf, m, j);
         unit<ODD>(wb, blocks + (g + 8) * ROW, hf, m, j);
-        const uint32_t a[2][4] = {{wa[0], wb[0], wa[1], wb[1]}, {wa[2], wb[2], wa[3], wb[3]}};  // run r's k
-        const int c = 8 * hf + m;  // run 0's sub-block in class 0
 #pragma unroll
-        for (int nt = 0; nt < TILES; ++nt) {
-          float i[TPT][2], ad[TPT][2];  // per combination, run r's (float)(sc (dot - 32 s)) and D
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t a[4] = {wa[2 * r], wb[2 * r], wa[2 * r + 1], wb[2 * r + 1]};
+          const int c = 8 * hf + m + 4 * r;  // k 0-15's sub-block; k 16-31's is c + 2
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {  // run 0's floats formed before run 1's mma: fewer registers live
-            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (below 4 tokens dots[0] only)
-            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * (c + 4 * r);
+          for (int nt = 0; nt < TILES; ++nt) {
+            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * c;
+            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (from 4 tokens on; below, dots[0] only)
             if constexpr (TPT < 4) {
               const uint32_t b = *reinterpret_cast<const uint32_t*>(bx);
-              tc::mma_16832_u8s8(dots[0], a[r], cs ? 0u : b, cs ? b : 0u);
+              tc::mma_16832_u8s8(dots[0], a, cs ? 0u : b, cs ? b : 0u);
             } else {
-              tc::mma_16832_u8s8(dots[0], a[r], *reinterpret_cast<const uint32_t*>(bx), 0u);
-              tc::mma_16832_u8s8(dots[1], a[r], 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
+              tc::mma_16832_u8s8(dots[0], a, *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(dots[1], a, 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
             }
 #pragma unroll
             for (int ci = 0; ci < TPT; ++ci) {
               const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
               const int* dt = dots[TPT < 4 ? 0 : cl];
-              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1], sub = c + 2 * cl + 4 * r;
-              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + sub];  // {D, s}
+              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1];
+              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + c + 2 * cl];  // {D, s}
               // |256 q0 + q1 - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
-              const int sc = reinterpret_cast<const int8_t*>(scales[h])[sub];
-              i[ci][r] = (float)(sc * (256 * q0 + q1 - 32 * act.y));
-              ad[ci][r] = __int_as_float(act.x);
+              const int sc = reinterpret_cast<const int8_t*>(scales[h])[c + 2 * cl];
+              const float f = __fmul_rn(d[h], (float)(sc * (256 * q0 + q1 - 32 * act.y)));
+              acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
             }
-          }
-#pragma unroll
-          for (int ci = 0; ci < TPT; ++ci) {
-            const int h = H > 1 ? combo_half<TPT>(ci, j) : 0;
-            fx::add(acc[nt][combo_slot<TPT>(ci)], ue::q6k(d[h], i[ci], ad[ci]));
           }
         }
       }
@@ -1822,13 +1797,13 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
 // A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
 // issued by the caller, before its PDL wait).
 template <class F, int STAGES, int STAGE, int TILES, int TPT, class Copy>
-__device__ __forceinline__ void mma_stream(fx::Sum (&acc)[TILES][SLOTS<TPT>], const Copy& copy, uint8_t* ring,
-                                           int p0, int count, long long row_bytes, const MmaAct<TILES>& x, int nsb,
-                                           int g, int j, int lane) {
+__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const Copy& copy, uint8_t* ring, int p0,
+                                           int count, long long row_bytes, const MmaAct<TILES>& x, int nsb, int g,
+                                           int j, int lane) {
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
-    for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[nt][sl] = fx::zero();
+    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
   for (int i = 0; i < count; ++i) {
     tc::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
@@ -1847,43 +1822,15 @@ __device__ __forceinline__ void warp_pairs(int w, int nsb, int& p0, int& count) 
   count = (w + 1) * pairs / W - p0;
 }
 
-// The W warps' fixed-point sums of a tile's 16 m-rows per token, in shared memory for the block's epilogue: each
-// sum's int64 and whether its probe is NaN (a byte: 144 bytes a warp and token, where 192 with the float probes put
-// the widest Q4_K rows on the H200, 31232 columns, past its shared memory at two tokens).
+// m-row mr of token t from the W warps' partial sums: each warp's class 0 + class 1, added in warp order (the
+// reduction order every matvec_mma kernel shares).
 template <int W, int N>
-struct Parts {
-  long long v[W][N][16];
-  bool nan[W][N][16];
-
-  // Warp w's sums (acc[nt][slot], its lanes' as the formats' combinations hold them): below 4 tokens a (row, token)'s
-  // two classes lie in lanes j and j ^ (TPT == 1 ? 1 : 2), added first; the class-0 lane keeps the sum.
-  template <int TILES, int TPT>
-  __device__ __forceinline__ void keep(int w, const fx::Sum (&acc)[TILES][SLOTS<TPT>], int g, int j) {
+__device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], int t, int mr) {
+  float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
 #pragma unroll
-    for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-      for (int sl = 0; sl < SLOTS<TPT>; ++sl) {
-        fx::Sum s = acc[nt][sl];
-        if constexpr (TPT < 4) fx::add(s, shfl_xor(s, TPT == 1 ? 1 : 2));
-        const int t = 4 * nt + j % TPT, mr = g + 8 * (TPT == 1 ? j >> 1 : sl);
-        if (TPT == 4 || combo_class<TPT>(0, j) == 0) {
-          v[w][t][mr] = s.v;
-          nan[w][t][mr] = s.probe != s.probe;
-        }
-      }
-  }
-
-  // m-row mr of token t: the warps' sums added (in any order: the same bits; a NaN probe is the GPU's one NaN).
-  __device__ __forceinline__ float value(int t, int mr) const {
-    fx::Sum s = fx::zero();
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      s.v += v[w][t][mr];
-      if (nan[w][t][mr]) s.probe = __int_as_float(0x7FFFFFFF);
-    }
-    return fx::value(s);
-  }
-};
+  for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
+  return v;
+}
 
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
 // may start before the PDL wait, overlapping what runs before.
@@ -1942,7 +1889,7 @@ struct TileWork {
 
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, const Rope& rope, int deferred, const float* inv_rms,
-                                       int s, uint8_t* rings, Parts<W, N>& part, const Group& gr) const {
+                                       int s, uint8_t* rings, float (&part)[W][2][N][16], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = pick(seg.rows, s);
     float* out = pick(seg.out, s);
@@ -1960,16 +1907,20 @@ struct TileWork {
     static_assert(!ROPE || 8 * N <= 32 * W, "a rotation pair a thread");
     const RopePairIn pair_in =
         pair_live ? rope_pair_in(pair_t, bias, row_of(m0), row_of(m1), role, rope) : RopePairIn{0.f, 0.f, 0.f, 0, -1};
-    fx::Sum acc[TILES][SLOTS<TPT>];
-    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
+    float acc[TILES][TPT];
+    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
                                  j, lane);
-    part.template keep<TILES, TPT>(warp, acc, g, j);
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+      for (int ci = 0; ci < TPT; ++ci)
+        part[warp][combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[nt][ci];
     gr.sync();
     TRACE_MARK(4);
 
     // m-row mr of token t (times a deferred norm's factor).
     auto total = [&](int mr, int t) {
-      const float v = part.value(t, mr);
+      const float v = warps_total(part, t, mr);
       return deferred ? __fmul_rn(v, inv_rms[t]) : v;
     };
     if constexpr (!ROPE) {
@@ -2000,7 +1951,7 @@ template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
-                                         mv::Parts<W, N>& part) {
+                                         float (&part)[W][2][N][16]) {
   using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -2036,7 +1987,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   using F = mv::MmaFormat<T>;
   using F2 = mv::MmaFormat<T2>;
   constexpr int STAGE = 16 * (F::ROW > F2::ROW ? F::ROW : F2::ROW);
-  __shared__ mv::Parts<W, N> part;
+  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
   const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
     if (st.x == 2) {  // its rows are those of its own type (GGUF rows, or tiled)
@@ -2061,8 +2012,9 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // waves: 2,500). Warp w streams pairs w, w + 4, ... of tile 0, then of tile 1, ... through its ring, so that the
 // block's warps read neighbouring pieces of the same rows at a time: with each warp walking its own tile's whole rows
 // (pieces 2.3 KB apart in each row at a time) the step took 53.1 us longer (8 alternations, every pair).
-// Reduction: matvec_mma's (fixed point: gate and up bitwise matvec's rows), the deferred norm's factor, bias. Then
-// SwiGLU as the swiglu kernel computes it, and the same quantization.
+// Reduction order: per (row, token), each warp sums its pairs' contributions per class in order, class 0 + class 1;
+// the warps' values are added in warp order, bias last; independent of n. Then SwiGLU as the swiglu kernel computes
+// it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
 // for a deferred norm's sums); rows % 32 == 0.
 namespace mv {
@@ -2109,7 +2061,7 @@ struct GluWork {
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, int8_t* __restrict__ yq, ActScale* __restrict__ ys,
                                        int deferred, const float* inv_rms, int block, uint8_t* rings,
-                                       Parts<W, N> (&part)[4], const Group& gr) const {
+                                       float (&part)[4][W][2][N][16], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = seg.rows[0], nsb = cols / 256;
     uint8_t* ring = rings + warp * STAGES * STAGE;
@@ -2120,10 +2072,14 @@ struct GluWork {
         next.k = 0;
         next.shift += tile_bytes(row_bytes);
       }
-    fx::Sum acc[TILES][SLOTS<TPT>];
-    auto keep = [&](int q) { part[q].template keep<TILES, TPT>(warp, acc, g, j); };  // this warp's sums of tile q
+    float acc[TILES][TPT];
+    auto keep = [&](int q) {  // this warp's sums of tile q
 #pragma unroll
-    for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[0][sl] = fx::zero();
+      for (int ci = 0; ci < TPT; ++ci)
+        part[q][warp][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
+    };
+#pragma unroll
+    for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
     if (count == 0)  // fewer pairs than warps: this one adds zeros
       for (int q = 0; q < 4; ++q) keep(q);
     for (int item = 0, q = 0, k = 0; item < items; ++item) {
@@ -2136,7 +2092,7 @@ struct GluWork {
         keep(q++);
         k = 0;
 #pragma unroll
-        for (int sl = 0; sl < SLOTS<TPT>; ++sl) acc[0][sl] = fx::zero();
+        for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
       }
     }
     gr.sync();
@@ -2145,7 +2101,7 @@ struct GluWork {
     // Warp t: token t's 32 outputs, lane l the row 32 block + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
     if (warp < n) {
       const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * block + lane;
-      float gate = part[q].value(t, i), up = part[q].value(t, i + 8);
+      float gate = warps_total(part[q], t, i), up = warps_total(part[q], t, i + 8);
       if (deferred) {
         gate = __fmul_rn(gate, inv_rms[t]);
         up = __fmul_rn(up, inv_rms[t]);
@@ -2171,7 +2127,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::GluWork<F, N, STAGES>;
-  __shared__ mv::Parts<Work::W, N> part[4];  // per tile
+  __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
@@ -2200,8 +2156,8 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // llama-3.1-8b's two norms on the H200 (scripts/ab_skip_ops.py).
 //
 // Blocks. Two tiles of 16 rows (32 rows: one activation group, which the block quantizes itself) of W warps each,
-// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does; each row's sum is a
-// fixed-point sum, bitwise matvec's, and the residual that plus the residual. grid rows / 32, block 64 W, dynamic shared memory
+// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row's sum, and so
+// the residual, is bitwise that launch's plus the residual. grid rows / 32, block 64 W, dynamic shared memory
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 namespace mv {
 
@@ -2232,20 +2188,22 @@ struct NormWork {
                                        long long row_bytes, float r, float* __restrict__ residual,
                                        const float* __restrict__ norm_weight, int8_t* __restrict__ yq,
                                        ActScale* __restrict__ ys, float* __restrict__ norm_ss, int block,
-                                       uint8_t* rings, Parts<W, N> (&part)[2], const Group& gr) const {
+                                       uint8_t* rings, float (&part)[2][W][2][N][16], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int half = warp / W, wi = warp % W, rows = seg.rows[0];
     const float weight = warp < n ? __ldg(norm_weight + 32 * block + lane) : 0.f;  // before the stream (TileWork)
-    fx::Sum acc[TILES][SLOTS<TPT>];
-    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
+    float acc[TILES][TPT];
+    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
                                  lane);
-    part[half].template keep<TILES, TPT>(wi, acc, g, j);
+#pragma unroll
+    for (int ci = 0; ci < TPT; ++ci)
+      part[half][wi][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
     gr.sync();
     TRACE_MARK(4);
 
     if (warp < n) {
       const int t = warp, h = lane >> 4, mr = lane & 15, row = 32 * block + lane;
-      r = __fadd_rn(r, part[h].value(t, mr));  // matvec_mma's sum
+      r = __fadd_rn(r, warps_total(part[h], t, mr));  // matvec_mma's sum
       residual[(long long)t * rows + row] = r;
       float ss = __fmul_rn(r, r);
 #pragma unroll
@@ -2271,7 +2229,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::NormWork<F, N, W, STAGES>;
-  __shared__ mv::Parts<W, N> part[2];  // per tile
+  __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
