@@ -88,6 +88,9 @@ class CudaBackend:
 
         start, arch = time.monotonic(), self.ctx.info.arch
         jobs, cached = runtime.uncompiled(arch, runtime.checkpoint_needs(checkpoint))
+        # The other mode's linear kernels wait until a launch asks for them (runtime.kernel compiles on first use).
+        other_mode = ("skinny_gemm.cu", "gemm.cu") if self._batch_invariant else ("linear_mma.cu",)
+        jobs = [job for job in jobs if job.filename not in other_mode]
         if jobs:
             bar = Progress(f"compiling kernels for {arch}", len(jobs), unit="units")
             compile_parallel(jobs, arch, runtime.defines or None, progress=lambda job: bar(1))

@@ -315,16 +315,15 @@ class CudaOps:
         readers run on the tensor cores at one or two tokens (a decode step), the linear's own launch adds into the
         residual and writes the readers' activation, leaving the norm's 1 / rms to them (matvec.matvec_norm: no
         add_rms_norm kernel); the output then exists only in that form, for those readers."""
-        if self._defers_norm(x, weight, residual, readers):
-            h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: readers take the quantized form
-            quantized = self._quantized(x)
-            out_quantized = self._quantize_into(h, keep=x, norm=eps)
-            matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
-            return h, residual
-        return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
+        if not self._defers_norm(x, weight, residual, readers):
+            return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
+        h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: its readers take the quantized form
+        quantized = self._quantized(x)
+        out_quantized = self._quantize_into(h, keep=x, norm=eps)
+        matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
+        return h, residual
 
     def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
-        """Whether matvec_norm runs this step's linear_add_rms_norm (one or two tokens on the tensor cores)."""
         n = x.shape[0]
         return (residual is not None and bool(readers) and self._quantizable(x)
                 and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, n)
