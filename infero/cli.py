@@ -44,11 +44,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default=os.environ.get("INFERO_DEVICE", "auto"),
                    help="where to run; auto takes the GPU when there is one [env INFERO_DEVICE]")  # fmt: skip
     p.add_argument("--batch-invariant", action="store_true", default=_env_switch(BATCH_INVARIANT_ENV),
-                   help="GPU: give a request's logits the same bits whatever shares its steps, at a cost in wider "
-                        f"steps (docs/kernels.md) [env {BATCH_INVARIANT_ENV}=1]")  # fmt: skip
+                   help="GPU: give a request's logits the same bits whatever shares its steps, at a cost in speed "
+                        f"(docs/kernels.md) [env {BATCH_INVARIANT_ENV}=on]")  # fmt: skip
 
 
-BATCH_INVARIANT_ENV = "INFERO_BATCH_INVARIANT"
+BATCH_INVARIANT_ENV = "INFERO_BATCH_INVARIANT"  # as infero serve reads it
 
 
 def _env_switch(name: str) -> bool:

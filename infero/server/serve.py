@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                         default=os.environ.get(BATCH_INVARIANT_ENV),
                         help="give a request's logits the same bits whatever other requests share its steps (GPU; "
-                             "costs speed in steps of more than 2 tokens, docs/kernels.md) (default: off) "
+                             "on an H200 the 8B decodes a third slower alone and half as fast at 32 streams: "
+                             "docs/kernels.md) (default: off) "
                              f"[env {BATCH_INVARIANT_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
