@@ -122,6 +122,8 @@ class CudaBackend:
         # the chunked delta rule's records, each handed back within its op, so never both at once).
         widest = max(config.hidden_size, config.q_size, config.intermediate_size)
         activations = t * (4 * _layer_floats(config) * config.num_layers + 8 * config.hidden_size + 2 * widest)
+        if self._batch_invariant:  # past 16 rows each linear's input is quantized into the workspace too: at most
+            activations += activations * 5 // 8  # one copy of 2.5 bytes an element per float activation counted
         logits = 4 * t * config.vocab_size
         scratch = max(_moe_scratch_bytes(config, t), _delta_scratch_bytes(config, t))
         self.workspace = Workspace(activations + logits + scratch + (256 << 20))
