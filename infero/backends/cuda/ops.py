@@ -99,8 +99,9 @@ class CudaOps:
         self._skinny_keys: dict[int, tuple] = {}
         self._act_width = 0
         # Activations of more than MATVEC_MAX_TOKENS rows in the mat-vec's format, in the workspace: by _key, for
-        # the readers after their writer (only this forward's generation is kept).
+        # the readers after their writer; _ws_generation is the workspace generation they belong to.
         self._ws_acts: dict[tuple, matvec.Activation] = {}
+        self._ws_generation = -1
 
     def prepare(self, config) -> None:
         """The fixed buffers of the mat-vec's quantized activation, for up to MATVEC_MAX_TOKENS rows of the widest
@@ -117,7 +118,7 @@ class CudaOps:
         self._act_s = [empty((int(np.prod(s_shape)),), np.int32, arena) for _ in range(2)]
         self._act_keys, self._act_norms = [None, None], [None, None]
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
-        self._skinny = {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
+        self._skinny = {} if self.invariant else {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
         self._skinny_keys = {}
 
     def _skinny_input(self, x: DeviceTensor, ggml_type: int) -> DeviceTensor:
@@ -184,8 +185,8 @@ class CudaOps:
         n, cols = x.shape
         q_shape, s_shape = matvec.activation_shapes(n, cols)
         act = matvec.Activation(self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
-        generation = self.ws.generation
-        self._ws_acts = {k: v for k, v in self._ws_acts.items() if k[2] == generation}
+        if self._ws_generation != self.ws.generation:  # a new forward: the earlier ones' buffers are gone
+            self._ws_acts, self._ws_generation = {}, self.ws.generation
         self._ws_acts[self._key(x)] = act
         return act
 
