@@ -15,6 +15,7 @@ from collections import Counter
 import infero
 from infero.backends import DEVICES
 from infero.errors import InferoError
+from infero.server.serve import BATCH_INVARIANT_ENV, batch_invariant
 
 EXIT_USER_ERROR = 2
 
@@ -43,16 +44,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=DEVICES, default=os.environ.get("INFERO_DEVICE", "auto"),
                    help="where to run; auto takes the GPU when there is one [env INFERO_DEVICE]")  # fmt: skip
-    p.add_argument("--batch-invariant", action="store_true", default=_env_switch(BATCH_INVARIANT_ENV),
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get(BATCH_INVARIANT_ENV),
                    help="GPU: give a request's logits the same bits whatever shares its steps, at a cost in speed "
-                        f"(docs/kernels.md) [env {BATCH_INVARIANT_ENV}=on]")  # fmt: skip
-
-
-BATCH_INVARIANT_ENV = "INFERO_BATCH_INVARIANT"  # as infero serve reads it
-
-
-def _env_switch(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "on", "true", "yes")
+                        f"(docs/kernels.md) (default: off) [env {BATCH_INVARIANT_ENV}=on|off]")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,7 +149,7 @@ def _generate(args) -> int:
     from infero import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, chat_template=args.chat_template, show_progress=True,
-              batch_invariant=args.batch_invariant)  # fmt: skip
+              batch_invariant=batch_invariant(args))  # fmt: skip
     print(llm.summary(), file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -319,7 +314,7 @@ def _bench(args) -> int:
     from infero import LLM
     from infero.bench import decode
 
-    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=args.batch_invariant)
+    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=batch_invariant(args))
     print(llm.summary(), file=sys.stderr)
     result = decode.run(llm, args.prompt_tokens, args.decode_tokens)
     print(decode.format_table(llm.config.name, llm.backend.name, result))

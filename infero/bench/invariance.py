@@ -126,8 +126,9 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     """The check's table; exit status 1 if any case differs."""
     from infero import LLM
+    from infero.server.serve import batch_invariant
 
-    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=args.batch_invariant)
+    llm = LLM(args.model, device=args.device, show_progress=True, batch_invariant=batch_invariant(args))
     cases = check(llm, args.prompt_tokens, seed=args.seed)
     print(f"{llm.config.name} ({llm.backend.name}): a {args.prompt_tokens}-token prompt")
     print(format_table(cases))
