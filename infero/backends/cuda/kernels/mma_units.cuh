@@ -6,10 +6,10 @@
 // a unit whole, its k order permuted (an integer sum does not depend on it): lane (g, j)'s k 4j..4j+3 are the unit's
 // columns 8j..8j+3 and its k 16 + 4j.. columns 8j + 4.., so its two B words are 8 consecutive bytes of a column (one
 // 64-bit load). The A fragment holds 16 rows x the unit's 32 integers w in that order, B column c plane c % 2 of
-// token c / 2, so C's column pair j is token j's (I_0, I_1) of rows g and g + 8. The accumulator starts at EXACT,
-// so each sum lands as the bits of the float 1.5 2^23 + I (|I| < 2^22: Q8_0's 32 x 127 x 127 is the largest), made
-// the exact float I by one subtraction. Q6_K scales its 16-column runs apart: one mma a run (lanes j < 2 hold run
-// 0's columns: each run's A fragment has the other lanes' words zero), then I_p = S_1 I_p1 + S_0 I_p0 as floats
+// token c / 2, so C's column pair j is token j's (I_0, I_1) of rows g and g + 8. One-run types take T from the raw
+// int32 sums (t_of: |I| < 2^22, Q8_0's 32 x 127 x 127 the largest). Q6_K scales its 16-column runs apart: one mma a
+// run (lanes j < 2 hold run 0's columns: each run's A fragment has the other lanes' words zero), each accumulator
+// starting at EXACT so a sum lands as the bits of the float 1.5 2^23 + I, then I_p = S_1 I_p1 + S_0 I_p0 as floats
 // (each product and the sum below 2^24: exact, unit_value.cuh's bound).
 // A and B are formed once per (row, unit) and shared by the warp's token tiles (Q4_K / Q5_K: by prep(), when the
 // stage lands, into [8][rows] float2s); D and M once per (token, unit) when the stage lands (scales()), shared by
@@ -49,9 +49,12 @@ __device__ __forceinline__ uint4 load16_at2(const uint8_t* p) {
 
 __device__ __forceinline__ uint32_t word(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// An int v with |v| < 2^22, biased by EXACT (EXACT + v: what the mma leaves from an accumulator of EXACT), as a float.
-constexpr int EXACT = 0x4B400000;  // 1.5 2^23 as a float's bits
-__device__ __forceinline__ float exact_float(int biased) { return __fsub_rn(__int_as_float(biased), 12582912.f); }
+constexpr int EXACT = 0x4B400000;  // 1.5 2^23 as a float's bits: an accumulator of EXACT leaves EXACT + I
+
+// uv::value_t's T from a unit's two int32 sums (|I_p| < 2^22, so 256 I_0 + I_1 is exact in int32): its one
+// conversion is the one rounding fmaf(256, I_0, I_1) makes of the same exact value, so the bits are uv::value's, in
+// two instructions (an integer multiply-add and a conversion) where the exact floats of I_0, I_1 and an fmaf take 3.
+__device__ __forceinline__ float t_of(int i0, int i1) { return __int2float_rn(256 * i0 + i1); }
 
 // Word j of piece p of staged row r.
 __device__ __forceinline__ uint32_t staged(const uint8_t* sw, int rows, int p, int r, int j) {
@@ -114,10 +117,10 @@ struct PolicyK45 {
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, 0);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.ab[h].x, un.ab[h].y, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), dm.y);
+    return uv::value_t(dm.x, un.ab[h].x, un.ab[h].y, t_of(c[0][2 * h], c[0][2 * h + 1]), dm.y);
   }
 };
 template <> struct Policy<GGML_Q4_K> : PolicyK45<GGML_Q4_K> {};
@@ -200,10 +203,10 @@ struct Policy<GGML_Q8_0> {
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, 0);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.a[h], 0.f, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), 0.f);
+    return uv::value_t(dm.x, un.a[h], 0.f, t_of(c[0][2 * h], c[0][2 * h + 1]), 0.f);
   }
 };
 
@@ -247,11 +250,10 @@ struct Policy32 {
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, 0);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.a[h], NL ? 0.f : un.b[h], exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]),
-                     NL ? 0.f : dm.y);
+    return uv::value_t(dm.x, un.a[h], NL ? 0.f : un.b[h], t_of(c[0][2 * h], c[0][2 * h + 1]), NL ? 0.f : dm.y);
   }
 };
 template <> struct Policy<GGML_Q4_0> : Policy32<GGML_Q4_0> {};
@@ -286,10 +288,10 @@ struct Policy<GGML_IQ4_XS> {
     }
   }
   __device__ static void mma(int (&c)[2][4], const uint32_t (&a)[RUNS][4], uint32_t b0, uint32_t b1) {
-    tc::mma_16832_s8s8(c[0], a[0], b0, b1, EXACT);
+    tc::mma_16832_s8s8(c[0], a[0], b0, b1, 0);
   }
   __device__ static float value(const Unit& un, const int (&c)[2][4], int h, float2 dm) {
-    return uv::value(dm.x, un.a[h], 0.f, exact_float(c[0][2 * h]), exact_float(c[0][2 * h + 1]), 0.f);
+    return uv::value_t(dm.x, un.a[h], 0.f, t_of(c[0][2 * h], c[0][2 * h + 1]), 0.f);
   }
 };
 

@@ -37,10 +37,15 @@
 
 namespace uv {
 
+// c = D (A T + B M) with T = 256 I0 + I1 rounded once by the caller (value() below, or one int32 -> float conversion
+// of the exact integer 256 I0 + I1: the same single rounding of the same exact value).
+__device__ __forceinline__ float value_t(float D, float A, float B, float t, float m) {
+  return __fmul_rn(D, __fmaf_rn(A, t, __fmul_rn(B, m)));
+}
+
 // c = D (A T + B M), T = 256 I0 + I1: i0, i1 and m the exact floats of I_0, I_1 and M.
 __device__ __forceinline__ float value(float D, float A, float B, float i0, float i1, float m) {
-  const float t = __fmaf_rn(256.f, i0, i1);
-  return __fmul_rn(D, __fmaf_rn(A, t, __fmul_rn(B, m)));
+  return value_t(D, A, B, __fmaf_rn(256.f, i0, i1), m);
 }
 
 // A span's value from its eight unit values in column order.
