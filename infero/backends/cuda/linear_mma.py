@@ -19,9 +19,9 @@ SOURCE = "linear_mma.cu"
 _NAMES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 TYPES = tuple(int(GGMLType[name]) for name in _NAMES)
 STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
-# The kernel's warp grids (WR row warps x WT token warps): 16 WR rows x 32 WT tokens a block.
+# The kernel's block tiles (WR, WT): 16 WR rows x 32 WT tokens, in 16 warps of 16 rows x 16 tokens.
 NARROW, WIDE = (8, 1), (4, 2)
-THREADS = 256
+THREADS = 512
 MAX_SPLITS = 16
 # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
 _PIECES = {12: 9, 13: 11, 14: 14, 8: 17, 2: 9, 3: 10, 6: 11, 7: 12, 20: 9, 23: 9}
@@ -45,7 +45,7 @@ def supports(weight: QuantWeight, n: int) -> bool:
 
 
 def grid_of(n: int) -> tuple[int, int]:
-    """The warp grid (WR, WT) for n tokens: one token warp to 32 tokens, two above."""
+    """The block tile (WR, WT) for n tokens: 32 tokens to 32, 64 above."""
     return NARROW if n <= 32 else WIDE
 
 

@@ -10,23 +10,24 @@
 // `deferred` it is residual * norm weight and norm_ss [n, cols / 32] holds each group's sum of squares of the
 // residual (matvec.Activation). cols: a multiple of 256.
 //
-// Blocks: 8 warps, WR x WT of them, a warp 16 rows x 32 tokens (8 column tiles of 4 tokens, two planes each), a
-// block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py). grid: (row tiles, token tiles,
-// splits); split z takes a contiguous range of the row's stages (256 columns: a span), so narrow matrices still
-// fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through shared memory,
-// two buffers: stage s + 1 is copied by cp.async (16-byte aligned stages' pieces too; Q6_K's, Q8_0's and IQ4_XS's
-// are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one barrier a
-// stage. Each A fragment (16 rows of a unit) and its A, B feed 8 column tiles; the per-(output, unit) work (two
-// exact floats, uv::value, a tree add) sets the pace, fx::add once a span. One split: outputs written directly;
-// more: each block writes its int64 sums and probes to part [splits, n, rows] and linear_mma_finish adds them (in
-// any order: integers).
+// Blocks: 16 warps (one block an SM at 128 registers a thread), a warp 16 rows x 16 tokens (4 column tiles of 4
+// tokens, two planes each), a block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py).
+// Four warps a scheduler to hide the mma and float latencies (to 7d86218: 8 warps of 32 tokens, 168-255 registers,
+// ~33% of issue slots used), at the cost of each A fragment feeding 4 column tiles instead of 8. grid: (row tiles,
+// token tiles, splits); split z takes a contiguous range of the row's stages (256 columns: a span), so narrow
+// matrices still fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through
+// shared memory, two buffers: stage s + 1 is copied by cp.async (16-byte aligned stages' pieces too; Q6_K's, Q8_0's
+// and IQ4_XS's are loaded into registers before stage s's mma work and stored after it) while stage s's runs; one
+// barrier a stage. The per-(output, unit) work (T from the int32 sums, uv::value_t, a tree add) sets the pace,
+// fx::add once a span. One split: outputs written directly; more: each block writes its int64 sums and probes to
+// part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
 #include "mma_units.cuh"
 
 namespace lm {
 
-constexpr int THREADS = 256, NT = 8;  // threads a block; column tiles a warp
+constexpr int THREADS = 512, NT = 4;  // threads a block; column tiles a warp (16 tokens)
 
 // RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
 // sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
@@ -42,7 +43,7 @@ __device__ __forceinline__ float inv_rms(const float* __restrict__ norm_ss, int 
 
 }  // namespace lm
 
-template <int T, int WR, int WT>
+template <int T, int WR, int WT>  // a block: 16 WR rows x 32 WT tokens
 __global__ void __launch_bounds__(lm::THREADS, 1)
     linear_mma(float* __restrict__ out, long long* __restrict__ part_v, float* __restrict__ part_p,
                const uint8_t* __restrict__ weight, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
                int cols, long long row_bytes, int tiled, int splits) {
   using P = mu::Policy<T>;
   constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = mu::KU, NT = lm::NT;
-  static_assert(WR * WT * 32 == lm::THREADS, "8 warps");
+  static_assert(WR * (TOK / (4 * NT)) * 32 == lm::THREADS, "16 warps: WR rows x TOK / 16 tokens of them");
   // A buffer: activations [KU][TOK][2 planes][32], scales [KU][TOK][2 halves], weight pieces [PIECES][ROWS][16],
   // for PREP types their {A, B} [KU][ROWS] (linear_mma.shared_bytes).
   constexpr int ACT_BYTES = 640 * TOK, W_BYTES = 16 * P::PIECES * ROWS;
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[TOK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
-  const int rl = 16 * (warp % WR) + g, tb = 32 * (warp / WR);
+  const int rl = 16 * (warp % WR) + g, tb = 4 * NT * (warp / WR);
   const int row0 = blockIdx.x * ROWS, tok0 = blockIdx.y * TOK, z = blockIdx.z, live = min(TOK, n - tok0);
   const int stages = cols / (32 * KU), st0 = (int)((long long)stages * z / splits),
             st1 = (int)((long long)stages * (z + 1) / splits);
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   }
 }
 
-// The splits' sums of token blockIdx.y, rows from 256 blockIdx.x, added (int64: any order) and finished as linear_mma
+// The splits' sums of token blockIdx.y, rows from THREADS blockIdx.x, added (int64: any order) and finished as linear_mma
 // finishes one split's.
 __global__ void __launch_bounds__(lm::THREADS) linear_mma_finish(float* __restrict__ out,
                                                                  const long long* __restrict__ part_v,
