@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   // for PREP types their {A, B} [KU][ROWS] (linear_mma.shared_bytes).
   constexpr int ACT_BYTES = 640 * TOK, W_BYTES = 16 * P::PIECES * ROWS;
   constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? 8 * KU * ROWS : 0);
-  constexpr int PC = (P::PIECES * ROWS + lm::THREADS - 1) / lm::THREADS;  // register-path loads a thread
+  constexpr int PC = (P::PIECES * ROWS + lm::THREADS - 1) / lm::THREADS;  // weight pieces a thread copies
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[TOK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
@@ -72,34 +72,43 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   };
   // Stage st's cp.async copies into buffer b: the activation slices, their scales (a unit's two halves at once) and
   // (ASYNC) the weight pieces. Tokens past the step's end are not copied: the columns of a live tile that read them
-  // are never written.
+  // are never written. Copy i = tid + THREADS q of each kind keeps the thread's token, plane, half and row whatever
+  // q, so a stage's addresses are one base a kind plus constants.
+  static_assert(4 * KU * TOK % lm::THREADS == 0 && lm::THREADS % (4 * TOK) == 0 && KU * TOK <= lm::THREADS &&
+                    lm::THREADS % ROWS == 0,
+                "whole copy rounds of fixed tokens and rows a thread");
+  const int ap = (tid >> 2) % TOK, sp = tid % TOK, wr = tid % ROWS, wp = tid / ROWS;
   auto issue = [&](int st, int b) {
-    const int u0 = st * KU;
     uint8_t* sb = smem + b * BUF_BYTES;
-    ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * TOK);
-    for (int i = tid; i < 4 * KU * TOK; i += lm::THREADS) {
-      const int plane = (i >> 1) & 1, p = (i >> 2) % TOK, k = (i >> 2) / TOK;
-      const int8_t* plane_row = (plane ? xq1 : xq) + (long long)(tok0 + p) * cols;
-      if (p < live) tc::cp_async<16>(sb + 16 * i, plane_row + 32 * (u0 + k) + 16 * (i & 1));
+    if (ap < live) {
+      const int8_t* src = ((tid >> 1) & 1 ? xq1 : xq) + (long long)(tok0 + ap) * cols +
+                          32 * (st * KU + (tid >> 2) / TOK) + 16 * (tid & 1);
+#pragma unroll
+      for (int q = 0; q < 4 * KU * TOK / lm::THREADS; ++q)
+        tc::cp_async<16>(sb + 16 * (tid + q * lm::THREADS), src + 32 * q * (lm::THREADS / (4 * TOK)));
     }
-    for (int i = tid; i < KU * TOK; i += lm::THREADS) {
-      const int p = i % TOK;
-      if (p < live) tc::cp_async<16>(ss + 2 * i, xs + (long long)(tok0 + p) * (cols / 16) + 2 * (u0 + i / TOK));
-    }
+    if (tid < KU * TOK && sp < live)
+      tc::cp_async<16>(reinterpret_cast<ActScale*>(sb + 512 * TOK) + 2 * tid,
+                       xs + (long long)(tok0 + sp) * (cols / 16) + 2 * (st * KU + tid / TOK));
     if constexpr (P::ASYNC) {
-      uint8_t* sa = sb + ACT_BYTES;
-      for (int i = tid; i < P::PIECES * ROWS; i += lm::THREADS)
-        tc::cp_async<16>(sa + 16 * i, P::piece_at(stage_of(i % ROWS, st), i / ROWS));
+      const uint8_t* stage = stage_of(wr, st);
+#pragma unroll
+      for (int q = 0; q < PC; ++q) {
+        const int piece = wp + q * (lm::THREADS / ROWS);
+        if (piece < P::PIECES)
+          tc::cp_async<16>(sb + ACT_BYTES + 16 * (tid + q * lm::THREADS), P::piece_at(stage, piece));
+      }
     }
   };
   // The register path (!ASYNC): stage st's pieces loaded into held, then stored into buffer b.
   uint4 held[P::ASYNC ? 1 : PC];
   auto load = [&](int st) {
     if constexpr (!P::ASYNC) {
+      const uint8_t* stage = stage_of(wr, st);
 #pragma unroll
       for (int q = 0; q < PC; ++q) {
-        const int i = tid + q * lm::THREADS;
-        if (i < P::PIECES * ROWS) held[q] = P::piece(stage_of(i % ROWS, st), i / ROWS, KU);
+        const int piece = wp + q * (lm::THREADS / ROWS);
+        if (piece < P::PIECES) held[q] = P::piece(stage, piece, KU);
       }
     }
   };
