@@ -22,6 +22,7 @@ STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
 # The kernel's block tiles (WR, WT): 16 WR rows x 32 WT tokens, in 16 warps of 16 rows x 16 tokens.
 NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 512
+BUFS = 3  # the kernel's stage buffers (lm::BUFS)
 MAX_SPLITS = 16
 # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
 _PIECES = {12: 9, 13: 11, 14: 14, 8: 17, 2: 9, 3: 10, 6: 11, 7: 12, 20: 9, 23: 9}
@@ -50,11 +51,11 @@ def grid_of(n: int) -> tuple[int, int]:
 
 
 def shared_bytes(ggml_type: int, n: int) -> int:
-    """Dynamic shared memory: two stage buffers of activations and scales (640 bytes a token), weight pieces and,
+    """Dynamic shared memory: BUFS stage buffers of activations and scales (640 bytes a token), weight pieces and,
     for Q4_K / Q5_K, each (row, unit)'s {A, B} (8 bytes)."""
     wr, wt = grid_of(n)
     rows = 16 * wr
-    return 2 * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (64 * rows if ggml_type in _PREP else 0))
+    return BUFS * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (64 * rows if ggml_type in _PREP else 0))
 
 
 @functools.lru_cache(maxsize=1024)
