@@ -52,10 +52,10 @@ def grid_of(n: int) -> tuple[int, int]:
 
 def shared_bytes(ggml_type: int, n: int) -> int:
     """Dynamic shared memory: BUFS stage buffers of activations and scales (640 bytes a token), weight pieces and,
-    for Q4_K / Q5_K, each (row, unit)'s {A, B} (8 bytes)."""
+    for Q4_K / Q5_K, each (row, unit)'s {A, B} (8 bytes) and three more copies of each row's 16-byte header."""
     wr, wt = grid_of(n)
     rows = 16 * wr
-    return BUFS * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (64 * rows if ggml_type in _PREP else 0))
+    return BUFS * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (112 * rows if ggml_type in _PREP else 0))
 
 
 @functools.lru_cache(maxsize=1024)

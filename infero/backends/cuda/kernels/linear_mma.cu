@@ -53,9 +53,10 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = mu::KU, NT = lm::NT;
   static_assert(WR * (TOK / (4 * NT)) * 32 == lm::THREADS, "16 warps: WR rows x TOK / 16 tokens of them");
   // A buffer: activations [KU][TOK][2 planes][32], scales [KU][TOK][2 halves], weight pieces [PIECES][ROWS][16],
-  // for PREP types their {A, B} [KU][ROWS] (linear_mma.shared_bytes).
-  constexpr int ACT_BYTES = 640 * TOK, W_BYTES = 16 * P::PIECES * ROWS;
-  constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? 8 * KU * ROWS : 0);
+  // for PREP types their {A, B} [KU][ROWS] and three more copies of each row's header [3][ROWS][16], so four threads
+  // a row form its {A, B} (linear_mma.shared_bytes).
+  constexpr int ACT_BYTES = 640 * TOK, W_BYTES = 16 * P::PIECES * ROWS, AB_BYTES = 8 * KU * ROWS;
+  constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? AB_BYTES + 48 * ROWS : 0);
   constexpr int PC = (P::PIECES * ROWS + lm::THREADS - 1) / lm::THREADS;  // weight pieces a thread copies
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[TOK];
@@ -97,6 +98,9 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
         const int piece = wp + q * (lm::THREADS / ROWS);
         if (piece < P::PIECES)
           tc::cp_async<16>(sb + ACT_BYTES + 16 * (tid + q * lm::THREADS), P::piece_at(stage, piece));
+      }
+      if constexpr (P::PREP) {
+        if (wp >= 1 && wp < 4) tc::cp_async<16>(sb + ACT_BYTES + W_BYTES + AB_BYTES + 16 * ((wp - 1) * ROWS + wr), stage);
       }
     }
   };
@@ -141,8 +145,12 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     if (next) load(st + 1);  // in flight during this stage's mma work
     tc::cp_async_wait<1>();
     mu::scales<T>(reinterpret_cast<ActScale*>(smem + b * BUF_BYTES + 512 * TOK), KU * TOK, tid, lm::THREADS);
-    mu::prep<T>(reinterpret_cast<float2*>(smem + b * BUF_BYTES + ACT_BYTES + W_BYTES), smem + b * BUF_BYTES + ACT_BYTES,
-                ROWS, tid);
+    if constexpr (P::PREP) {
+      // Row wr's units 2 wp, 2 wp + 1, from the header this thread copied (wp = 0: the row's piece 0).
+      uint8_t* sa = smem + b * BUF_BYTES + ACT_BYTES;
+      const uint8_t* hd = wp == 0 ? sa + 16 * wr : sa + W_BYTES + AB_BYTES + 16 * ((wp - 1) * ROWS + wr);
+      if (wp < 4) P::prep_pair(reinterpret_cast<float2*>(sa + W_BYTES), *reinterpret_cast<const uint4*>(hd), ROWS, wr, wp);
+    }
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
     if (st + 2 < st1) issue(st + 2, (b + 2) % lm::BUFS);  // stage st - 1's buffer
     tc::cp_async_commit();

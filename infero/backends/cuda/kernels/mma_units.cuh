@@ -87,19 +87,21 @@ struct PolicyK45 {
   static constexpr bool ASYNC = true, HAS_M = true, PREP = true;
   struct Unit { float2 ab[2]; };
   __device__ static const uint8_t* piece_at(const uint8_t* stage, int i) { return stage + 16 * i; }
-  // Row r's {A, B} of units 0-7 into ab[k rows + r], from its staged header (piece 0).
-  __device__ static void prep(float2* ab, const uint8_t* sw, int rows, int r) {
-    const uint4 hd = *reinterpret_cast<const uint4*>(sw + 16 * r);
+  // Row r's {A, B} of units 2c and 2c + 1 into ab[k rows + r], from its header hd (the stage's first 16 bytes).
+  __device__ static void prep_pair(float2* ab, uint4 hd, int rows, int r, int c) {
     const uint32_t w[4] = {hd.x, hd.y, hd.z, hd.w};
     const float d = f16_lo(hd.x), dmin = f16_lo(hd.x >> 16);
+    int scale[2], min[2];
+    quant::k4_scales_mins(w, c, scale, min);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      int scale[2], min[2];
-      quant::k4_scales_mins(w, c, scale, min);
+    for (int e = 0; e < 2; ++e)  // fp16 x 6 bits: exact
+      ab[(2 * c + e) * rows + r] = make_float2(__fmul_rn(d, (float)scale[e]), __fmul_rn(-dmin, (float)min[e]));
+  }
+  // Row r's {A, B} of units 0-7, from its staged header (piece 0).
+  __device__ static void prep(float2* ab, const uint8_t* sw, int rows, int r) {
+    const uint4 hd = *reinterpret_cast<const uint4*>(sw + 16 * r);
 #pragma unroll
-      for (int e = 0; e < 2; ++e)  // fp16 x 6 bits: exact
-        ab[(2 * c + e) * rows + r] = make_float2(__fmul_rn(d, (float)scale[e]), __fmul_rn(-dmin, (float)min[e]));
-    }
+    for (int c = 0; c < 4; ++c) prep_pair(ab, hd, rows, r, c);
   }
   __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2* ab, int rows, int rl,
                               int k, int j) {
