@@ -206,15 +206,29 @@ def test_rejects_what_it_cannot_run_with_a_clear_error(gpu):
         linear_mma.linear_mma(empty((17, 64), np.float32), q4, act, empty((63,), np.float32), stream, ws)
 
 
-def test_every_launch_fits_the_h200s_shared_memory_splits_at_most_once_a_stage_and_borrows_under_16_mib():
+def test_launches_take_three_buffers_on_the_h200_two_on_the_a100_split_at_most_once_a_stage_borrow_under_16_mib():
     from infero.backends.cuda import linear_mma
 
-    h200_optin, sms = 232448, 132
+    h200_optin, a100_optin, sms = 232448, 166912, 132
     for t in linear_mma.TYPES:
         for n in (17, 32, 33, 64, 512):
-            assert linear_mma.shared_bytes(t, n) + 4 * 64 <= h200_optin, (t, n)
+            assert linear_mma.buffers(t, n, h200_optin) == 3, (t, n)
+            assert linear_mma.buffers(t, n, a100_optin) >= 2, (t, n)
     for rows, cols in ((14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096), (64, 256)):
         for n in (17, 32, 64, 512):
             s = linear_mma.splits(rows, cols, n, sms)
             assert 1 <= s <= min(linear_mma.MAX_SPLITS, cols // linear_mma.STAGE_COLS)
             assert linear_mma.scratch_bytes(rows, cols, n, sms) <= 16 << 20, (rows, cols, n, s)
+
+
+def test_a_launch_takes_as_many_buffers_as_the_shared_memory_limit_holds_and_none_below_two():
+    from infero.backends.cuda import linear_mma
+
+    for t in linear_mma.TYPES:
+        for n in (17, 64):
+            one = linear_mma.buffer_bytes(t, n)
+            static = 4 * 64  # linear_mma.cu's inv[TOK]
+            assert linear_mma.buffers(t, n, 3 * one + static) == 3
+            assert linear_mma.buffers(t, n, 3 * one + static - 1) == 2
+            assert linear_mma.buffers(t, n, 2 * one + static) == 2
+            assert linear_mma.buffers(t, n, 2 * one + static - 1) == 0

@@ -22,7 +22,7 @@ STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
 # The kernel's block tiles (WR, WT): 16 WR rows x 32 WT tokens, in 16 warps of 16 rows x 16 tokens.
 NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 512
-BUFS = 3  # the kernel's stage buffers (lm::BUFS)
+_STATIC_SHARED = 4 * 64  # the kernel's static shared memory (a float a token of a block)
 MAX_SPLITS = 16
 # mma_units.cuh's Policy<T>::PIECES: 16-byte pieces a (stage, row)
 _PIECES = {12: 9, 13: 11, 14: 14, 8: 17, 2: 9, 3: 10, 6: 11, 7: 12, 20: 9, 23: 9}
@@ -34,7 +34,7 @@ for _t in TYPES:
                     needs=(runtime.weight_type(_t),))  # fmt: skip
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-_ARGS = (_P, _P, _P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _L, _I, _I)
+_ARGS = (_P, _P, _P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _L, _I, _I, _I)
 _FINISH_ARGS = (_P, _P, _P, _P, _F, _P, _I, _I, _I, _I)
 _shared_allowed: dict[object, int] = {}
 runtime.on_reload(_shared_allowed.clear)
@@ -42,7 +42,9 @@ _num_sms: list[int] = []
 
 
 def supports(weight: QuantWeight, n: int) -> bool:
-    return weight.ggml_type in TYPES and n > 0 and weight.cols % STAGE_COLS == 0
+    if not (weight.ggml_type in TYPES and n > 0 and weight.cols % STAGE_COLS == 0):
+        return False
+    return buffers(weight.ggml_type, n, runtime.context().info.max_shared_per_block_optin) > 0
 
 
 def grid_of(n: int) -> tuple[int, int]:
@@ -50,12 +52,19 @@ def grid_of(n: int) -> tuple[int, int]:
     return NARROW if n <= 32 else WIDE
 
 
-def shared_bytes(ggml_type: int, n: int) -> int:
-    """Dynamic shared memory: BUFS stage buffers of activations and scales (640 bytes a token), weight pieces and,
-    for Q4_K / Q5_K, each (row, unit)'s {A, B} (8 bytes) and three more copies of each row's 16-byte header."""
+def buffer_bytes(ggml_type: int, n: int) -> int:
+    """Shared memory of one stage buffer: activations and scales (640 bytes a token), weight pieces and, for Q4_K /
+    Q5_K, each (row, unit)'s {A, B} (8 bytes) and three more copies of each row's 16-byte header."""
     wr, wt = grid_of(n)
     rows = 16 * wr
-    return BUFS * (640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (112 * rows if ggml_type in _PREP else 0))
+    return 640 * 32 * wt + 16 * _PIECES[ggml_type] * rows + (112 * rows if ggml_type in _PREP else 0)
+
+
+def buffers(ggml_type: int, n: int, shared_optin: int) -> int:
+    """Stage buffers a launch takes within a block's shared memory limit: 3 (two stages in flight), else 2, else 0
+    (the device cannot run it)."""
+    fits = [b for b in (3, 2) if b * buffer_bytes(ggml_type, n) + _STATIC_SHARED <= shared_optin]
+    return fits[0] if fits else 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,10 +96,9 @@ def _sms() -> int:
     return _num_sms[0]
 
 
-def _function(ggml_type: int, n: int):
+def _function(ggml_type: int, n: int, shared: int):
     wr, wt = grid_of(n)
     fn = runtime.kernel(SOURCE, f"linear_mma<{ggml_type}, {wr}, {wt}>")
-    shared = shared_bytes(ggml_type, n)
     if shared > _shared_allowed.get(fn, 48 << 10):
         driver.set_max_dynamic_shared(fn, shared)
         _shared_allowed[fn] = shared
@@ -113,10 +121,12 @@ def linear_mma(out: DeviceTensor, weight: QuantWeight, quantized, bias: DeviceTe
     mark = workspace.offset  # the splits' sums are scratch, handed back after the launches (stream order)
     part_v = workspace.empty((s, n, rows), np.int64) if s > 1 else None
     part_p = workspace.empty((s, n, rows), np.float32) if s > 1 else None
+    bufs = buffers(weight.ggml_type, n, runtime.context().info.max_shared_per_block_optin)
+    shared = bufs * buffer_bytes(weight.ggml_type, n)
     args = (out.ptr, part_v.ptr if s > 1 else 0, part_p.ptr if s > 1 else 0, weight.data.ptr, xq.ptr, xs.ptr,
-            norm_ptr, eps, bias_ptr, n, rows, cols, weight.data.shape[1], int(weight.tiled), s)  # fmt: skip
-    driver.launch(_function(weight.ggml_type, n), grid, (THREADS,), args, _ARGS, stream,
-                  shared=shared_bytes(weight.ggml_type, n), pdl=True)  # fmt: skip
+            norm_ptr, eps, bias_ptr, n, rows, cols, weight.data.shape[1], int(weight.tiled), s, bufs)  # fmt: skip
+    driver.launch(_function(weight.ggml_type, n, shared), grid, (THREADS,), args, _ARGS, stream, shared=shared,
+                  pdl=True)  # fmt: skip
     if s > 1:
         finish = runtime.kernel(SOURCE, "linear_mma_finish")
         driver.launch(finish, (-(-rows // THREADS), n), (THREADS,),
@@ -133,7 +143,8 @@ def _check(out: DeviceTensor, weight: QuantWeight, xq: DeviceTensor, xs: DeviceT
         raise ValueError(f"linear_mma: {problem}")
     if not supports(weight, n):
         raise ValueError(f"linear_mma: no kernel for type {weight.ggml_type} with {cols} columns at {n} tokens "
-                         f"(types {TYPES}, columns a multiple of {STAGE_COLS})")  # fmt: skip
+                         f"(types {TYPES}, columns a multiple of {STAGE_COLS}, shared memory for two stage "
+                         f"buffers)")  # fmt: skip
     if n > 65535 * 32 * grid_of(n)[1]:
         raise ValueError(f"linear_mma: {n} tokens exceed the launch's grid")
     if out.shape != (n, rows) or out.dtype != np.float32:

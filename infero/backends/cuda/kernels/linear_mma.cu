@@ -16,9 +16,9 @@
 // ~33% of issue slots used), at the cost of each A fragment feeding 4 column tiles instead of 8. grid: (row tiles,
 // token tiles, splits); split z takes a contiguous range of the row's stages (256 columns: a span), so narrow
 // matrices still fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through
-// shared memory, three buffers: stages s + 1 and s + 2 are copied by cp.async (16-byte aligned stages' pieces too;
-// Q6_K's, Q8_0's and IQ4_XS's are loaded into registers before stage s's mma work and stored after it: one ahead)
-// while stage s's runs; one barrier a stage. The per-(output, unit) work (T from the int32 sums, uv::value_t, a tree add) sets the pace,
+// shared memory, three buffers where the device holds them (linear_mma.buffers; else two): stages s + 1 and s + 2 are
+// copied by cp.async (16-byte aligned stages' pieces too; Q6_K's, Q8_0's and IQ4_XS's are loaded into registers
+// before stage s's mma work and stored after it: one ahead) while stage s's runs; one barrier a stage. The per-(output, unit) work (T from the int32 sums, uv::value_t, a tree add) sets the pace,
 // fx::add once a span. One split: outputs written directly; more: each block writes its int64 sums and probes to
 // part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
 #include "pdl.cuh"
@@ -27,7 +27,7 @@
 
 namespace lm {
 
-constexpr int THREADS = 512, NT = 4, BUFS = 3;  // threads a block; column tiles a warp (16 tokens); stage buffers
+constexpr int THREADS = 512, NT = 4;  // threads a block; column tiles a warp (16 tokens)
 
 // RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
 // sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     linear_mma(float* __restrict__ out, long long* __restrict__ part_v, float* __restrict__ part_p,
                const uint8_t* __restrict__ weight, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
                const float* __restrict__ norm_ss, float norm_eps, const float* __restrict__ bias, int n, int rows,
-               int cols, long long row_bytes, int tiled, int splits) {
+               int cols, long long row_bytes, int tiled, int splits, int bufs) {
   using P = mu::Policy<T>;
   constexpr int ROWS = 16 * WR, TOK = 32 * WT, KU = mu::KU, NT = lm::NT;
   static_assert(WR * (TOK / (4 * NT)) * 32 == lm::THREADS, "16 warps: WR rows x TOK / 16 tokens of them");
@@ -130,20 +130,25 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   for (int nt = 0; nt < NT; ++nt) sum[nt][0] = sum[nt][1] = fx::zero();
   if (st0 < st1) load(st0);  // the weights are no earlier kernel's output: loaded before the PDL wait
   pdl_enter();
-  // One cp.async group a stage, two ahead of the mma work (a group for every stage number, empty past st1, so
-  // "all but the newest" is always stage st's); the register path one ahead.
+  // bufs (2 or 3: what the device's shared memory holds) stage buffers, a ring: one cp.async group a stage, bufs - 1
+  // ahead of the mma work (a group for every stage number, empty past st1, so "all but the newest bufs - 2" is always
+  // stage st's); the register path one ahead.
   if (st0 < st1) {
     issue(st0, 0);
     store(0);
   }
   tc::cp_async_commit();
-  if (st0 + 1 < st1) issue(st0 + 1, 1);
+  if (bufs == 3 && st0 + 1 < st1) issue(st0 + 1, 1);
   tc::cp_async_commit();
+  int b = 0;  // stage st's buffer
   for (int st = st0; st < st1; ++st) {
-    const int b = (st - st0) % lm::BUFS;
     const bool next = st + 1 < st1;
     if (next) load(st + 1);  // in flight during this stage's mma work
-    tc::cp_async_wait<1>();
+    if (bufs == 3) {
+      tc::cp_async_wait<1>();
+    } else {
+      tc::cp_async_wait<0>();
+    }
     mu::scales<T>(reinterpret_cast<ActScale*>(smem + b * BUF_BYTES + 512 * TOK), KU * TOK, tid, lm::THREADS);
     if constexpr (P::PREP) {
       // Row wr's units 2 wp, 2 wp + 1, from the header this thread copied (wp = 0: the row's piece 0).
@@ -152,7 +157,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
       if (wp < 4) P::prep_pair(reinterpret_cast<float2*>(sa + W_BYTES), *reinterpret_cast<const uint4*>(hd), ROWS, wr, wp);
     }
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
-    if (st + 2 < st1) issue(st + 2, (b + 2) % lm::BUFS);  // stage st - 1's buffer
+    if (st + bufs - 1 < st1) issue(st + bufs - 1, b == 0 ? bufs - 1 : b - 1);  // stage st - 1's buffer
     tc::cp_async_commit();
     const uint8_t* sb = smem + b * BUF_BYTES;
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * TOK);
@@ -167,7 +172,9 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     } else if (active) {
       compute(mu::Flag<false>());
     }
-    if (next) store((b + 1) % lm::BUFS);  // stage st - 2's buffer: every warp passed a barrier after its mma work
+    const int after = b + 1 == bufs ? 0 : b + 1;  // stage st + 1's buffer
+    if (next) store(after);  // its weights: every warp passed a barrier since its last mma work on that buffer
+    b = after;
   }
   if (splits == 1 && norm_ss != nullptr) {
     for (int t = warp; t < live; t += lm::THREADS / 32) {
