@@ -156,6 +156,24 @@ def test_rows_are_bitwise_the_mat_vecs_and_match_float64(gpu, qtype, rows, cols,
     assert not failed, "linear_mma disagrees with the mat-vec or float64:\n" + "\n".join(lines)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype, cols", [(Q.Q4_K, 4096), (Q.Q6_K, 2048)], ids=["Q4_K", "Q6_K"])
+def test_two_stage_buffers_as_a_smaller_gpu_takes_give_the_mat_vecs_bits(gpu, monkeypatch, qtype, cols):
+    from infero.backends.cuda import linear_mma
+
+    weight, _ = make_weight(qtype, 1000, cols, False)
+    rng = np.random.default_rng(11)
+    for n in (33, 512):  # splits of a few stages; one split of every stage, the ring wrapping
+        x = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
+        want = run_matvec_slices(weight, x, None)
+        three = run_linear_mma(weight, x, None)
+        with monkeypatch.context() as m:
+            m.setattr(linear_mma, "buffers", lambda *_: 2)
+            two = run_linear_mma(weight, x, None)
+        assert np.array_equal(three.view(np.uint32), want.view(np.uint32)), n
+        assert np.array_equal(two.view(np.uint32), want.view(np.uint32)), n
+
+
 def _inv_rms(norm_ss: np.ndarray, cols: int, eps: float) -> np.ndarray:
     """1 / rms per token as the kernels form it in float32: lane l sums groups l, l + 32, ... in order, then an xor
     butterfly over the 32 lane sums, then 1 / sqrt(total / cols + eps)."""
