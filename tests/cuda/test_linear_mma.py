@@ -11,7 +11,8 @@
 3. A deferred norm's factor: with norm_ss given, every output is the plain output times 1 / rms (formed as the
    mat-vec forms it, emulated in float32 here), then + bias.
 Shapes: 1000 rows end inside a block's row tile and split k over blocks (few row tiles); 14336 x 4096 takes one
-split; Q4_K / Q6_K of 1024 x 4096 are stored tiled (weight_layout.tiles). Outputs are poisoned with NaN first.
+split; Q4_K / Q6_K of 1024 x 4096 are stored tiled (weight_layout.tiles); Q8_0 rows of 896 and 576 columns end
+inside a span. Outputs are poisoned with NaN first.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ CASES = [
     (Q.Q8_0, 1000, 4096, False),
     (Q.Q4_K, 14336, 512, True),
     (Q.Q8_0, 4096, 768, False),
+    (Q.Q8_0, 1000, 896, False),  # qwen2.5-0.5b's hidden size: a last span of 4 units
+    (Q.Q8_0, 600, 576, False),  # SmolLM2's: a last span of 2 units
     (Q.Q4_0, 1000, 2048, False),
     (Q.Q4_1, 1000, 4096, False),
     (Q.Q5_0, 1000, 2048, False),
@@ -214,6 +217,9 @@ def test_rejects_what_it_cannot_run_with_a_clear_error(gpu):
     stream, ws = runtime.stream(), Workspace(1 << 20)
     act = _activation(np.ones((17, 512), np.float32))
     assert not linear_mma.supports(q2, 17) and linear_mma.supports(q4, 17)
+    # rows ending inside a span: Q8_0's only
+    assert linear_mma.supports(make_weight(Q.Q8_0, 64, 896, False)[0], 17)
+    assert not linear_mma.supports(make_weight(Q.Q4_0, 64, 896, False)[0], 17)
     with pytest.raises(ValueError, match="not supported"):
         linear_mma.linear_mma(empty((17, 64), np.float32), q2, act, None, stream, ws)
     with pytest.raises(ValueError, match="out must be float32"):

@@ -19,6 +19,8 @@ SOURCE = "linear_mma.cu"
 _NAMES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 TYPES = tuple(int(GGMLType[name]) for name in _NAMES)
 STAGE_COLS = 256  # columns a stage: the kernel's KU units of 32
+# Types whose rows may end inside a stage (linear_mma.cu's lm::PARTIAL): columns a multiple of 32, not 256.
+PARTIAL_TYPES = (int(GGMLType.Q8_0),)
 # The kernel's block tiles (WR, WT): 16 WR rows x 32 WT tokens, in 16 warps of 16 rows x 16 tokens.
 NARROW, WIDE = (8, 1), (4, 2)
 THREADS = 512
@@ -42,7 +44,8 @@ _num_sms: list[int] = []
 
 
 def supports(weight: QuantWeight, n: int) -> bool:
-    if not (weight.ggml_type in TYPES and n > 0 and weight.cols % STAGE_COLS == 0):
+    unit_cols = 32 if weight.ggml_type in PARTIAL_TYPES else STAGE_COLS
+    if not (weight.ggml_type in TYPES and n > 0 and weight.cols % unit_cols == 0):
         return False
     return buffers(weight.ggml_type, n, runtime.context().info.max_shared_per_block_optin) > 0
 
@@ -74,7 +77,7 @@ def splits(rows: int, cols: int, n: int, num_sms: int) -> int:
     most two, each split costing half a stage."""
     wr, wt = grid_of(n)
     blocks = -(-rows // (16 * wr)) * -(-n // (32 * wt))
-    stages = cols // STAGE_COLS
+    stages = -(-cols // STAGE_COLS)
 
     def cost(s: int) -> float:
         return -(-blocks * s // num_sms) * -(-stages // s) + 0.5 * (s - 1)
@@ -143,8 +146,8 @@ def _check(out: DeviceTensor, weight: QuantWeight, xq: DeviceTensor, xs: DeviceT
         raise ValueError(f"linear_mma: {problem}")
     if not supports(weight, n):
         raise ValueError(f"linear_mma: no kernel for type {weight.ggml_type} with {cols} columns at {n} tokens "
-                         f"(types {TYPES}, columns a multiple of {STAGE_COLS}, shared memory for two stage "
-                         f"buffers)")  # fmt: skip
+                         f"(types {TYPES}, columns a multiple of {STAGE_COLS} or for {PARTIAL_TYPES} of 32, shared "
+                         f"memory for two stage buffers)")  # fmt: skip
     if n > 65535 * 32 * grid_of(n)[1]:
         raise ValueError(f"linear_mma: {n} tokens exceed the launch's grid")
     if out.shape != (n, rows) or out.dtype != np.float32:

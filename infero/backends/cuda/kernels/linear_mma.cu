@@ -8,7 +8,7 @@
 // Layouts. W: GGUF rows [rows, row_bytes], or for Q4_K / Q6_K with `tiled` quant.cuh's tiled layout. The activation:
 // act_quant.cuh's planes xq [2, n, cols] and scales xs [n, cols / 16] (matvec.quantize, or a fused writer); with
 // `deferred` it is residual * norm weight and norm_ss [n, cols / 32] holds each group's sum of squares of the
-// residual (matvec.Activation). cols: a multiple of 256.
+// residual (matvec.Activation). cols: a multiple of 256 (Q8_0: of 32, the last span's absent units +0).
 //
 // Blocks: 16 warps (one block an SM at 128 registers a thread), a warp 16 rows x 16 tokens (4 column tiles of 4
 // tokens, two planes each), a block 16 WR rows x 32 WT tokens: (8, 1) to 32 tokens, (4, 2) above (linear_mma.py).
@@ -28,6 +28,9 @@
 namespace lm {
 
 constexpr int THREADS = 512, NT = 4;  // threads a block; column tiles a warp (16 tokens)
+// Types whose rows may end inside a stage (cols a multiple of 32: qwen2.5-0.5b's 896; linear_mma.PARTIAL_TYPES): Q8_0,
+// whose weights take the register path, which reads no block past the row's end.
+template <int T> constexpr bool PARTIAL = T == GGML_Q8_0;
 
 // RMSNorm's 1 / rms of token t from its groups' sums of squares, as matvec_mma's stage_activation forms it (lane i
 // sums groups i, i + 32, ... in order, then an xor butterfly): every reader of a deferred norm gets the same factor.
@@ -63,7 +66,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, j = lane & 3;
   const int rl = 16 * (warp % WR) + g, tb = 4 * NT * (warp / WR);
   const int row0 = blockIdx.x * ROWS, tok0 = blockIdx.y * TOK, z = blockIdx.z, live = min(TOK, n - tok0);
-  const int stages = cols / (32 * KU), st0 = (int)((long long)stages * z / splits),
+  const int units = cols / 32, stages = (units + KU - 1) / KU, st0 = (int)((long long)stages * z / splits),
             st1 = (int)((long long)stages * (z + 1) / splits);
   const int8_t* xq1 = xq + (long long)n * cols;
   const bool active = tb < live;
@@ -73,8 +76,9 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   };
   // Stage st's cp.async copies into buffer b: the activation slices, their scales (a unit's two halves at once) and
   // (ASYNC) the weight pieces. Tokens past the step's end are not copied: the columns of a live tile that read them
-  // are never written. Copy i = tid + THREADS q of each kind keeps the thread's token, plane, half and row whatever
-  // q, so a stage's addresses are one base a kind plus constants.
+  // are never written, nor units past the row's end (Q8_0's last stage may hold fewer than KU). Copy
+  // i = tid + THREADS q of each kind keeps the thread's token, plane, half and row whatever q, so a stage's addresses
+  // are one base a kind plus constants.
   static_assert(4 * KU * TOK % lm::THREADS == 0 && lm::THREADS % (4 * TOK) == 0 && KU * TOK <= lm::THREADS &&
                     lm::THREADS % ROWS == 0,
                 "whole copy rounds of fixed tokens and rows a thread");
@@ -82,13 +86,14 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   auto issue = [&](int st, int b) {
     uint8_t* sb = smem + b * BUF_BYTES;
     if (ap < live) {
-      const int8_t* src = ((tid >> 1) & 1 ? xq1 : xq) + (long long)(tok0 + ap) * cols +
-                          32 * (st * KU + (tid >> 2) / TOK) + 16 * (tid & 1);
+      const int u = st * KU + (tid >> 2) / TOK;
+      const int8_t* src = ((tid >> 1) & 1 ? xq1 : xq) + (long long)(tok0 + ap) * cols + 32 * u + 16 * (tid & 1);
 #pragma unroll
       for (int q = 0; q < 4 * KU * TOK / lm::THREADS; ++q)
-        tc::cp_async<16>(sb + 16 * (tid + q * lm::THREADS), src + 32 * q * (lm::THREADS / (4 * TOK)));
+        if (u + q * (lm::THREADS / (4 * TOK)) < units)
+          tc::cp_async<16>(sb + 16 * (tid + q * lm::THREADS), src + 32 * q * (lm::THREADS / (4 * TOK)));
     }
-    if (tid < KU * TOK && sp < live)
+    if (tid < KU * TOK && sp < live && st * KU + tid / TOK < units)
       tc::cp_async<16>(reinterpret_cast<ActScale*>(sb + 512 * TOK) + 2 * tid,
                        xs + (long long)(tok0 + sp) * (cols / 16) + 2 * (st * KU + tid / TOK));
     if constexpr (P::ASYNC) {
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
 #pragma unroll
       for (int q = 0; q < PC; ++q) {
         const int piece = wp + q * (lm::THREADS / ROWS);
-        if (piece < P::PIECES) held[q] = P::piece(stage, piece, KU);
+        if (piece < P::PIECES) held[q] = P::piece(stage, piece, min(KU, units - st * KU));
       }
     }
   };
@@ -162,15 +167,20 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     const uint8_t* sb = smem + b * BUF_BYTES;
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * TOK);
     const float2* ab = reinterpret_cast<const float2*>(sb + ACT_BYTES + W_BYTES);
-    // A warp's 8 column tiles all live (the common case) run without a test between their mma chains.
-    auto compute = [&](auto whole) {
-      mu::span_tiles<T, NT, decltype(whole)::value>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, live, KU, g,
+    // A warp's column tiles all live in a whole stage (the common case) run without a test between their mma chains.
+    auto compute = [&](auto whole, int valid) {
+      mu::span_tiles<T, NT, decltype(whole)::value>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, live, valid, g,
                                                     j);
     };
-    if (tb + 4 * NT <= live) {
-      compute(mu::Flag<true>());
+    const int valid = min(KU, units - st * KU);
+    if (valid < KU) {
+      if constexpr (lm::PARTIAL<T>) {
+        if (active) compute(mu::Flag<false>(), valid);
+      }
+    } else if (tb + 4 * NT <= live) {
+      compute(mu::Flag<true>(), KU);
     } else if (active) {
-      compute(mu::Flag<false>());
+      compute(mu::Flag<false>(), KU);
     }
     const int after = b + 1 == bufs ? 0 : b + 1;  // stage st + 1's buffer
     if (next) store(after);  // its weights: every warp passed a barrier since its last mma work on that buffer
