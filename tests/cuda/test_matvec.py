@@ -298,6 +298,198 @@ def test_matvec_rejects_more_than_16_tokens(gpu):
         matvec.matvec(out, weight, x, None, runtime.stream(), Workspace(1 << 16))
 
 
+# The tensor-core mat-vecs (matvec_mma and its fused forms matvec_glu, matvec_norm, matvec_rope) compute a row as
+# unit_value.cuh defines it, as matvec_q does: bitwise matvec_q's row on the same activation (matvec_q forced by
+# turning the tensor cores off, as batch-invariant mode does), on GGUF rows and tiled, 1-16 tokens, with and
+# without a bias, a deferred norm's factor after the sum. 768 columns: three superblocks (a pair's second missing);
+# 8448: 33, over 8 warps; 40 rows end inside a tile.
+MMA_BITWISE_CASES = [(Q.Q4_K, 64, 4096), (Q.Q4_K, 40, 768), (Q.Q4_K, 48, 8448), (Q.Q4_K, 32, 8192),
+                     (Q.Q6_K, 48, 2048), (Q.Q6_K, 40, 4096)]  # fmt: skip
+
+
+def on_matvec_q(fn, *args):
+    """fn(*args) with every block format on matvec_q."""
+    from infero.backends.cuda import matvec
+
+    matvec.use_tensor_cores(False)
+    try:
+        return fn(*args)
+    finally:
+        matvec.use_tensor_cores(True)
+
+
+def bitwise_failures(label: str, got: np.ndarray, ref: np.ndarray) -> list[str]:
+    bits = np.uint32 if got.dtype == np.float32 else np.uint16
+    if np.isnan(ref).any():
+        return [f"{label}: {int(np.isnan(ref).sum())} NaN in the reference"]
+    differ = np.argwhere(got.view(bits) != ref.view(bits))
+    if not len(differ):
+        return []
+    i = tuple(differ[0])
+    return [f"{label}: {len(differ)} elements differ, first at {list(i)}: {got[i]!r} against {ref[i]!r}"]
+
+
+def tensor_core_layouts(qtype: Q, rows: int, cols: int) -> dict:
+    """The case's weight in GGUF rows, and tiled where the layout holds the shape."""
+    from infero.backends.cuda import matvec, weight_layout
+
+    weight, _ = weight_case(qtype, rows, cols)
+    assert matvec.takes_mma(int(qtype), cols), "the case must take the tensor cores"
+    layouts = {"GGUF rows": weight}
+    if weight_layout.tiles(int(qtype), rows, cols):
+        layouts["tiled"] = weight_layout.upload(weight.data.to_host(), int(qtype), rows, cols)
+        assert layouts["tiled"].tiled
+    return layouts
+
+
+@pytest.mark.parametrize(
+    "qtype, rows, cols", MMA_BITWISE_CASES, ids=[f"{t.name}-{r}x{c}" for t, r, c in MMA_BITWISE_CASES]
+)
+def test_tensor_core_matvec_is_bitwise_matvec_q(gpu, qtype, rows, cols):
+    layouts = tensor_core_layouts(qtype, rows, cols)
+    weight = layouts["GGUF rows"]
+    rng = np.random.default_rng(rows + cols)
+    x = (rng.normal(0, 1, size=(16, cols)) * rng.uniform(0.1, 10, size=(1, cols))).astype(np.float32)
+    x[2, 64:96] = 0.0  # a zero group (D = 0)
+    bias = rng.normal(0, 0.5, size=rows).astype(np.float32)
+    failures = []
+    for n in (1, 2, 3, 4, 7, 16):
+        for b in (None, bias):
+            ref = on_matvec_q(run_matvec, weight, x[:n], b)
+            for name, w in layouts.items():
+                got = run_matvec(w, x[:n], b)
+                failures += bitwise_failures(f"{qtype.name} {name} n={n} bias={b is not None}", got, ref)
+    assert not failures, "\n".join(failures)
+
+
+def inv_rms_like_kernel(norm_ss: np.ndarray, cols: int, eps: float) -> np.ndarray:
+    """The readers' 1 / rms [n] from the groups' sums of squares, as stage_activation forms it: lane i adds groups
+    i, i + 32, ... in order, a butterfly, then 1 / sqrt(total / cols + eps), all float32."""
+    n, groups = norm_ss.shape
+    lanes = np.zeros((n, 32), np.float32)
+    for i in range(groups):
+        lanes[:, i % 32] = (lanes[:, i % 32] + norm_ss[:, i]).astype(np.float32)
+    total = butterfly_sum(lanes)
+    return (np.float32(1) / np.sqrt((total / np.float32(cols) + np.float32(eps)).astype(np.float32))).astype(np.float32)
+
+
+def scaled_matvec_q_row(weight, act, inv: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """The mat-vec of a deferred norm's activation without its norm (q, s), times the factor inv [n, 1], plus the
+    bias, as float32 operations."""
+    from infero.backends.cuda import matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty
+
+    n, stream = act.q.shape[1], runtime.stream()
+    out = empty((n, weight.rows), np.float32)
+    matvec.matvec(out, weight, empty((n, weight.cols), np.float32), None, stream, Workspace(1 << 16), (act.q, act.s))
+    stream.synchronize()
+    return ((out.to_host() * inv).astype(np.float32) + bias).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype, rows, cols", [(Q.Q4_K, 64, 4096), (Q.Q4_K, 64, 768), (Q.Q6_K, 64, 2048)],
+                         ids=["Q4_K-4096", "Q4_K-768", "Q6_K-2048"])  # fmt: skip
+def test_tensor_core_readers_of_a_deferred_norm_are_bitwise_matvec_q_times_its_factor(gpu, qtype, rows, cols):
+    from infero.backends.cuda import driver, elementwise, matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    (gate, _), (up, _) = weight_case(qtype, rows, cols, seed=5), weight_case(qtype, rows, cols, seed=6)
+    rng = np.random.default_rng(rows * cols + 1)
+    r = (rng.normal(0, 1, size=(2, cols)) * rng.uniform(0.1, 30, size=(1, cols))).astype(np.float32)
+    norm_weight = rng.uniform(0.2, 2, size=cols).astype(np.float32)
+    biases = [rng.normal(0, 0.5, size=rows).astype(np.float32) for _ in range(2)]
+    stream, failures = runtime.stream(), []
+    for n in (1, 2):
+        act, _ = deferred_activation(r[:n], norm_weight, 1e-5)
+        inv = inv_rms_like_kernel(act.norm_ss.to_host(), cols, 1e-5)[:, None]
+        dummy = empty((n, cols), np.float32)
+        ref_g = on_matvec_q(scaled_matvec_q_row, gate, act, inv, biases[0])
+        ref_u = on_matvec_q(scaled_matvec_q_row, up, act, inv, biases[1])
+        out = empty((n, rows), np.float32)
+        driver.memset_d8(out.ptr, 0xFF, out.nbytes, stream)
+        matvec.matvec(out, gate, dummy, from_host(biases[0]), stream, Workspace(1 << 16), act)
+        stream.synchronize()
+        failures += bitwise_failures(f"matvec n={n}", out.to_host(), ref_g)
+        glu = empty((n, rows), np.float32)
+        driver.memset_d8(glu.ptr, 0xFF, glu.nbytes, stream)
+        glu_q = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(n, rows), (np.int8, np.int32), strict=True))
+        matvec.matvec_glu(glu, gate, up, dummy, tuple(from_host(b) for b in biases), act, glu_q, stream)
+        swiglu = empty((n, rows), np.float32)
+        elementwise.swiglu(swiglu, from_host(ref_g), from_host(ref_u), stream)
+        stream.synchronize()
+        failures += bitwise_failures(f"matvec_glu n={n}", glu.to_host(), swiglu.to_host())
+    assert not failures, "\n".join(failures)
+
+
+def rope_outputs(weights, x: np.ndarray) -> list[np.ndarray]:
+    """matvec_rope's q, k, v and k / v caches for q, k and v of heads of 32 (neox pairs), two tokens' positions, the
+    second token padding (slot -1), every output poisoned with NaN first."""
+    from infero.backends.cuda import driver, matvec, runtime
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    n, head_dim, stream = x.shape[0], 32, runtime.stream()
+    outs = [empty((n, w.rows), np.float32) for w in weights]
+    caches = [empty((4, 8, weights[1].rows // head_dim, head_dim), np.float16) for _ in range(2)]
+    for t in outs + caches:
+        driver.memset_d8(t.ptr, 0xFF, t.nbytes, stream)
+    positions, slots = from_host(np.array([1234, 7][:n], np.int32)), from_host(np.array([3, -1][:n], np.int64))
+    inv_freq = from_host((1e4 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
+    groups = [[0, 1, 2]] if matvec.mixes(tuple(w.ggml_type for w in weights), x.shape[1]) else [[0, 1], [2]]
+    biases = [from_host(np.linspace(-1, 1, w.rows, dtype=np.float32)) for w in weights]
+    for g in groups:
+        matvec.matvec_rope([outs[i] for i in g], [weights[i] for i in g], tuple("qkv"[i] for i in g), from_host(x),
+                           [biases[i] for i in g], positions, inv_freq, 1.0, "neox", head_dim, caches[0], caches[1],
+                           slots, stream, Workspace(1 << 20))  # fmt: skip
+    stream.synchronize()
+    return [t.to_host() for t in outs + caches]
+
+
+# Gate, up and SwiGLU (matvec_glu), the residual add (matvec_norm) and q/k/v with the rotary epilogue (matvec_rope;
+# q and k Q4_K with v Q6_K: one mixed launch at 2048 columns) against matvec_q's rows and the same epilogues.
+FUSED_CASES = [((Q.Q4_K,) * 3, 128, 768), ((Q.Q6_K,) * 3, 64, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 64, 2048)]
+
+
+@pytest.mark.parametrize("types, rows, cols", FUSED_CASES, ids=["Q4_K", "Q6_K", "Q4_K-Q6_K-mixed"])
+def test_fused_tensor_core_matvecs_are_bitwise_matvec_q_and_their_epilogue(gpu, types, rows, cols):
+    from infero.backends.cuda import elementwise, matvec, runtime
+    from infero.backends.cuda.tensor import empty, from_host
+
+    qtype = types[0]
+    (gate, _), (up, _) = weight_case(qtype, rows, cols, seed=1), weight_case(qtype, rows, cols, seed=2)
+    rng = np.random.default_rng(rows * cols)
+    x = (rng.normal(0, 1, size=(2, cols)) * rng.uniform(0.1, 10, size=(1, cols))).astype(np.float32)
+    biases = [rng.normal(0, 0.5, size=rows).astype(np.float32) for _ in range(2)]
+    residual0 = rng.normal(0, 3, size=(2, rows)).astype(np.float32)
+    norm_weight = from_host(rng.uniform(0.2, 2, size=rows).astype(np.float32))
+    stream, failures = runtime.stream(), []
+    for n in (1, 2):
+        lin_g, lin_u = (on_matvec_q(run_matvec, w, x[:n], b) for w, b in ((gate, biases[0]), (up, biases[1])))
+        quantized = tuple(
+            empty(s, d) for s, d in zip(matvec.activation_shapes(n, cols), (np.int8, np.int32), strict=True)
+        )
+        matvec.quantize(*quantized, from_host(x[:n]), stream)
+        glu = empty((n, rows), np.float32)
+        glu_q = tuple(empty(s, d) for s, d in zip(matvec.activation_shapes(n, rows), (np.int8, np.int32), strict=True))
+        matvec.matvec_glu(glu, gate, up, from_host(x[:n]), tuple(from_host(b) for b in biases), quantized, glu_q,
+                          stream)  # fmt: skip
+        swiglu = empty((n, rows), np.float32)
+        elementwise.swiglu(swiglu, from_host(lin_g), from_host(lin_u), stream)
+        residual = from_host(residual0[:n])
+        out = matvec.Activation(*deferred_buffers(n, rows), 1e-5)
+        matvec.matvec_norm(residual, gate, from_host(x[:n]), quantized, norm_weight, out, stream)
+        plain = on_matvec_q(run_matvec, gate, x[:n], None)
+        stream.synchronize()
+        failures += bitwise_failures(f"matvec_glu n={n}", glu.to_host(), swiglu.to_host())
+        failures += bitwise_failures(
+            f"matvec_norm n={n}", residual.to_host(), (residual0[:n] + plain).astype(np.float32)
+        )
+        weights = [gate] + [weight_case(t, rows // 2, cols, seed=3 + i)[0] for i, t in enumerate(types[1:])]
+        fused = rope_outputs(weights, x[:n])
+        alone = on_matvec_q(rope_outputs, weights, x[:n])
+        for name, got, ref in zip(("q", "k", "v", "k cache", "v cache"), fused, alone, strict=True):
+            failures += bitwise_failures(f"matvec_rope {name} n={n}", np.nan_to_num(got), np.nan_to_num(ref))
+    assert not failures, "\n".join(failures)
+
+
 # One launch for several matrices that read the same x (q/k/v, gate/up). Segment row counts that are odd or not
 # multiples of a block's rows check that no warp straddles two matrices; equal row counts get different weights
 # (seed), so a swapped segment shows. The grouped launch is planned on the total rows, so it often runs another
@@ -478,8 +670,8 @@ def test_grouped_matvec_rejects_what_one_launch_cannot_take(gpu):
 
 # Gate, up and SwiGLU of a decode step in one launch (matvec_glu): against the same math in float64 (x as the
 # activation format gives it, gguf's weights; bound TIGHT as above: the SwiGLU of fp32 sums adds a few ulp), its
-# quantized output bitwise numpy's quantization of its float output, two tokens bitwise one, and within TIGHT of
-# linears + swiglu (which sum each row over several warps: not the same order).
+# quantized output bitwise numpy's quantization of its float output, two tokens bitwise one, and bitwise linears +
+# swiglu (however the kernels split a row, its bits are unit_value.cuh's).
 GLU_CASES = [(Q.Q4_K, 14336, 4096, False), (Q.Q4_K, 96, 768, True), (Q.Q6_K, 512, 2048, True)]
 
 
@@ -523,7 +715,7 @@ def test_matvec_glu_is_swiglu_of_gate_and_up(gpu, qtype, rows, cols, with_bias):
     out2 = empty((2, rows), np.float32)
     elementwise.swiglu(out2, from_host(lin_g), from_host(lin_u), stream)
     stream.synchronize()
-    assert rel_err(outs[2], out2.to_host().astype(np.float64)) < TIGHT
+    assert not bitwise_failures("matvec_glu against linears + swiglu", outs[2], out2.to_host())
 
 
 def test_matvec_glu_rejects_what_it_cannot_take(gpu):
@@ -543,8 +735,8 @@ def test_matvec_glu_rejects_what_it_cannot_take(gpu):
 
 
 # A decode step's linear layer into the residual stream with the next RMSNorm deferred to its readers (matvec_norm),
-# and those readers. The producer: its residual bitwise the plain mat-vec's output added to the residual (the same
-# warps split each row), its activation bitwise numpy's quantization of residual * norm weight, each group's sum of
+# and those readers. The producer: its residual bitwise the plain mat-vec's output added to the residual (both
+# unit_value.cuh's row), its activation bitwise numpy's quantization of residual * norm weight, each group's sum of
 # squares bitwise the kernel's butterfly, two tokens bitwise one. The readers (matvec_mma, matvec_mma_glu; matvec_rope
 # above): against float64 with the activation as the format gives it, times 1 / rms in float64 (bound TIGHT: the
 # factor is fp32 from fp32 sums), and within INT8_BOUND of the exact norm (two planes' rounding).

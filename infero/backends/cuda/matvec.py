@@ -9,9 +9,8 @@ N, rows per warp RPW, warps per block) is chosen from n and the matrix shape. A 
 kernels/unit_value.cuh's definition: a value per 32-column unit from exact integer dots and the block's scales, the
 8 units of each 256-column span by a fixed tree, the spans in fixed point (kernels/fixed_point.cuh: each rounded
 once onto 2^-32, added as int64), so no split or order of the spans changes a bit: results are bitwise batch
-invariant, and matvec_q, the experts' kernels and the int8 GEMM (linear_mma) give a row the same bits (matvec_mma
-and its fused forms still sum the unit expressions before 9d48028: not yet bitwise matvec_q's). Float weights sum
-in an order fixed by the width alone.
+invariant, and matvec_q, matvec_mma and its fused forms, the experts' kernels and the int8 GEMM (linear_mma) give a
+row the same bits. Float weights sum in an order fixed by the width alone.
 
 Q4_K runs matvec_mma, and Q6_K where its rows are a multiple of 2048 wide; every other block format matvec_q. The
 mma kernel computes tiles of 16 rows on the tensor cores (two int8 planes as B columns, exact int32 sums) from
@@ -130,9 +129,9 @@ _GLU_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _I, ctypes.c_float)
 _NORM_ARGS = (None, _P, _P, _I, _I, _L, _P, _P, _P, _P, _P)
 # Widest row whose deferred norm a reader takes (matvec.cu's NORM_LOADS groups of 32 per lane).
 NORM_MAX_COLS = 8 * 32 * 32
-# Static shared memory of matvec_mma's partial sums (mv::Parts: 16 m-rows' int64 sums and NaN bytes), per warp and
-# token.
-_MMA_PART_BYTES = 128  # static shared memory of matvec_mma's partial sums (part[W][2][N][16]), per warp and token
+# Static shared memory of matvec_mma's partial sums (matvec.cu's mv::Parts: 16 m-rows' int64 sums and float NaN
+# probes), per warp and token.
+_MMA_PART_BYTES = 192
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
@@ -313,9 +312,9 @@ _tensor_cores = [True]
 
 def use_tensor_cores(on: bool) -> None:
     """Whether a type takes matvec_mma where takes_mma's shapes allow (the default), or always matvec_q: the mode
-    of the backend that launches (CudaBackend.forward and its loading set it). Batch-invariant mode turns it off,
-    matvec_mma's sums being its own unit expressions while matvec_q's, linear_mma's and the expert kernels' are
-    unit_value.cuh's (docs/kernels.md, batch invariance)."""
+    of the backend that launches (CudaBackend.forward and its loading set it); batch-invariant mode turns it off. A
+    row has the same bits either way: both kernels compute unit_value.cuh's definition (docs/kernels.md, batch
+    invariance; tests/cuda/test_matvec.py)."""
     if _tensor_cores[0] != on:
         _tensor_cores[0] = on
         _launches.clear()
@@ -352,9 +351,9 @@ def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
     width, the same shape and layout, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
     t, cols, rows = gate.ggml_type, gate.cols, gate.rows
     same = (up.ggml_type, up.cols, up.rows, up.tiled) == (t, cols, rows, gate.tiled)
+    static = 16 * _MMA_PART_BYTES * n
     return (1 <= n <= 2 and same and rows % 32 == 0
-            and takes_mma(t, cols) and _glu_shared(t, n, cols) + 16 * _MMA_PART_BYTES * n <= _shared_optin()
-            )  # fmt: skip
+            and takes_mma(t, cols) and _glu_shared(t, n, cols) + static <= _shared_optin())  # fmt: skip
 
 
 def _glu_shared(t: int, n: int, cols: int, deferred: bool = False) -> int:
@@ -404,8 +403,9 @@ def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
         return False
     warps, stages = _mma_deepest(t, cols)
     optin = _shared_optin()
-    return (mma_shared(t, warps, stages, n, cols, deferred=True) + _MMA_PART_BYTES * warps * n <= optin
-            and _glu_shared(t, n, cols, True) + 16 * _MMA_PART_BYTES * n <= optin)  # fmt: skip
+    mma = mma_shared(t, warps, stages, n, cols, deferred=True) + warps * _MMA_PART_BYTES * n
+    glu = _glu_shared(t, n, cols, True) + 16 * _MMA_PART_BYTES * n
+    return max(mma, glu) <= optin
 
 
 def norm_fits(weight: QuantWeight, n: int) -> bool:

@@ -49,9 +49,8 @@
 // uv::span_of_lanes forms the span's value and one lane a span adds it; integer sums do not depend on their order,
 // so a lane's spans and the warp's lanes (Spread) combine in any way. Nothing depends on n, N, RPW, the block size
 // or the other segments of the launch: a row's result is bitwise the same for every batch width and position in the
-// batch, whether its matrix runs alone or grouped, and the int8 GEMM (linear_mma.cu) computes the same.
-// matvec_mma (the tensor-core form below) still sums the units of the definition before 9d48028 (unit_expr.cuh), so
-// its rows are not yet bitwise matvec_q's. The activation quantization is per token. Float weights (matvec_f) keep
+// batch, whether its matrix runs alone or grouped, and the int8 GEMM (linear_mma.cu) and matvec_mma (the tensor-core
+// form below, its spans walked by one lane each) compute the same. The activation quantization is per token. Float weights (matvec_f) keep
 // float sums: a lane's units in increasing order, then a fixed xor butterfly.
 //
 // Numerics. The integer dots are exact and below 2^24 (unit_value.cuh's bounds), so their floats are exact; T =
@@ -73,7 +72,6 @@
 #include "trace.cuh"
 #include "act_quant.cuh"
 #include "fixed_point.cuh"
-#include "unit_expr.cuh"  // matvec_mma still on the old unit expressions
 #include "unit_value.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
@@ -1411,29 +1409,68 @@ __global__ void __launch_bounds__(128) matvec_experts_f(const __grid_constant__ 
 // activation (both planes of every token, and the scales) into shared memory.
 //
 // Fragments. Lane (g, j) = (lane / 4, lane % 4) supplies 4 or 8 weights of m-rows g and g + 8 as its k positions
-// (the order of k inside a scale's run does not matter to an exact integer sum) and, as B column g, the same
-// elements of plane g % 2 of token g / 2 (below 4 tokens the columns repeat: token (g / 2) mod N). The result's
-// column pair j is then (plane 0, plane 1) of token j mod min(N, 4), rows g and g + 8, and each lane scales the
-// (row, class) combinations of its token that no other lane holding that token scales; a run's class is the
-// parity of its sub-block (Q6_K: which half of k it fills, see MmaQ6K). The format is a policy (MmaQ4K, MmaQ6K:
-// stage rows, copies, fragments and scales). A first Q6_K policy gave each 16-weight run its own mma.m16n8k16 and
-// scaled every column it held: ~520 SASS instructions per superblock and 16 rows, 2.0 TB/s against matvec_q's 2.9;
-// MmaQ6K (two runs per mma.m16n8k32, told apart by the B columns) issues ~325 and runs 8-33% faster than matvec_q
-// on an 8B model's Q6_K matrices (docs/performance.md). Q4_K: ~200.
+// (the order of k inside a unit does not matter to an exact integer sum) and, as B column g, the same elements of
+// plane g % 2 of token g / 2 (below 4 tokens the columns repeat: token (g / 2) mod N). The result's column pair j is
+// then (plane 0, plane 1) of token j mod min(N, 4), rows g and g + 8: a unit's I_0 and I_1 (Q4_K: one mma a unit;
+// Q6_K: one a run, see MmaQ6K). The format is a policy (MmaQ4K, MmaQ6K: stage rows, copies, fragments and scales).
 //
-// Reduction order (batch invariance). For each (row, token): per class, a warp sums its runs' contributions in
-// increasing order, acc = fmaf(scale, exact integer term, acc); the warp's value is class 0 + class 1; the block
-// adds its warps' values in warp order; bias last. Which lane holds an accumulator depends on N, its sequence of
-// operations does not: a row's result is bitwise the same for every batch width. Numerics as matvec_q's (the same
-// activation planes and exact integer dots), summed in a different order.
+// Numerics: unit_value.cuh's definition, bitwise matvec_q's rows. A lane forms 256 I_0 + I_1 of a unit exactly in
+// integers (one conversion: uv::value_t), A, B and M as matvec_q does, and walks whole spans (a superblock's 8
+// units in column order, uv::span_step); the lanes holding one token split its rows and superblocks (Own), so each
+// span is one lane's, and each span's value is fx::add-ed into the lane's fixed-point sums, which lanes and warps
+// then add in any order (Parts). A deferred norm's factor after fx::value, the bias last, as matvec_q.
 
 namespace mv {
 
-// The (row half, class) of a lane's combination ci, TPT tokens to a column tile.
+// The spans a lane of the fragments walks, TPT tokens to a column tile: lanes j and j ^ PARTNER hold the same token
+// (j mod TPT) and split its m-rows g, g + 8 and the pair's two superblocks. One token: lane j takes m-row g + 8 (j / 2)
+// of superblock j % 2; two: both m-rows of superblock j / 2; four: both m-rows of both. So every lane scales 8 units
+// a pair per token it holds, and selects its superblock's mma results where the token's lanes split them.
 template <int TPT>
-__device__ __forceinline__ int combo_half(int ci, int j) { return TPT == 1 ? j >> 1 : TPT == 2 ? ci : ci >> 1; }
+struct Own {
+  static constexpr int RH = TPT == 1 ? 1 : 2, SBS = TPT == 4 ? 2 : 1, PARTNER = TPT == 1 ? 1 : TPT == 2 ? 2 : 0;
+  __device__ static int half(int j, int h) { return TPT == 1 ? j >> 1 : h; }  // of its row h < RH
+  __device__ static int sb(int j, int q) { return TPT == 4 ? q : TPT == 2 ? j >> 1 : j & 1; }  // of its q < SBS
+};
+
+// Plane i's dot of this lane's row h < Own::RH in an mma result (rows g: r[0], r[1]; g + 8: r[2], r[3]).
 template <int TPT>
-__device__ __forceinline__ int combo_class(int ci, int j) { return TPT == 1 ? j & 1 : TPT == 2 ? j >> 1 : ci & 1; }
+__device__ __forceinline__ int own_dot(const int (&r)[4], int j, int h, int i) {
+  return TPT == 1 ? (Own<TPT>::half(j, h) ? r[2 + i] : r[i]) : r[2 * h + i];
+}
+
+// The W warps' fixed-point sums of N tokens x 16 m-rows, in shared memory: each warp puts its own, then any thread
+// adds them (in any order: integer sums).
+template <int W, int N>
+struct Parts {
+  long long v[W][N][16];
+  float probe[W][N][16];
+
+  __device__ void put(int w, int t, int mr, const fx::Sum& s) {
+    v[w][t][mr] = s.v;
+    probe[w][t][mr] = s.probe;
+  }
+  __device__ float total(int t, int mr) const {
+    fx::Sum s = fx::zero();
+#pragma unroll
+    for (int w = 0; w < W; ++w) fx::add(s, fx::Sum{v[w][t][mr], probe[w][t][mr]});
+    return fx::value(s);
+  }
+};
+
+// A warp's sums into its Parts: a token's lanes joined (xor PARTNER), then one lane each puts them.
+template <int TILES, int TPT, int W, int N>
+__device__ __forceinline__ void put_sums(Parts<W, N>& part, fx::Sum (&acc)[TILES][Own<TPT>::RH], int warp, int g,
+                                         int j) {
+  using O = Own<TPT>;
+#pragma unroll
+  for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+    for (int h = 0; h < O::RH; ++h) {
+      if constexpr (O::PARTNER != 0) fx::add(acc[nt][h], shfl_xor(acc[nt][h], O::PARTNER));
+      if ((j & O::PARTNER) == 0) part.put(warp, 4 * nt + j % TPT, g + 8 * O::half(j, h), acc[nt][h]);
+    }
+}
 
 // What a format's pair() reads: this lane's B columns (xb: offsets in xa per column tile) and scales (xt: the
 // scaled token's first ActScale in sa per column tile).
@@ -1445,14 +1482,13 @@ struct MmaAct {
 };
 
 // Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk
-// c of a superblock's qs (low nibbles: sub-block 2c, high: 2c + 1) two mma.m16n8k32 per 4 tokens; lane (g, j)
-// supplies qs bytes 8j..8j+7; class = sub-block parity.
+// c of a superblock's qs two mma.m16n8k32 per 4 tokens, one a unit: the low nibbles (sub-block 2c, unit 2c) and the
+// high nibbles in place (unit 2c + 1, 16x its dots: 256 I_0 + I_1 is their integer >> 4, exact); lane (g, j)
+// supplies qs bytes 8j..8j+7. |256 I_0 + I_1| <= 256 * 32 * 15 * 128 < 2^24: one int -> float conversion is exact.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
   static constexpr int SB_BYTES = 144, SLOT = 144;  // SLOT: a superblock's bytes in the tiled layout (quant.cuh)
   static constexpr bool LINEAR = true;              // at(p) = ROW p
-  template <int TPT>
-  __device__ static int b_class(int) { return 0; }  // B column g's offset for its class: none (k spans one class)
 
   // Pair p's first byte in a row; whether both its superblocks exist (a row's last pair may hold one: the missing
   // one's pieces, past the first LOW of the row, are zero-filled).
@@ -1460,56 +1496,95 @@ struct MmaQ4K {
   __device__ static long long at(int p) { return (long long)p * ROW; }
   __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
-  // tiled: the stage's rows the same either way.
+  // tiled: the stage's rows the same either way. Below 4 tokens each step issues both superblocks' mma (the second's
+  // where it exists: a warp-uniform test) and a lane takes its own's results; from 4 on, one superblock at a time.
   template <int TILES, int TPT>
-  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j, bool) {
+  __device__ static void pair(fx::Sum (&acc)[TILES][Own<TPT>::RH], const MmaAct<TILES>& x, const uint8_t* stage,
+                              int p, int nsb, int g, int j, bool) {
+    using O = Own<TPT>;
+    constexpr int RH = O::RH, HELD = TPT == 4 ? 1 : 2;  // superblocks whose mma results a step holds
+    const bool second = 2 * p + 1 < nsb;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int sb = 2 * p + q;
-      if (sb >= nsb) break;
-      const uint8_t* blocks = stage + 144 * q;
-      // Headers of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
-      constexpr int H = TPT > 1 ? 2 : 1;
-      uint4 hd[H];
-      float d[H], dmin[H];
+    for (int q = 0; q < O::SBS; ++q) {
+      if (TPT == 4 && q == 1 && !second) break;
+      const int own = O::sb(j, q), sb = 2 * p + own;
+      const bool live = sb < nsb;               // a lane of a missing second superblock adds nothing
+      const int grp0 = 8 * min(sb, nsb - 1);    // its first activation group (read in range either way)
+      float d[RH], dmin[RH];
+      uint4 hd[RH];
 #pragma unroll
-      for (int h = 0; h < H; ++h) {
-        hd[h] = *reinterpret_cast<const uint4*>(blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW);
+      for (int h = 0; h < RH; ++h) {
+        hd[h] = *reinterpret_cast<const uint4*>(stage + 144 * own + (g + 8 * O::half(j, h)) * ROW);
         d[h] = f16_lo(hd[h].x);
         dmin[h] = f16_hi(hd[h].x);
       }
+      float part[TILES][RH][3];  // uv::span_step's partials of each (tile, row) span
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int grp = 8 * sb + 2 * c;  // the activation group of sub-block 2c
-        const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
-        const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
-        const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
-        const uint32_t ahi[4] = {wa.x & 0xF0F0F0F0u, wb.x & 0xF0F0F0F0u, wa.y & 0xF0F0F0F0u, wb.y & 0xF0F0F0F0u};
+        uint32_t alo[HELD][4], ahi[HELD][4];
+#pragma unroll
+        for (int s = 0; s < HELD; ++s) {
+          const uint8_t* blocks = stage + 144 * (TPT == 4 ? q : s);
+          const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
+          const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
+          const uint32_t w[4] = {wa.x, wb.x, wa.y, wb.y};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            alo[s][i] = w[i] & 0x0F0F0F0Fu;
+            ahi[s][i] = w[i] & 0xF0F0F0F0u;
+          }
+        }
+        float A[2][RH], B[2][RH];  // units 2c and 2c + 1 of this lane's rows
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int h = 0; h < RH; ++h) {
+            int sc, m;
+            scale_min(hd[h], c, u, sc, m);
+            A[u][h] = __fmul_rn(d[h], (float)sc);  // exact: fp16 times a 6-bit integer
+            B[u][h] = __fmul_rn(-dmin[h], (float)m);
+          }
 #pragma unroll
         for (int nt = 0; nt < TILES; ++nt) {
-          const uint2 blo = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp);
-          const uint2 bhi = *reinterpret_cast<const uint2*>(x.xa + x.xb[nt] + 32 * grp + 32);
-          int lo[4], hi[4];  // high nibbles in place: 16x their dots
-          tc::mma_16832_u8s8(lo, alo, blo.x, blo.y);
-          tc::mma_16832_u8s8(hi, ahi, bhi.x, bhi.y);
+          int lo[HELD][4], hi[HELD][4];  // high nibbles in place: 16x their dots
 #pragma unroll
-          for (int ci = 0; ci < TPT; ++ci) {
-            const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-            const int q0 = cl ? (rh ? hi[2] : hi[0]) : (rh ? lo[2] : lo[0]);
-            const int q1 = cl ? (rh ? hi[3] : hi[1]) : (rh ? lo[3] : lo[1]);
-            const int dot = cl ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
-            int sc, m;
-            scale_min(hd[h], c, cl, sc, m);
-            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + grp + cl);  // {D, s0, D, s1}
-            const float f = __fmaf_rn(d[h], (float)(sc * dot), -__fmul_rn(dmin[h], (float)(m * (act.y + act.w))));
-            acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+          for (int s = 0; s < HELD; ++s) {
+            const int qq = TPT == 4 ? q : s;
+            if (qq == 1 && !second) {  // nothing to read: its lanes add nothing
+#pragma unroll
+              for (int i = 0; i < 4; ++i) lo[s][i] = hi[s][i] = 0;
+              continue;
+            }
+            const int8_t* b = x.xa + x.xb[nt] + 32 * (8 * (2 * p + qq) + 2 * c);  // the group of sub-block 2c
+            const uint2 blo = *reinterpret_cast<const uint2*>(b), bhi = *reinterpret_cast<const uint2*>(b + 32);
+            tc::mma_16832_u8s8(lo[s], alo[s], blo.x, blo.y);
+            tc::mma_16832_u8s8(hi[s], ahi[s], bhi.x, bhi.y);
+          }
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {  // unit 2c + u of the span
+            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + grp0 + 2 * c + u);  // {D, s0, D, s1}
+            const float D = __int_as_float(act.x), M = (float)(act.y + act.w);
+#pragma unroll
+            for (int h = 0; h < RH; ++h) {
+              const int(&r)[HELD][4] = u ? hi : lo;
+              int q0 = own_dot<TPT>(r[0], j, h, 0), q1 = own_dot<TPT>(r[0], j, h, 1);
+              if constexpr (HELD == 2) {
+                q0 = own ? own_dot<TPT>(r[HELD - 1], j, h, 0) : q0;
+                q1 = own ? own_dot<TPT>(r[HELD - 1], j, h, 1) : q1;
+              }
+              const int t = u ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
+              uv::span_step(part[nt][h], uv::value_t(D, A[u][h], B[u][h], (float)t, M), 2 * c + u);
+            }
           }
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+        for (int h = 0; h < RH; ++h)
+          if (live) fx::add(acc[nt][h], part[nt][h][0]);
     }
   }
-
   // Sub-block 2c + p's 6-bit scale and min from a header (words: d | dmin, scales 0-3, 4-7, 8-11).
   __device__ static void scale_min(const uint4& hd, int c, int p, int& sc, int& m) {
     const int sh = 16 * (c & 1) + 8 * p;
@@ -1529,12 +1604,14 @@ struct MmaQ4K {
 // second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). Tiled (MmaCopy), a stage
 // row is the pair's two 216-byte slots and both superblocks are word-aligned. The pitch, 432 bytes (108
 // words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..])
-// holds elements 128h + i; a unit (h, m) of a lane is qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
-// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (16 elements a scale). Two mma.m16n8k32 per unit: k 0-15 is
-// sub-block c = 8h + m + 4r, k 16-31 sub-block c + 2 (r = 0: low nibbles, 1: high). The two sub-blocks of an mma are
-// told apart by the B columns: below 4 tokens column g carries only its class's half of k (class (g / 2) % 2 at one
-// token, g / 4 at two; the other half zero), from 4 tokens on each mma is issued once per class with the other half of
-// B zero.
+// holds elements 128h + i; a lane's words (h, m) are qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
+// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (qword). Unit u = 4h + k (sub-blocks 2u and 2u + 1, the
+// runs of scales sc[2u], sc[2u + 1]) is qword k of m = 0 at k 0-15 and of m = 1 at k 16-31; two mma.m16n8k32 a unit,
+// each with the other run's half of B zero, give each run's plane dots. With w = q - 32 (unit_value.cuh), run r's
+// 256 dot_0 + dot_1 - 32 s_r (s_r: the half's ActScale sum of 256 q0 + q1) is 256 D_0 + D_1 of q - 32, below 2^24 in
+// magnitude, and 256 I_0 + I_1 = sc_a X_a + sc_b X_b exactly in 64 bits (each product below 2^31, their sum not):
+// one conversion. (Two runs an mma told apart by the B columns, sub-blocks c and c + 2, halved the mma count when
+// each lane scaled runs in a float sum; a unit's runs must meet in one lane now.)
 struct MmaQ6K {
   static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4, SB_BYTES = 210;
   static constexpr int SLOT = 216;      // tiled (quant.cuh): a superblock and 6 zero bytes, so a pair is a stage row
@@ -1546,12 +1623,6 @@ struct MmaQ6K {
   __device__ static long long at(int p) { return (420LL * p) & ~15LL; }
   __device__ static bool full(int, long long) { return true; }
 
-  // Below 4 tokens, the class of B column g (what this lane supplies), and where its half of k starts.
-  template <int TPT>
-  __device__ static int column_class(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
-  template <int TPT>
-  __device__ static int b_class(int g) { return TPT < 4 ? 32 * column_class<TPT>(g) : 0; }
-
   // (lo & 0x0F0F0F0F) | (hi & 0xF0F0F0F0).
   __device__ static uint32_t nibbles(uint32_t lo, uint32_t hi) {
     uint32_t r;
@@ -1559,91 +1630,125 @@ struct MmaQ6K {
     return r;
   }
 
-  // The word at p; ODD: p is 2 bytes off a word.
-  template <bool ODD>
-  __device__ static uint32_t word(const uint8_t* p) {
-    if constexpr (!ODD) return *reinterpret_cast<const uint32_t*>(p);
+  // The word at p; odd: p is 2 bytes off a word (a constant after unrolling).
+  __device__ static uint32_t word(const uint8_t* p, bool odd) {
+    if (!odd) return *reinterpret_cast<const uint32_t*>(p);
     const uint32_t* a = reinterpret_cast<const uint32_t*>(p - 2);
     return __byte_perm(a[0], a[1], 0x5432);
   }
 
-  // Unit (h, m) of m-row r: the 6-bit weights of sub-blocks 8h + m + {0, 2, 4, 6} (this lane's 4 elements each).
-  template <bool ODD>
-  __device__ static void unit(uint32_t (&q)[4], const uint8_t* block, int h, int m, int j) {
-    const uint32_t la = word<ODD>(block + 64 * h + 16 * m + 4 * j);
-    const uint32_t lb = word<ODD>(block + 64 * h + 32 + 16 * m + 4 * j);
-    const uint32_t qh = word<ODD>(block + 128 + 32 * h + 16 * m + 4 * j);
-    // Bit pairs 0, 2 and 1, 3 of each qh byte; each weight byte is then one lop3: low nibble from ql, high from qh
-    // (written as C, the compiler re-derived the masks and spent a third instruction per byte).
-    const uint32_t h0 = qh & 0x33333333u, h1 = (qh >> 2) & 0x33333333u;
-    q[0] = nibbles(la, h0 << 4);
-    q[1] = nibbles(lb, h1 << 4);
-    q[2] = nibbles(la >> 4, h0);
-    q[3] = nibbles(lb >> 4, h1);
+  // A lane's words (h, m) of a row: ql at 16m + 4j and 32 + 16m + 4j of half h, qh at 16m + 4j.
+  __device__ static void words(uint32_t (&w)[3], const uint8_t* row, int h, int m, int j, bool odd) {
+    w[0] = word(row + 64 * h + 16 * m + 4 * j, odd);
+    w[1] = word(row + 64 * h + 32 + 16 * m + 4 * j, odd);
+    w[2] = word(row + 128 + 32 * h + 16 * m + 4 * j, odd);
+  }
+
+  // The 6-bit weights of sub-block 8h + m + 2k (this lane's 4 elements) from words (h, m): the low nibbles from ql,
+  // the high bits from bit pairs 0, 2 (k even) or 1, 3 of each qh byte, each weight byte one lop3 (written as C, the
+  // compiler re-derived the masks and spent a third instruction per byte).
+  __device__ static uint32_t qword(const uint32_t (&w)[3], int k) {
+    const uint32_t hb = (k & 1 ? w[2] >> 2 : w[2]) & 0x33333333u, l = w[k & 1];
+    return k < 2 ? nibbles(l, hb << 4) : nibbles(l >> 4, hb);
+  }
+
+  // a b + c in 64 bits (as C, a widening product of ints took the unsigned multiply and four fix-ups).
+  __device__ static long long mad_wide(int a, int b, long long c) {
+    long long d;
+    asm("mad.wide.s32 %0, %1, %2, %3;" : "=l"(d) : "r"(a), "r"(b), "l"(c));
+    return d;
   }
 
   // tiled: the pair's superblocks at 0 and SLOT of the stage row, both on 8-byte boundaries (no realignment).
   template <int TILES, int TPT>
-  __device__ static void pair(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* stage, int p, int nsb,
-                              int g, int j, bool tiled) {
+  __device__ static void pair(fx::Sum (&acc)[TILES][Own<TPT>::RH], const MmaAct<TILES>& x, const uint8_t* stage,
+                              int p, int, int g, int j, bool tiled) {
     const uint8_t* first = stage + (tiled ? 0 : (4 * p) & 15);
-    pair_half<false>(acc, x, first, 2 * p, g, j);
     if (tiled)
-      pair_half<false>(acc, x, first + SLOT, 2 * p + 1, g, j);
+      pair_of<TILES, TPT>(acc, x, first, first + SLOT, false, p, g, j);
     else
-      pair_half<true>(acc, x, first + SB_BYTES, 2 * p + 1, g, j);
+      pair_of<TILES, TPT>(acc, x, first, first + SB_BYTES, true, p, g, j);
   }
 
-  template <bool ODD, int TILES, int TPT>
-  __device__ static void pair_half(float (&acc)[TILES][TPT], const MmaAct<TILES>& x, const uint8_t* blocks, int sb,
-                                   int g, int j) {
-    // d of the m-rows this lane scales: g + 8 (j / 2) at one token, g and g + 8 from two on.
-    constexpr int H = TPT > 1 ? 2 : 1;
-    float d[H];
-    const uint8_t* scales[H];
+  // odd: the second superblock is 2 bytes off a word. Every pair is whole (nsb % 8 == 0). Below 4 tokens each step
+  // issues both superblocks' mma and a lane takes its own's results; from 4 on, one superblock at a time.
+  template <int TILES, int TPT>
+  __device__ static __forceinline__ void pair_of(fx::Sum (&acc)[TILES][Own<TPT>::RH], const MmaAct<TILES>& x,
+                                                 const uint8_t* first, const uint8_t* second, bool odd, int p, int g,
+                                                 int j) {
+    using O = Own<TPT>;
+    constexpr int RH = O::RH, HELD = TPT == 4 ? 1 : 2;  // superblocks whose mma results a step holds
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      const uint8_t* b = blocks + (g + 8 * (H > 1 ? h : j >> 1)) * ROW;
-      d[h] = __half2float(*reinterpret_cast<const __half*>(b + 208));
-      scales[h] = b + 192;
-    }
-    const int cs = column_class<TPT>(g);
+    for (int q = 0; q < O::SBS; ++q) {
+      const int own = O::sb(j, q), sb = 2 * p + own;
+      float d[RH];
+      const int8_t* scales[RH];
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+      for (int h = 0; h < RH; ++h) {
+        const uint8_t* b = (own ? second : first) + (g + 8 * O::half(j, h)) * ROW;
+        d[h] = __half2float(*reinterpret_cast<const __half*>(b + 208));
+        scales[h] = reinterpret_cast<const int8_t*>(b + 192);
+      }
+      float part[TILES][RH][3];  // uv::span_step's partials of each (tile, row) span
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        uint32_t wa[4], wb[4];  // m-rows g and g + 8
-        unit<ODD>(wa, blocks + g * ROW, hf, m, j);
-        unit<ODD>(wb, blocks + (g + 8) * ROW, hf, m, j);
+      for (int hf = 0; hf < 2; ++hf) {
+        uint32_t w[HELD][2][2][3];  // per superblock held, m and m-row g / g + 8: words (hf, m)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t a[4] = {wa[2 * r], wb[2 * r], wa[2 * r + 1], wb[2 * r + 1]};
-          const int c = 8 * hf + m + 4 * r;  // k 0-15's sub-block; k 16-31's is c + 2
+        for (int s = 0; s < HELD; ++s) {
+          const int qq = TPT == 4 ? q : s;
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) words(w[s][m][r], (qq ? second : first) + (g + 8 * r) * ROW, hf, m, j, qq && odd);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int u = 4 * hf + k;
+          uint32_t a[HELD][4];
+#pragma unroll
+          for (int s = 0; s < HELD; ++s) {
+            a[s][0] = qword(w[s][0][0], k);
+            a[s][1] = qword(w[s][0][1], k);
+            a[s][2] = qword(w[s][1][0], k);
+            a[s][3] = qword(w[s][1][1], k);
+          }
+          int sa[RH], sbs[RH];
+#pragma unroll
+          for (int h = 0; h < RH; ++h) {
+            sa[h] = scales[h][2 * u];
+            sbs[h] = scales[h][2 * u + 1];
+          }
 #pragma unroll
           for (int nt = 0; nt < TILES; ++nt) {
-            const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 16 * c;
-            int dots[2][4];  // per class: rows g, g + 8 x planes 0, 1 (from 4 tokens on; below, dots[0] only)
-            if constexpr (TPT < 4) {
-              const uint32_t b = *reinterpret_cast<const uint32_t*>(bx);
-              tc::mma_16832_u8s8(dots[0], a, cs ? 0u : b, cs ? b : 0u);
-            } else {
-              tc::mma_16832_u8s8(dots[0], a, *reinterpret_cast<const uint32_t*>(bx), 0u);
-              tc::mma_16832_u8s8(dots[1], a, 0u, *reinterpret_cast<const uint32_t*>(bx + 32));
-            }
+            int da[HELD][4], db[HELD][4];  // runs a (sub-block 2u) and b (2u + 1)
 #pragma unroll
-            for (int ci = 0; ci < TPT; ++ci) {
-              const int rh = combo_half<TPT>(ci, j), cl = combo_class<TPT>(ci, j), h = H > 1 ? rh : 0;
-              const int* dt = dots[TPT < 4 ? 0 : cl];
-              const int q0 = rh ? dt[2] : dt[0], q1 = rh ? dt[3] : dt[1];
-              const int2 act = reinterpret_cast<const int2*>(x.sa)[x.xt[nt] + 16 * sb + c + 2 * cl];  // {D, s}
-              // |256 q0 + q1 - 32 s| <= 32 * 16 * 32639 and |sc| <= 128: the product stays below 2^31.
-              const int sc = reinterpret_cast<const int8_t*>(scales[h])[c + 2 * cl];
-              const float f = __fmul_rn(d[h], (float)(sc * (256 * q0 + q1 - 32 * act.y)));
-              acc[nt][ci] = __fmaf_rn(__int_as_float(act.x), f, acc[nt][ci]);
+            for (int s = 0; s < HELD; ++s) {
+              const int8_t* bx = x.xa + x.xb[nt] + 256 * (2 * p + (TPT == 4 ? q : s)) + 32 * u;
+              tc::mma_16832_u8s8(da[s], a[s], *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(db[s], a[s], 0u, *reinterpret_cast<const uint32_t*>(bx + 16));
+            }
+            const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + 8 * sb + u);  // {D, s_a, D, s_b}
+#pragma unroll
+            for (int h = 0; h < RH; ++h) {
+              int a0 = own_dot<TPT>(da[0], j, h, 0), a1 = own_dot<TPT>(da[0], j, h, 1);
+              int b0 = own_dot<TPT>(db[0], j, h, 0), b1 = own_dot<TPT>(db[0], j, h, 1);
+              if constexpr (HELD == 2) {
+                a0 = own ? own_dot<TPT>(da[HELD - 1], j, h, 0) : a0;
+                a1 = own ? own_dot<TPT>(da[HELD - 1], j, h, 1) : a1;
+                b0 = own ? own_dot<TPT>(db[HELD - 1], j, h, 0) : b0;
+                b1 = own ? own_dot<TPT>(db[HELD - 1], j, h, 1) : b1;
+              }
+              const int xa = 256 * a0 + a1 - 32 * act.y, xb = 256 * b0 + b1 - 32 * act.w;
+              const float t = __ll2float_rn(mad_wide(sbs[h], xb, mad_wide(sa[h], xa, 0)));
+              uv::span_step(part[nt][h], uv::value_t(__int_as_float(act.x), d[h], 0.f, t, 0.f), u);
             }
           }
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+        for (int h = 0; h < RH; ++h) fx::add(acc[nt][h], part[nt][h][0]);
     }
   }
 };
@@ -1780,7 +1885,7 @@ __device__ __forceinline__ MmaAct<TILES> act_view(const int8_t* sx, const int8_t
   x.sa = STAGE_X ? reinterpret_cast<const ActScale*>(sx + 2 * n * cols) : xs;
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt) {
-    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j + F::template b_class<TPT>(g);
+    x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j;
     x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
   }
   return x;
@@ -1797,13 +1902,13 @@ __device__ __forceinline__ MmaAct<TILES> mma_activation(int8_t* sx, const int8_t
 // A warp's sums over pairs [p0, p0 + count) of its tile, streamed through its ring (the first STAGES - 1 pairs
 // issued by the caller, before its PDL wait).
 template <class F, int STAGES, int STAGE, int TILES, int TPT, class Copy>
-__device__ __forceinline__ void mma_stream(float (&acc)[TILES][TPT], const Copy& copy, uint8_t* ring, int p0,
-                                           int count, long long row_bytes, const MmaAct<TILES>& x, int nsb, int g,
-                                           int j, int lane) {
+__device__ __forceinline__ void mma_stream(fx::Sum (&acc)[TILES][Own<TPT>::RH], const Copy& copy, uint8_t* ring,
+                                           int p0, int count, long long row_bytes, const MmaAct<TILES>& x, int nsb,
+                                           int g, int j, int lane) {
 #pragma unroll
   for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
-    for (int ci = 0; ci < TPT; ++ci) acc[nt][ci] = 0.f;
+    for (int h = 0; h < Own<TPT>::RH; ++h) acc[nt][h] = fx::zero();
   for (int i = 0; i < count; ++i) {
     tc::cp_async_wait<STAGES - 2>();
     __syncwarp();  // pair i has landed for every lane, and every lane is done with the stage refilled next
@@ -1820,16 +1925,6 @@ __device__ __forceinline__ void warp_pairs(int w, int nsb, int& p0, int& count) 
   const int pairs = (nsb + 1) / 2;
   p0 = w * pairs / W;
   count = (w + 1) * pairs / W - p0;
-}
-
-// m-row mr of token t from the W warps' partial sums: each warp's class 0 + class 1, added in warp order (the
-// reduction order every matvec_mma kernel shares).
-template <int W, int N>
-__device__ __forceinline__ float warps_total(const float (&part)[W][2][N][16], int t, int mr) {
-  float v = __fadd_rn(part[0][0][t][mr], part[0][1][t][mr]);
-#pragma unroll
-  for (int w = 1; w < W; ++w) v = __fadd_rn(v, __fadd_rn(part[w][0][t][mr], part[w][1][t][mr]));
-  return v;
 }
 
 // A warp's first STAGES - 1 pairs of [p0, p0 + count) into its ring. The weights are immutable, so these copies
@@ -1889,7 +1984,7 @@ struct TileWork {
 
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, const Rope& rope, int deferred, const float* inv_rms,
-                                       int s, uint8_t* rings, float (&part)[W][2][N][16], const Group& gr) const {
+                                       int s, uint8_t* rings, Parts<W, N>& part, const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = pick(seg.rows, s);
     float* out = pick(seg.out, s);
@@ -1907,20 +2002,16 @@ struct TileWork {
     static_assert(!ROPE || 8 * N <= 32 * W, "a rotation pair a thread");
     const RopePairIn pair_in =
         pair_live ? rope_pair_in(pair_t, bias, row_of(m0), row_of(m1), role, rope) : RopePairIn{0.f, 0.f, 0.f, 0, -1};
-    float acc[TILES][TPT];
-    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
+    fx::Sum acc[TILES][Own<TPT>::RH];
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
                                  j, lane);
-#pragma unroll
-    for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-      for (int ci = 0; ci < TPT; ++ci)
-        part[warp][combo_class<TPT>(ci, j)][4 * nt + j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[nt][ci];
+    put_sums<TILES, TPT>(part, acc, warp, g, j);
     gr.sync();
     TRACE_MARK(4);
 
     // m-row mr of token t (times a deferred norm's factor).
     auto total = [&](int mr, int t) {
-      const float v = warps_total(part, t, mr);
+      const float v = part.total(t, mr);
       return deferred ? __fmul_rn(v, inv_rms[t]) : v;
     };
     if constexpr (!ROPE) {
@@ -1951,7 +2042,7 @@ template <class F, int N, int W, int STAGES, bool ROPE, int STAGE>
 __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* __restrict__ xq,
                                          const ActScale* __restrict__ xs, int n, int cols, long long row_bytes,
                                          const mv::Rope& rope, int deferred, float norm_eps, int s, int tile,
-                                         float (&part)[W][2][N][16]) {
+                                         mv::Parts<W, N>& part) {
   using Work = mv::TileWork<F, N, W, STAGES, ROPE, STAGE>;
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
@@ -1987,7 +2078,7 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
   using F = mv::MmaFormat<T>;
   using F2 = mv::MmaFormat<T2>;
   constexpr int STAGE = 16 * (F::ROW > F2::ROW ? F::ROW : F2::ROW);
-  __shared__ float part[W][2][N][16];  // each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<W, N> part;  // each warp's sums
   const int2 st = mv::segment_tile(seg, blockIdx.x);
   if constexpr (T2 != T) {
     if (st.x == 2) {  // its rows are those of its own type (GGUF rows, or tiled)
@@ -2061,7 +2152,7 @@ struct GluWork {
   __device__ __forceinline__ void rest(const Segments& seg, const MmaAct<TILES>& x, int n, int cols,
                                        long long row_bytes, int8_t* __restrict__ yq, ActScale* __restrict__ ys,
                                        int deferred, const float* inv_rms, int block, uint8_t* rings,
-                                       float (&part)[4][W][2][N][16], const Group& gr) const {
+                                       Parts<W, N> (&part)[4], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int rows = seg.rows[0], nsb = cols / 256;
     uint8_t* ring = rings + warp * STAGES * STAGE;
@@ -2072,14 +2163,11 @@ struct GluWork {
         next.k = 0;
         next.shift += tile_bytes(row_bytes);
       }
-    float acc[TILES][TPT];
-    auto keep = [&](int q) {  // this warp's sums of tile q
+    constexpr int RH = Own<TPT>::RH;
+    fx::Sum acc[TILES][RH];
+    auto keep = [&](int q) { put_sums<TILES, TPT>(part[q], acc, warp, g, j); };  // this warp's sums of tile q
 #pragma unroll
-      for (int ci = 0; ci < TPT; ++ci)
-        part[q][warp][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
-    };
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+    for (int h = 0; h < RH; ++h) acc[0][h] = fx::zero();
     if (count == 0)  // fewer pairs than warps: this one adds zeros
       for (int q = 0; q < 4; ++q) keep(q);
     for (int item = 0, q = 0, k = 0; item < items; ++item) {
@@ -2092,7 +2180,7 @@ struct GluWork {
         keep(q++);
         k = 0;
 #pragma unroll
-        for (int ci = 0; ci < TPT; ++ci) acc[0][ci] = 0.f;
+        for (int h = 0; h < RH; ++h) acc[0][h] = fx::zero();
       }
     }
     gr.sync();
@@ -2101,7 +2189,7 @@ struct GluWork {
     // Warp t: token t's 32 outputs, lane l the row 32 block + l (tile l / 8's m-rows l % 8 and l % 8 + 8).
     if (warp < n) {
       const int t = warp, q = lane >> 3, i = lane & 7, row = 32 * block + lane;
-      float gate = warps_total(part[q], t, i), up = warps_total(part[q], t, i + 8);
+      float gate = part[q].total(t, i), up = part[q].total(t, i + 8);
       if (deferred) {
         gate = __fmul_rn(gate, inv_rms[t]);
         up = __fmul_rn(up, inv_rms[t]);
@@ -2127,7 +2215,7 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::GluWork<F, N, STAGES>;
-  __shared__ float part[4][Work::W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<Work::W, N> part[4];  // per tile, each warp's sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);
@@ -2188,22 +2276,20 @@ struct NormWork {
                                        long long row_bytes, float r, float* __restrict__ residual,
                                        const float* __restrict__ norm_weight, int8_t* __restrict__ yq,
                                        ActScale* __restrict__ ys, float* __restrict__ norm_ss, int block,
-                                       uint8_t* rings, float (&part)[2][W][2][N][16], const Group& gr) const {
+                                       uint8_t* rings, Parts<W, N> (&part)[2], const Group& gr) const {
     const int lane = gr.tid & 31, warp = gr.tid >> 5, g = lane >> 2, j = lane & 3;
     const int half = warp / W, wi = warp % W, rows = seg.rows[0];
     const float weight = warp < n ? __ldg(norm_weight + 32 * block + lane) : 0.f;  // before the stream (TileWork)
-    float acc[TILES][TPT];
-    mma_stream<F, STAGES, STAGE>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
+    fx::Sum acc[TILES][Own<TPT>::RH];
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
                                  lane);
-#pragma unroll
-    for (int ci = 0; ci < TPT; ++ci)
-      part[half][wi][combo_class<TPT>(ci, j)][j % TPT][g + 8 * combo_half<TPT>(ci, j)] = acc[0][ci];
+    put_sums<TILES, TPT>(part[half], acc, wi, g, j);
     gr.sync();
     TRACE_MARK(4);
 
     if (warp < n) {
       const int t = warp, h = lane >> 4, mr = lane & 15, row = 32 * block + lane;
-      r = __fadd_rn(r, warps_total(part[h], t, mr));  // matvec_mma's sum
+      r = __fadd_rn(r, part[h].total(t, mr));  // matvec_mma's row
       residual[(long long)t * rows + row] = r;
       float ss = __fmul_rn(r, r);
 #pragma unroll
@@ -2229,7 +2315,7 @@ __global__ void __launch_bounds__(64 * W) matvec_mma_norm(const __grid_constant_
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
   using Work = mv::NormWork<F, N, W, STAGES>;
-  __shared__ float part[2][W][2][N][16];  // per tile, each warp's class 0 and class 1 sums
+  __shared__ mv::Parts<W, N> part[2];  // per tile, each warp's sums
   extern __shared__ uint4 dyn[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   uint8_t* rings = reinterpret_cast<uint8_t*>(dyn);

@@ -1,7 +1,7 @@
 // The numeric definition of a quantized linear layer (batch invariance rule 2, docs/kernels.md): matvec_q, the
-// expert kernels (matvec.cu, moe_mma.cu) and the int8 GEMM (linear_mma.cu) compute each row as this, so a token's
-// output has the same bits whatever kernel, width, tile or split produced it. (matvec_mma and its fused forms, the
-// default mode's Q4_K / Q6_K decode, still sum their own unit expressions: unit_expr.cuh.)
+// tensor-core mat-vecs (matvec_mma and its fused forms), the expert kernels (matvec.cu, moe_mma.cu) and the int8 GEMM
+// (linear_mma.cu) compute each row as this, so a token's output has the same bits whatever kernel, width, tile or
+// split produced it.
 //
 // Units. A row is cut into units of 32 consecutive columns, each aligned with one activation group (act_quant.cuh:
 // x ~ D (256 q0 + q1) over the group, with the integer sums of 256 q0 + q1 over its two 16-element halves). For a
