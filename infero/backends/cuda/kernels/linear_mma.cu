@@ -18,9 +18,10 @@
 // matrices still fill the GPU. A stage's activations, scales and weight pieces (mma_units.cuh's staging) go through
 // shared memory, three buffers where the device holds them (linear_mma.buffers; else two): stages s + 1 and s + 2 are
 // copied by cp.async (16-byte aligned stages' pieces too; Q6_K's, Q8_0's and IQ4_XS's are loaded into registers
-// before stage s's mma work and stored after it: one ahead) while stage s's runs; one barrier a stage. The per-(output, unit) work (T from the int32 sums, uv::value_t, a tree add) sets the pace,
-// fx::add once a span. One split: outputs written directly; more: each block writes its int64 sums and probes to
-// part [splits, n, rows] and linear_mma_finish adds them (in any order: integers).
+// before stage s's mma work and stored after it: one ahead) while stage s's runs; one barrier a stage. The
+// per-(output, unit) work (T from the int32 sums, uv::value_t, a tree add) sets the pace, fx::add once a span. One
+// split: outputs written directly; more: each block writes its int64 sums and probes to part [splits, n, rows] and
+// linear_mma_finish adds them (in any order: integers).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
 #include "mma_units.cuh"
@@ -105,7 +106,8 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
           tc::cp_async<16>(sb + ACT_BYTES + 16 * (tid + q * lm::THREADS), P::piece_at(stage, piece));
       }
       if constexpr (P::PREP) {
-        if (wp >= 1 && wp < 4) tc::cp_async<16>(sb + ACT_BYTES + W_BYTES + AB_BYTES + 16 * ((wp - 1) * ROWS + wr), stage);
+        if (wp >= 1 && wp < 4)
+          tc::cp_async<16>(sb + ACT_BYTES + W_BYTES + AB_BYTES + 16 * ((wp - 1) * ROWS + wr), stage);
       }
     }
   };
@@ -159,7 +161,8 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
       // Row wr's units 2 wp, 2 wp + 1, from the header this thread copied (wp = 0: the row's piece 0).
       uint8_t* sa = smem + b * BUF_BYTES + ACT_BYTES;
       const uint8_t* hd = wp == 0 ? sa + 16 * wr : sa + W_BYTES + AB_BYTES + 16 * ((wp - 1) * ROWS + wr);
-      if (wp < 4) P::prep_pair(reinterpret_cast<float2*>(sa + W_BYTES), *reinterpret_cast<const uint4*>(hd), ROWS, wr, wp);
+      if (wp < 4)
+        P::prep_pair(reinterpret_cast<float2*>(sa + W_BYTES), *reinterpret_cast<const uint4*>(hd), ROWS, wr, wp);
     }
     __syncthreads();  // stage st landed and stored for every thread; every warp done with stage st - 1's buffer
     if (st + bufs - 1 < st1) issue(st + bufs - 1, b == 0 ? bufs - 1 : b - 1);  // stage st - 1's buffer
@@ -214,8 +217,8 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
   }
 }
 
-// The splits' sums of token blockIdx.y, rows from THREADS blockIdx.x, added (int64: any order) and finished as linear_mma
-// finishes one split's.
+// The splits' sums of token blockIdx.y, rows from THREADS blockIdx.x, added (int64: any order) and finished as
+// linear_mma finishes one split's.
 __global__ void __launch_bounds__(lm::THREADS) linear_mma_finish(float* __restrict__ out,
                                                                  const long long* __restrict__ part_v,
                                                                  const float* __restrict__ part_p,
