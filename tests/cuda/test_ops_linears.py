@@ -237,22 +237,21 @@ def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_tak
     assert calls == ([("norm", 9)] if folded else [("linear", 9), ("add_rms_norm",)])
 
 
-def test_batch_invariant_mode_keeps_the_decode_step_off_the_tensor_core_mat_vecs(monkeypatch):
-    """Batch-invariant mode (the backend's setter) turns matvec_mma off, and with it the norms it folds and the
-    tiled layout: Q4_K / Q6_K rows take matvec_q, whose sums are linear_mma's definition; the default turns it on."""
-    monkeypatch.setattr(matvec, "_shared_optin", lambda: 232448)
-    monkeypatch.setattr(matvec, "_mma_fits", {})
-    try:
-        matvec.use_tensor_cores(False)
-        assert not matvec.takes_mma(int(T.Q4_K), 4096) and not matvec.takes_mma(int(T.Q6_K), 4096)
-        w = SimpleNamespace(ggml_type=int(T.Q4_K), rows=4096, cols=4096)
-        assert not matvec.norm_fits(w, 1) and not matvec.reads_deferred_norm(w, 1)
-        from infero.backends.cuda import weight_layout
-
-        assert not weight_layout.tiles(int(T.Q4_K), 4096, 4096)
-    finally:
-        matvec.use_tensor_cores(True)
-    assert matvec.takes_mma(int(T.Q4_K), 4096) and matvec.takes_mma(int(T.Q6_K), 4096)
+def test_batch_invariant_mode_keeps_the_tensor_core_mat_vecs_but_not_the_folded_norm(recorded, monkeypatch):
+    """Batch-invariant mode runs matvec_mma (its rows are unit_value.cuh's definition, as matvec_q's and
+    linear_mma's) but not the norm fold: a fold's readers would see the deferred form at one or two tokens and
+    add_rms_norm's at three and more, two roundings of one norm."""
+    ops, calls = recorded
+    ops.backend.batch_invariant = True
+    monkeypatch.setattr(matvec, "_num_sms", [132])
+    monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
+    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
+    weight = SimpleNamespace(index=9, ggml_type=int(T.Q4_K), rows=2048, cols=2048)
+    readers = [SimpleNamespace(ggml_type=int(T.Q4_K), rows=64, cols=2048)] * 2
+    assert matvec.takes_mma(int(T.Q4_K), 2048) and matvec.norm_fits(weight, 1)
+    ops.linear_add_rms_norm(activations(1, 2048), weight, object(), None, 1e-5, readers)
+    assert calls == [("linear", 9), ("add_rms_norm",)]
 
 
 def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():

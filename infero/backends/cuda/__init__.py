@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infero.backends.cuda import delta_net, delta_rule_chunked, driver, embedding, matvec, runtime
+from infero.backends.cuda import delta_net, delta_rule_chunked, driver, embedding, runtime
 from infero.backends.cuda import sampling as _sampling  # noqa: F401  (declares its kernels before compile_kernels)
 from infero.backends.cuda.compiler import cache_dir as compiler_cache_dir
 from infero.backends.cuda.compiler import compile_parallel
@@ -70,13 +70,12 @@ class CudaBackend:
     @property
     def batch_invariant(self) -> bool:
         """CudaOps.invariant: every row of a linear layer the same bits at every width (docs/kernels.md); set before
-        the model loads (it decides the weights' layout: matvec.use_tensor_cores)."""
+        the model loads (it sizes the workspace and picks the kernels to compile)."""
         return self._batch_invariant
 
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
         self._batch_invariant = bool(on)
-        matvec.use_tensor_cores(not on)
 
     def compile_kernels(self, checkpoint) -> None:
         """Compile the kernels this checkpoint's model runs (its weight types, its head dim) for this GPU where the
@@ -191,7 +190,6 @@ class CudaBackend:
         # The engine may step on another thread than the one that loaded the model (the server's engine thread):
         # a CUDA context is current per thread.
         self.ctx.make_current()
-        matvec.use_tensor_cores(not self._batch_invariant)  # the mode of this backend, if another one ran meanwhile
         if feed is not None and feed.sampled.device_tokens is None:  # sampled on the host: known already
             batch, feed = feed.resolve(batch), None
         decode = (

@@ -272,11 +272,11 @@ class CudaOps:
     @property
     def invariant(self) -> bool:
         """Batch-invariant mode (CudaBackend.batch_invariant; docs/kernels.md): every quantized linear layer runs
-        kernels that give each row the same bits (unit_value.cuh's definition): matvec_q up to MATVEC_MAX_TOKENS
-        tokens, past it the int8 tensor-core GEMM (linear_mma) where it takes the type, else matvec_q in slices of
-        MATVEC_MAX_TOKENS; float weights the float mat-vec in slices. The decode step's tensor-core mat-vecs and the
-        norms they fold are off (matvec.use_tensor_cores). Off: those, the skinny GEMM and the fp16 GEMM, whose bits
-        differ from matvec_q's, are faster at their widths on the H200 (docs/performance.md)."""
+        kernels that give each row the same bits (unit_value.cuh's definition): the mat-vecs (matvec_mma, matvec_q)
+        up to MATVEC_MAX_TOKENS tokens, past it the int8 tensor-core GEMM (linear_mma) where it takes the type, else
+        the mat-vec in slices of MATVEC_MAX_TOKENS; float weights the float mat-vec in slices. The decode step's
+        folded norms are off (their readers past two tokens cannot apply a deferred norm yet). Off: the skinny GEMM
+        and the fp16 GEMM, whose bits differ, are faster at their widths on the H200 (docs/performance.md)."""
         return getattr(self.backend, "batch_invariant", False)
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
@@ -325,8 +325,10 @@ class CudaOps:
         return h, residual
 
     def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
+        # Not in batch-invariant mode: the readers would see the deferred form at one or two tokens and
+        # add_rms_norm's at more, two roundings of the same norm (rule 2 of docs/kernels.md).
         n = x.shape[0]
-        return (residual is not None and bool(readers) and self._quantizable(x)
+        return (not self.invariant and residual is not None and bool(readers) and self._quantizable(x)
                 and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, n)
                 and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
                         and matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w) for w in readers)
