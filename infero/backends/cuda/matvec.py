@@ -132,6 +132,7 @@ NORM_MAX_COLS = 8 * 32 * 32
 # Static shared memory of matvec_mma's partial sums (matvec.cu's mv::Parts: 16 m-rows' int64 sums and float NaN
 # probes), per warp and token.
 _MMA_PART_BYTES = 192
+_MMA_ZERO_BYTES = 256  # and of the zero bytes its B columns read below 3 tokens (matvec.cu's zero_act)
 _launches: dict[tuple, tuple] = {}  # (type, rows of each matrix, n, cols) -> (function, grid, block, shared)
 _mma_shared: dict = {}  # matvec_mma function -> the dynamic shared memory it is allowed
 _mma_fits: dict[tuple[int, int], bool] = {}  # (type, cols) -> takes_mma
@@ -332,7 +333,7 @@ def takes_mma(t: int, cols: int) -> bool:
     if fits is None:
         warps, stages = _mma_deepest(t, cols)
         static = _MMA_PART_BYTES * warps
-        need = max(mma_shared(t, warps, stages, n, cols) + static * n for n in TOKEN_BUCKETS)
+        need = max(mma_shared(t, warps, stages, n, cols) + static * n + _MMA_ZERO_BYTES for n in TOKEN_BUCKETS)
         fits = _mma_fits[(t, cols)] = need <= _shared_optin()
     return fits
 
@@ -351,7 +352,7 @@ def glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
     width, the same shape and layout, whole groups of 32 rows, one or two tokens, and its shared memory fits."""
     t, cols, rows = gate.ggml_type, gate.cols, gate.rows
     same = (up.ggml_type, up.cols, up.rows, up.tiled) == (t, cols, rows, gate.tiled)
-    static = 16 * _MMA_PART_BYTES * n
+    static = 16 * _MMA_PART_BYTES * n + _MMA_ZERO_BYTES
     return (1 <= n <= 2 and same and rows % 32 == 0
             and takes_mma(t, cols) and _glu_shared(t, n, cols) + static <= _shared_optin())  # fmt: skip
 
@@ -405,7 +406,7 @@ def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
     optin = _shared_optin()
     mma = mma_shared(t, warps, stages, n, cols, deferred=True) + warps * _MMA_PART_BYTES * n
     glu = _glu_shared(t, n, cols, True) + 16 * _MMA_PART_BYTES * n
-    return max(mma, glu) <= optin
+    return max(mma, glu) + _MMA_ZERO_BYTES <= optin
 
 
 def norm_fits(weight: QuantWeight, n: int) -> bool:
@@ -416,7 +417,7 @@ def norm_fits(weight: QuantWeight, n: int) -> bool:
     if not (1 <= n <= 2 and rows % 32 == 0 and rows <= NORM_MAX_COLS and takes_mma(t, cols)):
         return False
     warps, _, shared = _norm_launch(t, rows, cols, n)
-    return shared + 2 * warps * _MMA_PART_BYTES * n <= _shared_optin()
+    return shared + 2 * warps * _MMA_PART_BYTES * n + _MMA_ZERO_BYTES <= _shared_optin()
 
 
 def _norm_launch(t: int, rows: int, cols: int, n: int) -> tuple[int, int, int]:

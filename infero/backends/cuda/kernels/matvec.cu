@@ -41,17 +41,17 @@
 // report them).
 //
 // Reduction (batch invariance, issue 29). For each (row, token) of a block format the output is unit_value.cuh's
-// definition: per 32-column unit (one activation group) the integers I_0, I_1 (per-plane dots, run scales applied
-// in integers) and M, and the block's A and B, give c = uv::value; the 8 units of each 256-column span are summed
-// by span()'s fixed tree; the spans in fixed point (fixed_point.cuh: each rounded once onto 2^-32 and added as
-// int64, a probe carrying NaN/Inf); then fx::value and the bias. In matvec_q lane k of each 8 holds unit k of a
-// span (the K-quants first exchange the 16-element halves their lanes hold with one xor shuffle, exact), so
-// uv::span_of_lanes forms the span's value and one lane a span adds it; integer sums do not depend on their order,
-// so a lane's spans and the warp's lanes (Spread) combine in any way. Nothing depends on n, N, RPW, the block size
-// or the other segments of the launch: a row's result is bitwise the same for every batch width and position in the
-// batch, whether its matrix runs alone or grouped, and the int8 GEMM (linear_mma.cu) and matvec_mma (the tensor-core
-// form below, its spans walked by one lane each) compute the same. The activation quantization is per token. Float weights (matvec_f) keep
-// float sums: a lane's units in increasing order, then a fixed xor butterfly.
+// definition: per 32-column unit (one activation group) the integers I_0, I_1 (per-plane dots, run scales applied in
+// integers) and M, and the block's A and B, give c = uv::value; the 8 units of each 256-column span are summed by
+// span()'s fixed tree; the spans in fixed point (fixed_point.cuh: each rounded once onto 2^-32 and added as int64, a
+// probe carrying NaN/Inf); then fx::value and the bias. In matvec_q lane k of each 8 holds unit k of a span (the
+// K-quants first exchange the 16-element halves their lanes hold with one xor shuffle, exact), so uv::span_of_lanes
+// forms the span's value and one lane a span adds it; integer sums do not depend on their order, so a lane's spans and
+// the warp's lanes (Spread) combine in any way. Nothing depends on n, N, RPW, the block size or the other segments of
+// the launch: a row's result is bitwise the same for every batch width and position in the batch, whether its matrix
+// runs alone or grouped, and the int8 GEMM (linear_mma.cu) and matvec_mma (the tensor-core form below, its spans walked
+// by one lane each) compute the same. The activation quantization is per token. Float weights (matvec_f) keep float
+// sums: a lane's units in increasing order, then a fixed xor butterfly.
 //
 // Numerics. The integer dots are exact and below 2^24 (unit_value.cuh's bounds), so their floats are exact; T =
 // 256 I_0 + I_1 is rounded once, then A T + B M and the factor D; a span's rounding onto 2^-32 (2.3e-10 absolute) is
@@ -1431,6 +1431,8 @@ struct Own {
   static constexpr int RH = TPT == 1 ? 1 : 2, SBS = TPT == 4 ? 2 : 1, PARTNER = TPT == 1 ? 1 : TPT == 2 ? 2 : 0;
   __device__ static int half(int j, int h) { return TPT == 1 ? j >> 1 : h; }  // of its row h < RH
   __device__ static int sb(int j, int q) { return TPT == 4 ? q : TPT == 2 ? j >> 1 : j & 1; }  // of its q < SBS
+  // Below 4 tokens, the superblock of the lanes whose results B column g feeds (output column pair g / 2).
+  __device__ static int column_sb(int g) { return TPT == 1 ? (g >> 1) & 1 : g >> 2; }
 };
 
 // Plane i's dot of this lane's row h < Own::RH in an mma result (rows g: r[0], r[1]; g + 8: r[2], r[3]).
@@ -1473,18 +1475,40 @@ __device__ __forceinline__ void put_sums(Parts<W, N>& part, fx::Sum (&acc)[TILES
 }
 
 // What a format's pair() reads: this lane's B columns (xb: offsets in xa per column tile) and scales (xt: the
-// scaled token's first ActScale in sa per column tile).
+// scaled token's first ActScale in sa per column tile). Below 4 tokens, where the activation is staged, one mma
+// takes both superblocks of a pair, k 0-15 the first's and k 16-31 the second's: B column g carries its own
+// superblock's (col_sb: Own::column_sb) and reads the other half of k from zero, 256 zero bytes in shared memory,
+// so each lane's results are its own superblock's dots and no lane selects among them.
 template <int TILES>
 struct MmaAct {
   const int8_t* xa;
   const ActScale* sa;
   int xb[TILES], xt[TILES];
+  const int8_t* zero;
+  int col_sb;
+
+  // Below 4 tokens: the B bytes of k 0-15 (k0) and 16-31 (k1) of pair p's units; second: the pair's second
+  // superblock exists.
+  __device__ void pair_b(int p, bool second, const int8_t*& k0, const int8_t*& k1) const {
+    const int8_t* first = xa + xb[0] + 512 * p;
+    k0 = col_sb ? zero : first;
+    k1 = col_sb && second ? first + 256 : zero;
+  }
 };
 
-// Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk
-// c of a superblock's qs two mma.m16n8k32 per 4 tokens, one a unit: the low nibbles (sub-block 2c, unit 2c) and the
-// high nibbles in place (unit 2c + 1, 16x its dots: 256 I_0 + I_1 is their integer >> 4, exact); lane (g, j)
-// supplies qs bytes 8j..8j+7. |256 I_0 + I_1| <= 256 * 32 * 15 * 128 < 2^24: one int -> float conversion is exact.
+// d = a b + c: mma.m16n8k32 of u8 weights and s8 activations, accumulating.
+__device__ __forceinline__ void mma_16832_u8s8_acc(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Q4_K: a stage row is a superblock pair, 288 bytes (16-byte aligned: rows are 144 nsb bytes). Per 32-byte chunk c of a
+// superblock's qs two units: the low nibbles (sub-block 2c, unit 2c) and the high nibbles in place (unit 2c + 1, 16x
+// its dots: 256 I_0 + I_1 is their integer >> 4, exact); lane (g, j) supplies qs bytes 8j..8j+7. From 4 tokens an
+// mma.m16n8k32 a unit and superblock; below, two a unit for both superblocks (MmaAct), bytes 8j..8j+3 of each, then
+// 8j+4..8j+7 accumulated. |256 I_0 + I_1| <= 256 * 32 * 15 * 128 < 2^24: one int -> float conversion is exact.
 struct MmaQ4K {
   static constexpr int PIECES = 18, ROW = 16 * PIECES, XLANE = 8;  // 16-byte pieces of a row; B bytes a lane
   static constexpr int SB_BYTES = 144, SLOT = 144;  // SLOT: a superblock's bytes in the tiled layout (quant.cuh)
@@ -1496,14 +1520,17 @@ struct MmaQ4K {
   __device__ static long long at(int p) { return (long long)p * ROW; }
   __device__ static bool full(int p, long long row_bytes) { return at(p) + ROW <= row_bytes; }
 
-  // tiled: the stage's rows the same either way. Below 4 tokens each step issues both superblocks' mma (the second's
-  // where it exists: a warp-uniform test) and a lane takes its own's results; from 4 on, one superblock at a time.
+  // tiled: the stage's rows the same either way. Below 4 tokens each mma takes both superblocks (MmaAct: a missing
+  // second one's weights are zero-filled, its B zero); from 4 on, one superblock at a time.
   template <int TILES, int TPT>
   __device__ static void pair(fx::Sum (&acc)[TILES][Own<TPT>::RH], const MmaAct<TILES>& x, const uint8_t* stage,
                               int p, int nsb, int g, int j, bool) {
     using O = Own<TPT>;
-    constexpr int RH = O::RH, HELD = TPT == 4 ? 1 : 2;  // superblocks whose mma results a step holds
+    constexpr int RH = O::RH;
+    static_assert(TPT == 4 || TILES == 1, "below 4 tokens, one column tile");
     const bool second = 2 * p + 1 < nsb;
+    const int8_t *k0 = nullptr, *k1 = nullptr;  // below 4 tokens: B of k 0-15 and 16-31
+    if constexpr (TPT < 4) x.pair_b(p, second, k0, k1);
 #pragma unroll
     for (int q = 0; q < O::SBS; ++q) {
       if (TPT == 4 && q == 1 && !second) break;
@@ -1521,19 +1548,6 @@ struct MmaQ4K {
       float part[TILES][RH][3];  // uv::span_step's partials of each (tile, row) span
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        uint32_t alo[HELD][4], ahi[HELD][4];
-#pragma unroll
-        for (int s = 0; s < HELD; ++s) {
-          const uint8_t* blocks = stage + 144 * (TPT == 4 ? q : s);
-          const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
-          const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
-          const uint32_t w[4] = {wa.x, wb.x, wa.y, wb.y};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            alo[s][i] = w[i] & 0x0F0F0F0Fu;
-            ahi[s][i] = w[i] & 0xF0F0F0F0u;
-          }
-        }
         float A[2][RH], B[2][RH];  // units 2c and 2c + 1 of this lane's rows
 #pragma unroll
         for (int u = 0; u < 2; ++u)
@@ -1546,19 +1560,40 @@ struct MmaQ4K {
           }
 #pragma unroll
         for (int nt = 0; nt < TILES; ++nt) {
-          int lo[HELD][4], hi[HELD][4];  // high nibbles in place: 16x their dots
+          int lo[4], hi[4];  // this lane's superblock's dots of units 2c and 2c + 1 (high nibbles: 16x)
+          if constexpr (TPT < 4) {
+            // Two mma a unit: qs bytes 8j..8j+3 of both superblocks (k 0-15, 16-31), then bytes 8j+4..8j+7.
+            uint2 wa[2], wb[2];
 #pragma unroll
-          for (int s = 0; s < HELD; ++s) {
-            const int qq = TPT == 4 ? q : s;
-            if (qq == 1 && !second) {  // nothing to read: its lanes add nothing
-#pragma unroll
-              for (int i = 0; i < 4; ++i) lo[s][i] = hi[s][i] = 0;
-              continue;
+            for (int s = 0; s < 2; ++s) {
+              wa[s] = *reinterpret_cast<const uint2*>(stage + 144 * s + g * ROW + 16 + 32 * c + 8 * j);
+              wb[s] = *reinterpret_cast<const uint2*>(stage + 144 * s + (g + 8) * ROW + 16 + 32 * c + 8 * j);
             }
-            const int8_t* b = x.xa + x.xb[nt] + 32 * (8 * (2 * p + qq) + 2 * c);  // the group of sub-block 2c
+            const uint32_t w1[4] = {wa[0].x, wb[0].x, wa[1].x, wb[1].x}, w2[4] = {wa[0].y, wb[0].y, wa[1].y, wb[1].y};
+            uint32_t lo1[4], lo2[4], hi1[4], hi2[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              lo1[i] = w1[i] & 0x0F0F0F0Fu;
+              lo2[i] = w2[i] & 0x0F0F0F0Fu;
+              hi1[i] = w1[i] & 0xF0F0F0F0u;
+              hi2[i] = w2[i] & 0xF0F0F0F0u;
+            }
+            // B words one at a time: each mma's pair of them from two loads (8-byte loads cost a move each).
+            auto b = [&](const int8_t* k, int at) { return *reinterpret_cast<const uint32_t*>(k + 64 * c + at); };
+            tc::mma_16832_u8s8(lo, lo1, b(k0, 0), b(k1, 0));
+            mma_16832_u8s8_acc(lo, lo2, b(k0, 4), b(k1, 4));
+            tc::mma_16832_u8s8(hi, hi1, b(k0, 32), b(k1, 32));
+            mma_16832_u8s8_acc(hi, hi2, b(k0, 36), b(k1, 36));
+          } else {
+            const uint8_t* blocks = stage + 144 * q;
+            const uint2 wa = *reinterpret_cast<const uint2*>(blocks + g * ROW + 16 + 32 * c + 8 * j);
+            const uint2 wb = *reinterpret_cast<const uint2*>(blocks + (g + 8) * ROW + 16 + 32 * c + 8 * j);
+            const uint32_t alo[4] = {wa.x & 0x0F0F0F0Fu, wb.x & 0x0F0F0F0Fu, wa.y & 0x0F0F0F0Fu, wb.y & 0x0F0F0F0Fu};
+            const uint32_t ahi[4] = {wa.x & 0xF0F0F0F0u, wb.x & 0xF0F0F0F0u, wa.y & 0xF0F0F0F0u, wb.y & 0xF0F0F0F0u};
+            const int8_t* b = x.xa + x.xb[nt] + 32 * (8 * sb + 2 * c);  // the group of sub-block 2c
             const uint2 blo = *reinterpret_cast<const uint2*>(b), bhi = *reinterpret_cast<const uint2*>(b + 32);
-            tc::mma_16832_u8s8(lo[s], alo[s], blo.x, blo.y);
-            tc::mma_16832_u8s8(hi[s], ahi[s], bhi.x, bhi.y);
+            tc::mma_16832_u8s8(lo, alo, blo.x, blo.y);
+            tc::mma_16832_u8s8(hi, ahi, bhi.x, bhi.y);
           }
 #pragma unroll
           for (int u = 0; u < 2; ++u) {  // unit 2c + u of the span
@@ -1566,12 +1601,8 @@ struct MmaQ4K {
             const float D = __int_as_float(act.x), M = (float)(act.y + act.w);
 #pragma unroll
             for (int h = 0; h < RH; ++h) {
-              const int(&r)[HELD][4] = u ? hi : lo;
-              int q0 = own_dot<TPT>(r[0], j, h, 0), q1 = own_dot<TPT>(r[0], j, h, 1);
-              if constexpr (HELD == 2) {
-                q0 = own ? own_dot<TPT>(r[HELD - 1], j, h, 0) : q0;
-                q1 = own ? own_dot<TPT>(r[HELD - 1], j, h, 1) : q1;
-              }
+              const int(&r)[4] = u ? hi : lo;
+              const int q0 = own_dot<TPT>(r, j, h, 0), q1 = own_dot<TPT>(r, j, h, 1);
               const int t = u ? (256 * q0 + q1) >> 4 : 256 * q0 + q1;
               uv::span_step(part[nt][h], uv::value_t(D, A[u][h], B[u][h], (float)t, M), 2 * c + u);
             }
@@ -1602,16 +1633,17 @@ struct MmaQ4K {
 // Q6_K: a stage row is a superblock pair, 420 bytes at 420 p of the row: the 27 16-byte pieces around it (rows are
 // 16-byte aligned: 210 nsb bytes with nsb % 8 == 0), so the pair starts o = 4p % 16 bytes into the stage row, its
 // second superblock 2 bytes off a word (a word of it: two aligned loads and a byte permute). Tiled (MmaCopy), a stage
-// row is the pair's two 216-byte slots and both superblocks are word-aligned. The pitch, 432 bytes (108
-// words, 12 mod 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..])
-// holds elements 128h + i; a lane's words (h, m) are qh word 4m + j with ql words 4m + j and 4m + j + 8, which give
-// the 4-element runs of sub-blocks 8h + m + {0, 2, 4, 6} (qword). Unit u = 4h + k (sub-blocks 2u and 2u + 1, the
-// runs of scales sc[2u], sc[2u + 1]) is qword k of m = 0 at k 0-15 and of m = 1 at k 16-31; two mma.m16n8k32 a unit,
-// each with the other run's half of B zero, give each run's plane dots. With w = q - 32 (unit_value.cuh), run r's
-// 256 dot_0 + dot_1 - 32 s_r (s_r: the half's ActScale sum of 256 q0 + q1) is 256 D_0 + D_1 of q - 32, below 2^24 in
-// magnitude, and 256 I_0 + I_1 = sc_a X_a + sc_b X_b exactly in 64 bits (each product below 2^31, their sum not):
-// one conversion. (Two runs an mma told apart by the B columns, sub-blocks c and c + 2, halved the mma count when
-// each lane scaled runs in a float sum; a unit's runs must meet in one lane now.)
+// row is the pair's two 216-byte slots and both superblocks are word-aligned. The pitch, 432 bytes (108 words, 12 mod
+// 32), puts the 8 rows a load touches on distinct banks. Half h of a superblock (ql[64h..], qh[32h..]) holds elements
+// 128h + i; a lane's words (h, m) are qh word 4m + j with ql words 4m + j and 4m + j + 8, which give the 4-element runs
+// of sub-blocks 8h + m + {0, 2, 4, 6} (qword). Unit u = 4h + k (sub-blocks 2u and 2u + 1, the runs of scales sc[2u],
+// sc[2u + 1]) is qword k of m = 0 (run a) and of m = 1 (run b). From 4 tokens one mma.m16n8k32 takes run a at k 0-15
+// and run b at 16-31, issued once per run with the other's B zero; below, an mma a run takes both superblocks'
+// (MmaAct). Either way each run's plane dots come apart. With w = q - 32 (unit_value.cuh), run r's 256 dot_0 + dot_1 -
+// 32 s_r (s_r: the half's ActScale sum of 256 q0 + q1) is 256 D_0 + D_1 of q - 32, below 2^24 in magnitude, and 256 I_0
+// + I_1 = sc_a X_a + sc_b X_b exactly in 64 bits (each product below 2^31, their sum not): one conversion. (Two runs an
+// mma told apart by the B columns, sub-blocks c and c + 2, halved the mma count when each lane scaled runs in a float
+// sum; a unit's runs must meet in one lane now.)
 struct MmaQ6K {
   static constexpr int PIECES = 27, ROW = 16 * PIECES, XLANE = 4, SB_BYTES = 210;
   static constexpr int SLOT = 216;      // tiled (quant.cuh): a superblock and 6 zero bytes, so a pair is a stage row
@@ -1670,14 +1702,17 @@ struct MmaQ6K {
       pair_of<TILES, TPT>(acc, x, first, first + SB_BYTES, true, p, g, j);
   }
 
-  // odd: the second superblock is 2 bytes off a word. Every pair is whole (nsb % 8 == 0). Below 4 tokens each step
-  // issues both superblocks' mma and a lane takes its own's results; from 4 on, one superblock at a time.
+  // odd: the second superblock is 2 bytes off a word. Every pair is whole (nsb % 8 == 0). Below 4 tokens each mma
+  // takes both superblocks (MmaAct); from 4 on, one superblock at a time.
   template <int TILES, int TPT>
   __device__ static __forceinline__ void pair_of(fx::Sum (&acc)[TILES][Own<TPT>::RH], const MmaAct<TILES>& x,
                                                  const uint8_t* first, const uint8_t* second, bool odd, int p, int g,
                                                  int j) {
     using O = Own<TPT>;
-    constexpr int RH = O::RH, HELD = TPT == 4 ? 1 : 2;  // superblocks whose mma results a step holds
+    constexpr int RH = O::RH, HELD = TPT == 4 ? 1 : 2;  // superblocks whose weights a step holds
+    static_assert(TPT == 4 || TILES == 1, "below 4 tokens, one column tile");
+    const int8_t *k0 = nullptr, *k1 = nullptr;  // below 4 tokens: B of k 0-15 and 16-31
+    if constexpr (TPT < 4) x.pair_b(p, true, k0, k1);
 #pragma unroll
     for (int q = 0; q < O::SBS; ++q) {
       const int own = O::sb(j, q), sb = 2 * p + own;
@@ -1699,18 +1734,20 @@ struct MmaQ6K {
 #pragma unroll
           for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) words(w[s][m][r], (qq ? second : first) + (g + 8 * r) * ROW, hf, m, j, qq && odd);
+            for (int r = 0; r < 2; ++r)
+              words(w[s][m][r], (qq ? second : first) + (g + 8 * r) * ROW, hf, m, j, qq && odd);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int u = 4 * hf + k;
-          uint32_t a[HELD][4];
+          // Below 4 tokens an mma a run, both superblocks' (ra: run a, m = 0; rb: run b, m = 1; k 0-15 superblock
+          // 0's, 16-31 superblock 1's); from 4, an mma takes run a at k 0-15 and run b at 16-31 (ra), issued once
+          // per run with the other's B zero.
+          uint32_t ra[4], rb[4];
 #pragma unroll
-          for (int s = 0; s < HELD; ++s) {
-            a[s][0] = qword(w[s][0][0], k);
-            a[s][1] = qword(w[s][0][1], k);
-            a[s][2] = qword(w[s][1][0], k);
-            a[s][3] = qword(w[s][1][1], k);
+          for (int i = 0; i < 4; ++i) {
+            ra[i] = qword(w[HELD == 2 ? i >> 1 : 0][HELD == 2 ? 0 : i >> 1][i & 1], k);
+            if constexpr (HELD == 2) rb[i] = qword(w[i >> 1][1][i & 1], k);
           }
           int sa[RH], sbs[RH];
 #pragma unroll
@@ -1720,24 +1757,21 @@ struct MmaQ6K {
           }
 #pragma unroll
           for (int nt = 0; nt < TILES; ++nt) {
-            int da[HELD][4], db[HELD][4];  // runs a (sub-block 2u) and b (2u + 1)
-#pragma unroll
-            for (int s = 0; s < HELD; ++s) {
-              const int8_t* bx = x.xa + x.xb[nt] + 256 * (2 * p + (TPT == 4 ? q : s)) + 32 * u;
-              tc::mma_16832_u8s8(da[s], a[s], *reinterpret_cast<const uint32_t*>(bx), 0u);
-              tc::mma_16832_u8s8(db[s], a[s], 0u, *reinterpret_cast<const uint32_t*>(bx + 16));
+            int da[4], db[4];  // this lane's superblock's runs a (sub-block 2u) and b (2u + 1)
+            if constexpr (HELD == 2) {
+              auto b = [&](const int8_t* kb, int at) { return *reinterpret_cast<const uint32_t*>(kb + 32 * u + at); };
+              tc::mma_16832_u8s8(da, ra, b(k0, 0), b(k1, 0));
+              tc::mma_16832_u8s8(db, rb, b(k0, 16), b(k1, 16));
+            } else {
+              const int8_t* bx = x.xa + x.xb[nt] + 256 * sb + 32 * u;
+              tc::mma_16832_u8s8(da, ra, *reinterpret_cast<const uint32_t*>(bx), 0u);
+              tc::mma_16832_u8s8(db, ra, 0u, *reinterpret_cast<const uint32_t*>(bx + 16));
             }
             const int4 act = *(reinterpret_cast<const int4*>(x.sa + x.xt[nt]) + 8 * sb + u);  // {D, s_a, D, s_b}
 #pragma unroll
             for (int h = 0; h < RH; ++h) {
-              int a0 = own_dot<TPT>(da[0], j, h, 0), a1 = own_dot<TPT>(da[0], j, h, 1);
-              int b0 = own_dot<TPT>(db[0], j, h, 0), b1 = own_dot<TPT>(db[0], j, h, 1);
-              if constexpr (HELD == 2) {
-                a0 = own ? own_dot<TPT>(da[HELD - 1], j, h, 0) : a0;
-                a1 = own ? own_dot<TPT>(da[HELD - 1], j, h, 1) : a1;
-                b0 = own ? own_dot<TPT>(db[HELD - 1], j, h, 0) : b0;
-                b1 = own ? own_dot<TPT>(db[HELD - 1], j, h, 1) : b1;
-              }
+              const int a0 = own_dot<TPT>(da, j, h, 0), a1 = own_dot<TPT>(da, j, h, 1);
+              const int b0 = own_dot<TPT>(db, j, h, 0), b1 = own_dot<TPT>(db, j, h, 1);
               const int xa = 256 * a0 + a1 - 32 * act.y, xb = 256 * b0 + b1 - 32 * act.w;
               const float t = __ll2float_rn(mad_wide(sbs[h], xb, mad_wide(sa[h], xa, 0)));
               uv::span_step(part[nt][h], uv::value_t(__int_as_float(act.x), d[h], 0.f, t, 0.f), u);
@@ -1835,6 +1869,12 @@ struct MmaCopy {
 // differ only in rounding). Scaling the staged group scales instead cost two more barriers and a pass over them:
 // ~0.8-1.3 us a launch on the H200 (scripts/bench_norm_fold.py).
 // Staging: `threads` threads (tid: this one's index), every one of which must call.
+// Below 3 tokens it also zeroes the 256 bytes of zero_act (MmaAct).
+__device__ __forceinline__ int8_t* zero_act() {
+  __shared__ uint4 zeros[16];
+  return reinterpret_cast<int8_t*>(zeros);
+}
+
 template <int N>
 __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __restrict__ xq,
                                                  const ActScale* __restrict__ xs, int n, int cols, int deferred,
@@ -1862,6 +1902,7 @@ __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __res
         if (i < total) reinterpret_cast<uint4*>(sx)[i] = piece[k];
       }
     }
+    if (tid < 16) reinterpret_cast<uint4*>(zero_act())[tid] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
     TRACE_MARK(2);
     const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
@@ -1887,6 +1928,12 @@ __device__ __forceinline__ MmaAct<TILES> act_view(const int8_t* sx, const int8_t
   for (int nt = 0; nt < TILES; ++nt) {
     x.xb[nt] = ((g & 1) * n + min(4 * nt + (g >> 1) % TPT, n - 1)) * cols + F::XLANE * j;
     x.xt[nt] = min(4 * nt + j % TPT, n - 1) * (cols / 16);
+  }
+  x.zero = nullptr;
+  x.col_sb = 0;
+  if constexpr (STAGE_X) {
+    x.zero = zero_act();
+    x.col_sb = Own<TPT>::column_sb(g);
   }
   return x;
 }
@@ -2003,8 +2050,8 @@ struct TileWork {
     const RopePairIn pair_in =
         pair_live ? rope_pair_in(pair_t, bias, row_of(m0), row_of(m1), role, rope) : RopePairIn{0.f, 0.f, 0.f, 0, -1};
     fx::Sum acc[TILES][Own<TPT>::RH];
-    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g,
-                                 j, lane);
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x,
+                                             cols / 256, g, j, lane);
     put_sums<TILES, TPT>(part, acc, warp, g, j);
     gr.sync();
     TRACE_MARK(4);
@@ -2066,12 +2113,15 @@ __device__ __forceinline__ void mma_tile(const mv::Segments& seg, const int8_t* 
 // Q4_K_M's Q6_K layers of v). grid: the segments' tiles of 16 rows one after another (a neox-rotated segment:
 // head_dim / 16 tiles a head), block: 32 * W; dynamic shared memory: W * STAGES * 16 * (the larger F::ROW) bytes,
 // plus 5 n cols / 2 for N <= 2 (the staged activation; n cols / 8 more for a deferred norm's sums).
+// Launch bounds: below 3 tokens at 4 warps, 4 blocks an SM (at most 128 registers, which the rings' shared memory
+// allows anyway): left to itself ptxas held some of them to 80 and spilled in the loop (up to 44 bytes); elsewhere
+// its own choice (a minimum of 0: none given), which a bound of 4 or 3 blocks made spill hundreds of bytes at 8 warps
+// or 8 and 16 tokens.
 template <int T, int N, int W, int STAGES, bool ROPE = false, int T2 = T>
-__global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv::Segments seg,
-                                                    const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                    int n, int cols, long long row_bytes,
-                                                    const __grid_constant__ mv::Rope rope, int deferred,
-                                                    float norm_eps) {
+__global__ void __launch_bounds__(32 * W, N <= 2 && W == 4 ? 4 : 0)
+    matvec_mma(const __grid_constant__ mv::Segments seg, const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+               int n, int cols, long long row_bytes, const __grid_constant__ mv::Rope rope, int deferred,
+               float norm_eps) {
   static_assert((T == GGML_Q4_K || T == GGML_Q6_K) && (T2 == GGML_Q4_K || T2 == GGML_Q6_K), "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2 || N % 4 == 0, "token buckets 1, 2, 4, 8, 16");
   static_assert(STAGES >= 2 && (!ROPE || N <= 2), "a ring; the ROPE epilogue for one or two tokens");
@@ -2103,9 +2153,8 @@ __global__ void __launch_bounds__(32 * W) matvec_mma(const __grid_constant__ mv:
 // waves: 2,500). Warp w streams pairs w, w + 4, ... of tile 0, then of tile 1, ... through its ring, so that the
 // block's warps read neighbouring pieces of the same rows at a time: with each warp walking its own tile's whole rows
 // (pieces 2.3 KB apart in each row at a time) the step took 53.1 us longer (8 alternations, every pair).
-// Reduction order: per (row, token), each warp sums its pairs' contributions per class in order, class 0 + class 1;
-// the warps' values are added in warp order, bias last; independent of n. Then SwiGLU as the swiglu kernel computes
-// it, and the same quantization.
+// Rows: gate and up each matvec_mma's (unit_value.cuh's definition: the warps' spans in fixed point, bias last). Then
+// SwiGLU as the swiglu kernel computes it, and the same quantization.
 // grid rows / 32, block 128, dynamic shared memory 4 * STAGES * 16 F::ROW + 5 n cols / 2 (+ n cols / 8
 // for a deferred norm's sums); rows % 32 == 0.
 namespace mv {
@@ -2206,11 +2255,12 @@ struct GluWork {
 
 }  // namespace mv
 
+// 4 blocks an SM (matvec_mma's launch bounds): ptxas' own choice spilled 16 bytes at two tokens.
 template <int T, int N, int STAGES>
-__global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
-                                                     const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
-                                                     int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
-                                                     ActScale* __restrict__ ys, int deferred, float norm_eps) {
+__global__ void __launch_bounds__(128, 4) matvec_mma_glu(const __grid_constant__ mv::Segments seg,
+                                                        const int8_t* __restrict__ xq, const ActScale* __restrict__ xs,
+                                                        int n, int cols, long long row_bytes, int8_t* __restrict__ yq,
+                                                        ActScale* __restrict__ ys, int deferred, float norm_eps) {
   static_assert(T == GGML_Q4_K || T == GGML_Q6_K, "Q4_K or Q6_K");
   static_assert(N == 1 || N == 2, "a decode step of one or two tokens (the activation staged in shared memory)");
   using F = mv::MmaFormat<T>;
@@ -2244,8 +2294,8 @@ __global__ void __launch_bounds__(128) matvec_mma_glu(const __grid_constant__ mv
 // llama-3.1-8b's two norms on the H200 (scripts/ab_skip_ops.py).
 //
 // Blocks. Two tiles of 16 rows (32 rows: one activation group, which the block quantizes itself) of W warps each,
-// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row's sum, and so
-// the residual, is bitwise that launch's plus the residual. grid rows / 32, block 64 W, dynamic shared memory
+// the warps of a tile splitting its rows' superblock pairs as matvec_mma with the same W does: each row is
+// unit_value.cuh's, and the residual bitwise that row plus the residual. grid rows / 32, block 64 W, dynamic shared memory
 // 2 W * STAGES * 16 F::ROW + 5 n cols / 2; rows % 32 == 0.
 namespace mv {
 
@@ -2281,8 +2331,8 @@ struct NormWork {
     const int half = warp / W, wi = warp % W, rows = seg.rows[0];
     const float weight = warp < n ? __ldg(norm_weight + 32 * block + lane) : 0.f;  // before the stream (TileWork)
     fx::Sum acc[TILES][Own<TPT>::RH];
-    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x, cols / 256, g, j,
-                                 lane);
+    mma_stream<F, STAGES, STAGE, TILES, TPT>(acc, copy, rings + warp * STAGES * STAGE, p0, count, row_bytes, x,
+                                             cols / 256, g, j, lane);
     put_sums<TILES, TPT>(part[half], acc, wi, g, j);
     gr.sync();
     TRACE_MARK(4);
