@@ -189,7 +189,7 @@ def test_qkv_rotary_store_folds_rotary_into_the_matvec_where_it_pays(recorded, m
 
 @pytest.mark.parametrize(
     "optin, q4k, q6k",
-    [(232448, (4096, 14336, 31232), (2048, 4096, 14336, 28672)), (101376, (768, 4096, 7936), (2048,))],  # H200, sm_89
+    [(232448, (4096, 14336, 30976), (2048, 4096, 14336, 28672)), (101376, (768, 4096, 7936), (2048,))],  # H200, sm_89
 )
 def test_k_quants_take_the_tensor_core_matvec_where_its_shared_memory_fits(monkeypatch, optin, q4k, q6k):
     """matvec_mma's rings, staged activation and partial sums must fit the GPU's shared memory per block at every
