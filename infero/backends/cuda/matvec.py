@@ -247,8 +247,8 @@ def _check_deferred_norm(quantized, n: int, cols: int, mma: bool) -> str | None:
     """What keeps a mat-vec launch from applying its activation's deferred norm, or None (also where it has none)."""
     if not _deferred_norm(quantized)[0]:
         return None
-    if not mma or n > 2 or cols > NORM_MAX_COLS or cols % 128:
-        return (f"an activation with a deferred RMSNorm is read by the tensor-core mat-vecs of one or two tokens and "
+    if not mma or n > 16 or cols > NORM_MAX_COLS or cols % 128:
+        return (f"an activation with a deferred RMSNorm is read by the tensor-core mat-vecs of 1-16 tokens and "
                 f"rows of at most {NORM_MAX_COLS} only, not {n} tokens of {cols} on this weight type")  # fmt: skip
     return None
 
@@ -397,11 +397,13 @@ def matvec_glu(
 
 def reads_deferred_norm(weight: QuantWeight, n: int) -> bool:
     """Whether this weight's mat-vec (matvec_mma, and matvec_glu where glu_fits) takes an activation whose RMSNorm
-    is deferred to it (Activation.norm_ss), for n tokens: one or two, rows of at most NORM_MAX_COLS that its
-    shared memory holds with the norm's sums."""
+    is deferred to it (Activation.norm_ss), for n tokens: 1-16, rows of at most NORM_MAX_COLS; below 3 tokens its
+    shared memory must hold the norm's sums too (they are staged with the activation)."""
     t, cols = weight.ggml_type, weight.cols
-    if not (1 <= n <= 2 and cols <= NORM_MAX_COLS and cols % 128 == 0 and takes_mma(t, cols)):
+    if not (1 <= n <= 16 and cols <= NORM_MAX_COLS and cols % 128 == 0 and takes_mma(t, cols)):
         return False
+    if n > 2:
+        return True
     warps, stages = _mma_deepest(t, cols)
     optin = _shared_optin()
     mma = mma_shared(t, warps, stages, n, cols, deferred=True) + warps * _MMA_PART_BYTES * n
@@ -667,8 +669,9 @@ def _matvec_q(name, outs, weights, x, biases, stream, workspace, quantized, rope
         check_activation(quantized, n, cols)  # with its sums right after the scales, where the kernel stages them
         if error := _check_deferred_norm(quantized, n, cols, mma):
             raise ValueError(f"{name}: {error}")
-        shared += n * cols // 8  # the norm's sums, staged with the activation
-        _allow_shared(fn, shared)
+        if n <= 2:
+            shared += n * cols // 8  # the norm's sums, staged with the activation
+            _allow_shared(fn, shared)
     mark = workspace.offset
     if quantized is None:
         q_shape, s_shape = activation_shapes(n, cols)

@@ -1861,10 +1861,10 @@ struct MmaCopy {
 
 // The activation as the fragments read it: below 3 tokens first copied by the whole block into shared memory at sx
 // (every thread must call, after its PDL wait); plane P of token t at xa + (P n + t) cols, its scales at sa + t cols /
-// 16. deferred (N <= 2 only): the activation is residual * norm weight as matvec_mma_norm wrote it, its scales
-// followed in memory by each 32-element group's sum of squares of the residual [n, cols / 32] (cols % 128 == 0), which
-// are staged with them; warp t adds token t's (lane i: groups i, i + 32, ... in order, then a butterfly, so every
-// reader gets the same factor) and leaves RMSNorm's 1 / rms in inv_rms[t] for the caller's epilogue, which scales
+// 16. deferred: the activation is residual * norm weight as matvec_mma_norm (or add_rms_norm's DEFER) wrote it, its
+// scales followed in memory by each 32-element group's sum of squares of the residual [n, cols / 32] (cols % 128 == 0),
+// which below 3 tokens are staged with them (from 3 tokens on read where they are); a warp adds a token's (norm_factor)
+// and leaves RMSNorm's 1 / rms in inv_rms[t] for the caller's epilogue, which scales
 // each output by it after its block barrier (the quantization is scale invariant: the planes of r w and of r w / rms
 // differ only in rounding). Scaling the staged group scales instead cost two more barriers and a pass over them:
 // ~0.8-1.3 us a launch on the H200 (scripts/bench_norm_fold.py).
@@ -1873,6 +1873,16 @@ struct MmaCopy {
 __device__ __forceinline__ int8_t* zero_act() {
   __shared__ uint4 zeros[16];
   return reinterpret_cast<int8_t*>(zeros);
+}
+
+// RMSNorm's 1 / rms of one token from its groups' sums of squares: lane i adds groups i, i + 32, ... in order, then an
+// xor butterfly, so every reader (and linear_mma's lm::inv_rms) gets the same factor. All 32 lanes must call.
+__device__ __forceinline__ float norm_factor(const float* sums, int groups, int cols, float eps, int lane) {
+  float total = 0.f;
+  for (int i = lane; i < groups; i += 32) total = __fadd_rn(total, sums[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xFFFFFFFFu, total, o));
+  return 1.0f / sqrtf(total / (float)cols + eps);
 }
 
 template <int N>
@@ -1908,11 +1918,15 @@ __device__ __forceinline__ void stage_activation(int8_t* sx, const int8_t* __res
     const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
     if (deferred && warp < n) {
       const float* sums = reinterpret_cast<const float*>(sx + 2 * n * cols + n * cols / 2) + warp * groups;
-      float total = 0.f;
-      for (int i = lane; i < groups; i += 32) total = __fadd_rn(total, sums[i]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xFFFFFFFFu, total, o));
-      if (lane == 0) inv_rms[warp] = 1.0f / sqrtf(total / (float)cols + norm_eps);
+      const float f = norm_factor(sums, groups, cols, norm_eps, lane);
+      if (lane == 0) inv_rms[warp] = f;
+    }
+  } else if (deferred) {  // the sums right after the scales in global memory; the caller's barrier precedes their use
+    const int warp = tid >> 5, lane = tid & 31, groups = cols / 32;
+    const float* sums = reinterpret_cast<const float*>(xs + n * cols / 16);
+    for (int t = warp; t < n; t += threads >> 5) {
+      const float f = norm_factor(sums + t * groups, groups, cols, norm_eps, lane);
+      if (lane == 0) inv_rms[t] = f;
     }
   }
 }
