@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from infero.backends.cuda import linear_mma, matvec
+from infero.backends.cuda import elementwise, linear_mma, matvec
 from infero.backends.cuda import ops as ops_module
 from infero.backends.cuda.ops import CudaOps
 from infero.checkpoint.tensor_types import GGMLType as T
@@ -237,21 +237,37 @@ def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_tak
     assert calls == ([("norm", 9)] if folded else [("linear", 9), ("add_rms_norm",)])
 
 
-def test_batch_invariant_mode_keeps_the_tensor_core_mat_vecs_but_not_the_folded_norm(recorded, monkeypatch):
-    """Batch-invariant mode runs matvec_mma (its rows are unit_value.cuh's definition, as matvec_q's and
-    linear_mma's) but not the norm fold: a fold's readers would see the deferred form at one or two tokens and
-    add_rms_norm's at three and more, two roundings of one norm."""
+@pytest.mark.parametrize(
+    "reader_type, n, expected",
+    [
+        (T.Q4_K, 1, [("norm", 9)]),  # the decode step's fused launch
+        (T.Q4_K, 3, [("linear", 9), ("add_rms_norm", "deferred", "buffer")]),  # the same form past its widths
+        (T.Q4_K, 40, [("linear", 9), ("add_rms_norm", "deferred", "workspace")]),
+        (T.Q8_0, 1, [("linear", 9), ("add_rms_norm",)]),  # a reader off the tensor cores: at no width
+        (T.Q8_0, 40, [("linear", 9), ("add_rms_norm",)]),
+    ],
+)
+def test_batch_invariant_mode_defers_a_norm_at_every_width_or_at_none(recorded, monkeypatch, reader_type, n, expected):
+    """In batch-invariant mode whether a norm is deferred to its readers depends on the weights alone, never on the
+    step's width: the readers must see one rounding of the norm (the deferred form: residual * norm weight, 1 / rms
+    applied after the sum) whether the decode step's fused launch or add_rms_norm wrote it."""
     ops, calls = recorded
     ops.backend.batch_invariant = True
     monkeypatch.setattr(matvec, "_num_sms", [132])
+    monkeypatch.setattr(linear_mma, "supports", lambda weight, m: weight.ggml_type != int(T.Q8_0))
     monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
     monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
-    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
+    monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: x.shape[0] <= 16)
+    monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
+    monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: ("buffer", norm))
+    monkeypatch.setattr(CudaOps, "_workspace_activation", lambda self, x, norm=None: ("workspace", norm))
+    monkeypatch.setattr(ops.ws, "empty", lambda shape, dtype: SimpleNamespace(shape=shape), raising=False)
+    monkeypatch.setattr(elementwise, "add_rms_norm", lambda out, residual, y, w, eps, stream, act: calls.append(
+        ("add_rms_norm", "deferred" if act[1] == eps else "plain", act[0])))  # fmt: skip
     weight = SimpleNamespace(index=9, ggml_type=int(T.Q4_K), rows=2048, cols=2048)
-    readers = [SimpleNamespace(ggml_type=int(T.Q4_K), rows=64, cols=2048)] * 2
-    assert matvec.takes_mma(int(T.Q4_K), 2048) and matvec.norm_fits(weight, 1)
-    ops.linear_add_rms_norm(activations(1, 2048), weight, object(), None, 1e-5, readers)
-    assert calls == [("linear", 9), ("add_rms_norm",)]
+    readers = [SimpleNamespace(ggml_type=int(reader_type), rows=64, cols=2048)] * 2
+    ops.linear_add_rms_norm(activations(n, 2048), weight, object(), None, 1e-5, readers)
+    assert calls == expected
 
 
 def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():

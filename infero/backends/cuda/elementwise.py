@@ -28,6 +28,7 @@ def _b(flag: bool) -> str:
 runtime.declare(
     SOURCE,
     [f"add_rms_norm<{v}, {_b(add)}, {_b(quant)}>" for v in NORM_VPT for add in (False, True) for quant in (False, True)]
+    + [f"add_rms_norm<{v}, {_b(add)}, true, true>" for v in NORM_VPT for add in (False, True)]
     + [f"rms_norm_rows<{v}>" for v in ROW_VPT]
     + ["rotary_store_kv<false>", "rotary_store_kv<true>", "swiglu<false, false>", "swiglu<true, false>"]
     + [f"qk_norm_rotary_store_kv<{v}, {_b(neox)}>" for v in ROW_VPT for neox in (False, True)]
@@ -72,11 +73,13 @@ def add_rms_norm(
     weight: DeviceTensor,
     eps: float,
     stream: driver.Stream,
-    quantized: tuple[DeviceTensor, DeviceTensor] | None = None,
+    quantized=None,
 ) -> None:
     """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight.
     quantized: (xq int8, xs int32) of matvec.activation_shapes(rows, dim) to receive out in the mat-vec's activation
-    format as well (kernels/act_quant.cuh; dim % 32 == 0)."""
+    format as well (kernels/act_quant.cuh; dim % 32 == 0); a matvec.Activation with norm_ss receives the deferred
+    form instead (residual * weight, each 32-element group's sum of squares of the residual in norm_ss: what
+    matvec.matvec_norm writes, its readers applying 1 / rms)."""
     dim = residual.shape[-1]
     rows = residual.numel // dim if dim else 0
     for name, t in (("out", out), ("residual", residual), ("weight", weight)) + ((("x", x),) if x is not None else ()):
@@ -87,15 +90,18 @@ def add_rms_norm(
     if rows == 0:
         return
     add = x is not None
+    norm_ss = getattr(quantized, "norm_ss", None)
     if quantized is not None:
         matvec.check_activation(quantized, rows, dim)
     xq, xs = (quantized[0].ptr, quantized[1].ptr) if quantized is not None else (0, 0)
-    fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}>")
-    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows)
+    defer = ", true" if norm_ss is not None else ""
+    fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}{defer}>")
+    args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows,
+            norm_ss.ptr if norm_ss is not None else 0)  # fmt: skip
     driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 
-_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I)
+_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I, _P)
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
@@ -118,7 +124,7 @@ def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: floa
     else:
         # The row-per-block kernel without the add only reads its `residual` argument.
         fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false, false>")
-        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows)
+        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows, 0)
         driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 

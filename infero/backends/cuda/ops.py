@@ -170,8 +170,8 @@ class CudaOps:
         key = self._key(x)
         if key in self._act_keys:
             return self._activation(self._act_keys.index(key), x.shape)
-        if key in self._ws_acts:
-            return self._ws_acts[key]
+        if (act := self._ws_act(key)) is not None:
+            return act
         quantized = self._quantize_into(x)
         if quantized is None and len(x.shape) == 2 and x.shape[0] > MATVEC_MAX_TOKENS and x.shape[1] % 32 == 0:
             self._require_values(x)
@@ -180,21 +180,35 @@ class CudaOps:
             matvec.quantize(quantized.q, quantized.s, x, self.stream)
         return quantized
 
-    def _workspace_activation(self, x: DeviceTensor) -> matvec.Activation:
-        """A workspace buffer in the mat-vec's activation format for x (any number of rows), now owned by x."""
+    def _workspace_activation(self, x: DeviceTensor, norm=None) -> matvec.Activation:
+        """A workspace buffer in the mat-vec's activation format for x (any number of rows), now owned by x. norm:
+        the eps of a deferred RMSNorm (its norm_ss right after the scales, as the readers stage them)."""
         n, cols = x.shape
         q_shape, s_shape = matvec.activation_shapes(n, cols)
-        act = matvec.Activation(self.ws.empty(q_shape, np.int8), self.ws.empty(s_shape, np.int32))
+        q = self.ws.empty(q_shape, np.int8)
+        if norm is None:
+            act = matvec.Activation(q, self.ws.empty(s_shape, np.int32))
+        else:
+            both = self.ws.empty((n * cols // 8 + n * cols // 32,), np.int32)
+            s = DeviceTensor(both.ptr, s_shape, np.dtype(np.int32), both)
+            norm_ss = DeviceTensor(s.ptr + s.nbytes, (n, cols // 32), np.dtype(np.float32), both)
+            act = matvec.Activation(q, s, norm_ss, norm)
         if self._ws_generation != self.ws.generation:  # a new forward: the earlier ones' buffers are gone
             self._ws_acts, self._ws_generation = {}, self.ws.generation
         self._ws_acts[self._key(x)] = act
         return act
 
+    def _ws_act(self, key) -> matvec.Activation | None:
+        """The workspace activation written for key in this forward, if any."""
+        return self._ws_acts.get(key) if self._ws_generation == self.ws.generation else None
+
     def _require_values(self, x: DeviceTensor) -> None:
         """Raise if x is linear_add_rms_norm's output with a deferred norm, which has no float values, only its
         quantized form for the readers it was given (checked while a buffer still holds that form)."""
         key = self._key(x)
-        if any(k == key and norm is not None for k, norm in zip(self._act_keys, self._act_norms, strict=True)):
+        norms = [norm for k, norm in zip(self._act_keys, self._act_norms, strict=True) if k == key]
+        act = self._ws_act(key)
+        if act is not None and act.norm_ss is not None or any(n is not None for n in norms):
             raise RuntimeError("a linear_add_rms_norm output whose norm its readers apply was read as float32 values; "
                                "pass every weight that reads it as `readers`")  # fmt: skip
 
@@ -315,24 +329,38 @@ class CudaOps:
         output, each through a mat-vec (the next layer's q/k/v, or gate and up). Where the linear and all of its
         readers run on the tensor cores at one or two tokens (a decode step), the linear's own launch adds into the
         residual and writes the readers' activation, leaving the norm's 1 / rms to them (matvec.matvec_norm: no
-        add_rms_norm kernel); the output then exists only in that form, for those readers."""
+        add_rms_norm kernel); the output then exists only in that form, for those readers. In batch-invariant mode
+        the form is chosen by the weights alone, so that the readers see the same bits at every width: past the
+        fused launch's widths add_rms_norm writes the deferred form."""
+        n = x.shape[0]
         if not self._defers_norm(x, weight, residual, readers):
             return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
-        h = self.ws.empty((x.shape[0], weight.rows), np.float32)  # never written: its readers take the quantized form
+        h = self.ws.empty((n, weight.rows), np.float32)  # its readers take the quantized form
+        if not (self._quantizable(x) and matvec.norm_fits(weight, n)):
+            y = self.linear(x, weight)
+            deferred = (self._quantize_into(h, norm=eps) if self._quantizable(h)
+                        else self._workspace_activation(h, norm=eps))  # fmt: skip
+            elementwise.add_rms_norm(h, residual, y, norm_weight, eps, self.stream, deferred)
+            return h, residual
         quantized = self._quantized(x)
         out_quantized = self._quantize_into(h, keep=x, norm=eps)
         matvec.matvec_norm(residual, weight, x, quantized, norm_weight, out_quantized, self.stream)
         return h, residual
 
     def _defers_norm(self, x: DeviceTensor, weight: QuantWeight, residual, readers) -> bool:
-        # Not in batch-invariant mode: the readers would see the deferred form at one or two tokens and
-        # add_rms_norm's at more, two roundings of the same norm (rule 2 of docs/kernels.md).
+        if (residual is None or not readers or weight.ggml_type in matvec.FLOAT_TYPES
+                or any(w.ggml_type in matvec.FLOAT_TYPES or w.cols != weight.rows for w in readers)):  # fmt: skip
+            return False
+        if self.invariant:  # every width: the tensor-core mat-vecs to 16 tokens, linear_mma past them
+            return matvec.norm_fits(weight, 1) and all(
+                all(matvec.reads_deferred_norm(w, m) for m in (1, 2, MATVEC_MAX_TOKENS))
+                and all(linear_mma.supports(w, m) for m in (MATVEC_MAX_TOKENS + 1, 2 * MATVEC_MAX_TOKENS + 1))
+                for w in readers
+            )
         n = x.shape[0]
-        return (not self.invariant and residual is not None and bool(readers) and self._quantizable(x)
-                and weight.ggml_type not in matvec.FLOAT_TYPES and matvec.norm_fits(weight, n)
-                and all(w.ggml_type not in matvec.FLOAT_TYPES and w.cols == weight.rows
-                        and matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w) for w in readers)
-                )  # fmt: skip
+        return (self._quantizable(x) and matvec.norm_fits(weight, n)
+                and all(matvec.reads_deferred_norm(w, n) and not self._takes_skinny(x, w)
+                        for w in readers))  # fmt: skip
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch

@@ -58,6 +58,20 @@ __device__ __forceinline__ float sum_squares(float4 a, float acc) {
     return fmaf(a.w, a.w, acc);
 }
 
+// The sum of squares of a 32-element group held as float4 by 8 consecutive lanes (element e of the group: lane
+// e / 4, component e % 4), in the order of an xor butterfly over 32 lanes holding one element each (offsets 16, 8,
+// 4, 2, 1: matvec_mma_norm's): element offsets 16, 8, 4 are lane offsets 4, 2, 1, and 2, 1 stay in the float4.
+// Every lane of the 8 gets the total. All 32 lanes of the warp must call.
+__device__ __forceinline__ float group_sum_squares(float4 r) {
+    float e[4] = {__fmul_rn(r.x, r.x), __fmul_rn(r.y, r.y), __fmul_rn(r.z, r.z), __fmul_rn(r.w, r.w)};
+#pragma unroll
+    for (int lanes = 4; lanes > 0; lanes >>= 1)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) e[c] = __fadd_rn(e[c], __shfl_xor_sync(0xffffffffu, e[c], lanes));
+    const float a = __fadd_rn(e[0], e[2]), b = __fadd_rn(e[1], e[3]);  // offset 2, then offset 1
+    return __fadd_rn(a, b);
+}
+
 __device__ __forceinline__ float4 scale_mul(float4 r, float s, float4 w) {
     return make_float4(r.x * s * w.x, r.y * s * w.y, r.z * s * w.z, r.w * s * w.w);
 }
@@ -68,12 +82,18 @@ __device__ __forceinline__ float4 scale_mul(float4 r, float s, float4 w) {
 // store, so it is read from memory once (an earlier engine: 19.4 us with three reads, 8.9 us with one).
 // ADD: residual += x, written back, then normalised; otherwise the residual (the input) is only normalised.
 // QUANT: out is also written in the mat-vec's activation format (act_quant.cuh) to xq/xs, as rows of n (dim % 32
-// == 0), so the mat-vecs that read out need no quantizing kernel of their own.
-template <int VPT, bool ADD, bool QUANT>
+// == 0), so the mat-vecs that read out need no quantizing kernel of their own. DEFER (with QUANT): what is written
+// there is instead the deferred form matvec_mma_norm writes (matvec.cu): the planes of r * w, r the residual after
+// the add, and each 32-element group's sum of squares of r in norm_ss [n, dim / 32], summed as that kernel sums it
+// (an xor butterfly over the group's 32 elements, offsets 16 ... 1); the readers apply 1 / rms. So a layer whose
+// norm the decode step folds into its projection reads the same activation, bit for bit, at every token count
+// (docs/kernels.md, batch invariance).
+template <int VPT, bool ADD, bool QUANT, bool DEFER = false>
 __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, float* __restrict__ residual,
                                                    const float* __restrict__ x, const float* __restrict__ weight,
                                                    int dim, float eps, int8_t* __restrict__ xq,
-                                                   ActScale* __restrict__ xs, int n) {
+                                                   ActScale* __restrict__ xs, int n, float* __restrict__ norm_ss) {
+    static_assert(QUANT || !DEFER, "a deferred norm is a quantized output");
     __shared__ float scratch[9];
     const int vecs = dim / 4;
     const size_t row = blockIdx.x;
@@ -113,8 +133,16 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
         float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (live) out4[v] = o = ew::scale_mul(r[j], inv, w[j]);
         if (QUANT && j * 256 < vecs) {  // warp-uniform: a warp's 32 float4 are 4 whole groups or past the row
-            const float q[4] = {o.x, o.y, o.z, o.w};
-            aq::quantize_store<4>(q, live, xq, xs, n, dim, (int)row, 4 * v);
+            if constexpr (DEFER) {
+                const float q[4] = {__fmul_rn(r[j].x, w[j].x), __fmul_rn(r[j].y, w[j].y), __fmul_rn(r[j].z, w[j].z),
+                                    __fmul_rn(r[j].w, w[j].w)};
+                aq::quantize_store<4>(q, live, xq, xs, n, dim, (int)row, 4 * v);
+                const float group = ew::group_sum_squares(r[j]);
+                if (live && (threadIdx.x & 7) == 0) norm_ss[row * (dim / 32) + v / 8] = group;
+            } else {
+                const float q[4] = {o.x, o.y, o.z, o.w};
+                aq::quantize_store<4>(q, live, xq, xs, n, dim, (int)row, 4 * v);
+            }
         }
     }
 }
