@@ -312,10 +312,9 @@ _tensor_cores = [True]
 
 
 def use_tensor_cores(on: bool) -> None:
-    """Whether a type takes matvec_mma where takes_mma's shapes allow (the default), or always matvec_q: the mode
-    of the backend that launches (CudaBackend.forward and its loading set it); batch-invariant mode turns it off. A
-    row has the same bits either way: both kernels compute unit_value.cuh's definition (docs/kernels.md, batch
-    invariance; tests/cuda/test_matvec.py)."""
+    """Whether a type takes matvec_mma where takes_mma's shapes allow (the default, in both modes), or always
+    matvec_q: the tests and benchmarks that compare the two turn it off. A row has the same bits either way: both
+    kernels compute unit_value.cuh's definition (docs/kernels.md, batch invariance; tests/cuda/test_matvec.py)."""
     if _tensor_cores[0] != on:
         _tensor_cores[0] = on
         _launches.clear()
