@@ -115,7 +115,9 @@ class CudaOps:
         arena = self.backend.weights_arena
         q_shape, s_shape = matvec.activation_shapes(MATVEC_MAX_TOKENS, widest)
         self._act_q = [empty((int(np.prod(q_shape)),), np.int8, arena) for _ in range(2)]
-        self._act_s = [empty((int(np.prod(s_shape)),), np.int32, arena) for _ in range(2)]
+        # the scales, then a deferred norm's sums (Activation.norm_ss: 4 bytes a 32-element group)
+        s_words = int(np.prod(s_shape)) + MATVEC_MAX_TOKENS * widest // 32
+        self._act_s = [empty((s_words,), np.int32, arena) for _ in range(2)]
         self._act_keys, self._act_norms = [None, None], [None, None]
         skinny_shape = skinny_gemm.activation_shape(skinny_gemm.MAX_TOKENS, -(-widest // 256) * 256)
         self._skinny = {} if self.invariant else {t: empty(skinny_shape, np.uint32, arena) for t in skinny_gemm.TYPES}
@@ -288,9 +290,9 @@ class CudaOps:
         """Batch-invariant mode (CudaBackend.batch_invariant; docs/kernels.md): every quantized linear layer runs
         kernels that give each row the same bits (unit_value.cuh's definition): the mat-vecs (matvec_mma, matvec_q)
         up to MATVEC_MAX_TOKENS tokens, past it the int8 tensor-core GEMM (linear_mma) where it takes the type, else
-        the mat-vec in slices of MATVEC_MAX_TOKENS; float weights the float mat-vec in slices. The decode step's
-        folded norms are off (their readers past two tokens cannot apply a deferred norm yet). Off: the skinny GEMM
-        and the fp16 GEMM, whose bits differ, are faster at their widths on the H200 (docs/performance.md)."""
+        the mat-vec in slices of MATVEC_MAX_TOKENS; float weights the float mat-vec in slices; a norm folded into
+        its readers at every width or at none (linear_add_rms_norm). Off: the skinny GEMM and the fp16 GEMM, whose
+        bits differ, are faster at their widths on the H200 (docs/performance.md)."""
         return getattr(self.backend, "batch_invariant", False)
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
