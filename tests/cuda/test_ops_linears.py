@@ -98,15 +98,25 @@ def test_k_quants_take_the_skinny_gemm_from_a_few_tokens(recorded):
                                       ("many", [0, 1]), ("linear", 0), ("many", [1, 2])]  # fmt: skip
 
 
-def test_batch_invariant_mode_keeps_every_block_format_on_mat_vec_launches_up_to_16_tokens(recorded):
-    """In batch-invariant mode no width moves a K-quant to the skinny GEMM, whose bits differ from the mat-vec's;
-    matrices of one type and width share a launch at every count up to 16 tokens."""
+def test_batch_invariant_mode_keeps_k_quants_off_the_skinny_gemm_and_takes_linear_mma_from_a_few_tokens(
+    recorded, monkeypatch
+):
+    """In batch-invariant mode no width moves a K-quant to the skinny GEMM, whose bits differ from the mat-vec's:
+    below INVARIANT_GEMM_MIN_TOKENS matrices of one type and width share a mat-vec launch; from it each matrix
+    linear_mma takes runs one linear (its kernel, the same bits), the others still share mat-vec launches."""
+    from infero.backends.cuda.ops import INVARIANT_GEMM_MIN_TOKENS
+
     ops, calls = recorded
     ops.backend.batch_invariant = True
     ops._skinny = {int(T.Q4_K): None, int(T.Q6_K): None, int(T.Q8_0): None}
-    for n in (3, 8, 16):
+    monkeypatch.setattr(linear_mma, "supports", lambda weight, n: weight.ggml_type in (T.Q4_K, T.Q6_K))
+    for n in (3, INVARIANT_GEMM_MIN_TOKENS - 1):
         ops.linears(activations(n), weights(T.Q4_K, T.Q8_0, T.Q6_K, T.Q4_K))
-    assert [c[:2] for c in calls] == [("many", [0, 3]), ("many", [1]), ("many", [2])] * 3
+    assert [c[:2] for c in calls] == [("many", [0, 3]), ("many", [1]), ("many", [2])] * 2
+    calls.clear()
+    for n in (INVARIANT_GEMM_MIN_TOKENS, 16):
+        ops.linears(activations(n), weights(T.Q4_K, T.Q8_0, T.Q6_K, T.Q4_K))
+    assert [c[:2] for c in calls] == [("linear", 0), ("linear", 2), ("linear", 3), ("many", [1])] * 2
 
 
 @pytest.fixture
@@ -135,16 +145,20 @@ class _Rows(SimpleNamespace):
     [
         (T.Q4_K, 256, 40, [("linear_mma", 40)]),
         (T.Q8_0, 4096, 17, [("linear_mma", 17)]),
-        (T.Q4_K, 256, 16, [("matvec", 16)]),
+        (T.Q4_K, 256, 16, [("linear_mma", 16)]),  # from INVARIANT_GEMM_MIN_TOKENS
+        (T.Q4_K, 256, 9, [("matvec", 9)]),
+        (T.Q5_0, 256, 12, [("matvec", 12)]),
         (T.Q5_0, 256, 40, [("matvec", 16), ("matvec", 16), ("matvec", 8)]),  # not linear_mma's: slices
         (T.Q8_0, 896, 33, [("matvec", 16), ("matvec", 16), ("matvec", 1)]),  # rows of no whole 256-column stage
         (T.F16, 256, 20, [("matvec", 16), ("matvec", 4)]),
     ],
 )
-def test_past_16_tokens_a_linear_takes_the_int8_gemm_or_mat_vec_slices(routed, monkeypatch, qtype, cols, n, launches):
-    """In batch-invariant mode, past the mat-vec's 16 tokens a quantized linear runs linear_mma, whose rows are the
-    mat-vec's bits, where it takes the type and width, else the mat-vec in slices of 16 rows (a row's bits do not
-    depend on its slice); never the fp16 GEMM."""
+def test_a_linear_takes_the_int8_gemm_from_a_few_tokens_or_mat_vec_slices(
+    routed, monkeypatch, qtype, cols, n, launches
+):
+    """In batch-invariant mode, from INVARIANT_GEMM_MIN_TOKENS a quantized linear runs linear_mma, whose rows are the
+    mat-vec's bits, where it takes the type and width, else the mat-vec, past 16 tokens in slices of 16 rows (a
+    row's bits do not depend on its slice); never the fp16 GEMM."""
     ops, calls = routed
     monkeypatch.setattr(ops_module, "_few_float32_rows", lambda x, w: False)
     x = _Rows(ptr=1 << 20, shape=(n, cols))

@@ -38,6 +38,13 @@ MATVEC_MAX_TOKENS = 16
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
+# In batch-invariant mode, from this many tokens a quantized linear layer that linear_mma takes runs it instead of
+# the mat-vecs (the same bits: unit_value.cuh's definition). linear_mma's time hardly grows up to 16 tokens, the
+# tensor-core mat-vec's grows with each (H200, 2026-12-04, e77ca4d; scripts/bench_linear_mma.py and
+# bench_matvec_mma.py, us at 8 / 12 / 16 tokens): Q4_K 14336x4096 linear_mma 43.2 / 50.9 / 45.3, matvec_mma 39.1 /
+# 66.3 / 76.8; Q4_K 4096x14336 40.9 / 46.9 / 42.1 against 36.9 / 58.8 / 66.5; Q6_K 4096x14336 65.4 / 72.6 / 69.5
+# against - / 96.6 / -; the Q6_K head (128256x4096) 555.6 / 623.2 / 589.1 against - / 671.8 / -.
+INVARIANT_GEMM_MIN_TOKENS = 10
 # A float32 linear layer of at most this many rows runs moe.router's fp32 mat-vec (_few_float32_rows).
 FEW_FLOAT32_ROWS = 256
 # From this many tokens a mixture-of-experts layer sorts its (token, expert) pairs by expert and reads each chosen
@@ -289,16 +296,20 @@ class CudaOps:
     def invariant(self) -> bool:
         """Batch-invariant mode (CudaBackend.batch_invariant; docs/kernels.md): every quantized linear layer runs
         kernels that give each row the same bits (unit_value.cuh's definition): the mat-vecs (matvec_mma, matvec_q)
-        up to MATVEC_MAX_TOKENS tokens, past it the int8 tensor-core GEMM (linear_mma) where it takes the type, else
-        the mat-vec in slices of MATVEC_MAX_TOKENS; float weights the float mat-vec in slices; a norm folded into
-        its readers at every width or at none (linear_add_rms_norm). Off: the skinny GEMM and the fp16 GEMM, whose
-        bits differ, are faster at their widths on the H200 (docs/performance.md)."""
+        below INVARIANT_GEMM_MIN_TOKENS tokens, from it the int8 tensor-core GEMM (linear_mma) where it takes the
+        type, else the mat-vecs, past MATVEC_MAX_TOKENS in slices of it; float weights the float mat-vec in
+        slices; a norm folded into its readers at every width or at none (linear_add_rms_norm). Off: the skinny
+        GEMM and the fp16 GEMM, whose bits differ, are faster at their widths on the H200 (docs/performance.md)."""
         return getattr(self.backend, "batch_invariant", False)
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
         n = x.shape[0]
         return (not self.invariant and bool(self._skinny) and skinny_gemm.supports(weight, n)
                 and n >= SKINNY_MIN_TOKENS[weight.ggml_type] and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
+
+    def _takes_linear_mma(self, weight: QuantWeight, n: int) -> bool:
+        return (self.invariant and n >= INVARIANT_GEMM_MIN_TOKENS and weight.ggml_type not in matvec.FLOAT_TYPES
+                and linear_mma.supports(weight, n))  # fmt: skip
 
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
@@ -310,10 +321,10 @@ class CudaOps:
         elif self._takes_skinny(x, weight):
             xa = self._skinny_input(x, weight.ggml_type)
             skinny_gemm.skinny_gemm(out, weight, xa, bias, self.stream, self.ws)
+        elif self._takes_linear_mma(weight, n):
+            linear_mma.linear_mma(out, weight, self._quantized(x), bias, self.stream, self.ws)
         elif quantized and n <= MATVEC_MAX_TOKENS:
             matvec.matvec(out, weight, x, bias, self.stream, self.ws, self._quantized(x))
-        elif quantized and self.invariant and linear_mma.supports(weight, n):
-            linear_mma.linear_mma(out, weight, self._quantized(x), bias, self.stream, self.ws)
         elif n <= MATVEC_MAX_TOKENS or self.invariant:
             # The mat-vec's rows do not depend on its token count: slices of it give every row its bits.
             self._require_values(x)
@@ -367,14 +378,15 @@ class CudaOps:
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
         (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many). Float
-        weights, and matrices the skinny GEMM takes at this width, run one linear call each."""
+        weights, and matrices the skinny GEMM or (batch-invariant mode) linear_mma takes at this width, run one
+        linear call each."""
         biases = (None,) * len(weights) if biases is None else tuple(biases)
         if x.shape[0] > MATVEC_MAX_TOKENS:
             return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         outs: list = [None] * len(weights)
         shared = []
         for i, w in enumerate(weights):
-            if w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w):
+            if w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w) or self._takes_linear_mma(w, x.shape[0]):
                 outs[i] = self.linear(x, w, biases[i])
             else:
                 shared.append(i)
