@@ -60,9 +60,11 @@ MOE_GROUPED_MIN_TOKENS = 2
 # From this many tokens a mixture-of-experts layer whose quantized expert types are all moe.MMA_TYPES sorts its pairs
 # in runs of moe.MMA_GROUP for the tensor-core expert kernel (matvec_experts_mma); below it, in runs of
 # moe.GROUP_TOKENS for the __dp4a one. Both give every pair its 1-token mat-vec's bits, so this only moves time.
-# qwen3-30b-a3b's layer on the H200 (moe.MMA_GROUP's measurements): at 32 tokens the __dp4a kernel 359 us against
-# 561 in groups of 16, at 128 tokens 863 against 740; between the two not measured.
-MOE_MMA_MIN_TOKENS = 128
+# H200, 2026-12-04, e77ca4d: qwen3-30b-a3b's layer alone with uniformly random routing (scripts/bench_moe_experts.py)
+# at 16 / 32 / 48 / 64 tokens 320 / 463 / 600 / 727 us on the __dp4a groups, 343 / 443 / 488 / 493 on the tensor
+# cores; in the synthetic models' decode steps (bench decode, from 128 -> from 32) qwen3-30b-a3b's 32 / 64 sequences
+# 20.1 / 35.2 -> 11.9 / 16.7 ms, qwen3.5-35b-a3b's 17.6 / 30.6 -> 8.9 / 13.9.
+MOE_MMA_MIN_TOKENS = 32
 
 
 class CudaKVCache:
