@@ -530,15 +530,17 @@ def launches(monkeypatch):
     return CudaOps(SimpleNamespace(workspace=_Workspace(), stream=None, weights_arena=None)), calls
 
 
-def test_moe_experts_sorts_pairs_once_and_runs_grouped_gate_up_swiglu_down_combine(launches):
-    """32 tokens (more than the decode buffers hold): h quantized once into the workspace; the pairs sorted by
-    expert once (groups sized for 32 x 4 pairs of 8 experts); Q4_K gate and up in one grouped launch reading h; SwiGLU
-    into gate, quantized for the Q6_K down, grouped by the same sort; the combine reads down's output; every buffer
-    but the output handed back."""
+def test_moe_experts_sorts_pairs_once_and_runs_grouped_gate_up_swiglu_down_combine(launches, monkeypatch):
+    """32 tokens (more than the decode buffers hold) on the __dp4a groups: h quantized once into the workspace; the
+    pairs sorted by expert once (groups sized for 32 x 4 pairs of 8 experts); Q4_K gate and up in one grouped launch
+    reading h; SwiGLU into gate, quantized for the Q6_K down, grouped by the same sort; the combine reads down's
+    output; every buffer but the output handed back."""
     from infero.backends.cuda import moe
+    from infero.backends.cuda import ops as cuda_ops
 
     ops, calls = launches
     n, k = 32, 4
+    monkeypatch.setattr(cuda_ops, "MOE_MMA_MIN_TOKENS", n + 1)
     h, ids, weights = _Tensor(1, (n, 256), np.float32), _Tensor(2, (n, k), np.int32), _Tensor(3, (n, k), np.float32)
     mats = (_experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q4_K, 8, 128, 256), _experts(Q.Q6_K, 8, 256, 128))
     out = ops.moe_experts(h, ids, weights, *mats)
