@@ -310,8 +310,7 @@ class CudaOps:
                 and n >= SKINNY_MIN_TOKENS[weight.ggml_type] and len(x.shape) == 2 and x.ptr % 16 == 0)  # fmt: skip
 
     def _takes_linear_mma(self, weight: QuantWeight, n: int) -> bool:
-        return (self.invariant and n >= INVARIANT_GEMM_MIN_TOKENS and weight.ggml_type not in matvec.FLOAT_TYPES
-                and linear_mma.supports(weight, n))  # fmt: skip
+        return self.invariant and n >= INVARIANT_GEMM_MIN_TOKENS and linear_mma.supports(weight, n)
 
     def linear(self, x: DeviceTensor, weight: QuantWeight, bias: DeviceTensor | None = None) -> DeviceTensor:
         n = x.shape[0]
