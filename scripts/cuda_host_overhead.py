@@ -1,0 +1,132 @@
+"""The CUDA backend's host time per eager forward pass, with the GPU stubbed out (no GPU needed).
+
+    python scripts/cuda_host_overhead.py --model FILE [--tokens 128,512] [--profile]
+
+A prefill or mixed step runs eagerly (only decode steps are graphs): the host queues each kernel with its Python
+around it. If the host takes longer than the GPU, the GPU waits and the step takes the host's time. This script
+replaces the CUDA driver calls by stubs (device memory as made-up addresses, copies, launches and events doing
+nothing, kernels not compiled), loads the model, and times `backend.forward` of one prompt of N tokens: what is
+left is the Python of the model, the ops and the launchers, plus what cuda.bindings' argument packing would add
+(not run here: the GPU machine measured ~5.9 us of host time a launch, ../shared/gpu/README.md, which the table
+adds as an estimate). Run on the GPU machine's CPU for its numbers; this one's are relative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import pstats
+import time
+from itertools import count
+
+from cuda.bindings import driver as cu
+
+LAUNCH_HOST_US = 5.9  # host time of a cuda.bindings launch on the GPU machine (../shared/gpu/README.md)
+OK = cu.CUresult.CUDA_SUCCESS
+_addresses = count(1 << 40, 1 << 12)
+_host_buffers: dict[int, ctypes.Array] = {}
+launches = [0]
+
+
+def _device_attribute(attribute, device):
+    a = cu.CUdevice_attribute
+    values = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+              a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+              a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448}  # fmt: skip
+    return OK, values.get(attribute, 1)
+
+
+def _alloc(nbytes):
+    address = next(_addresses)
+    for _ in range(-(-int(nbytes) // (1 << 12))):  # keep allocations apart
+        next(_addresses)
+    return OK, address
+
+
+def _host_alloc(nbytes, flags):
+    buffer = (ctypes.c_uint8 * max(int(nbytes), 1))()
+    _host_buffers[ctypes.addressof(buffer)] = buffer
+    return OK, ctypes.addressof(buffer)
+
+
+def _launch(*args):
+    launches[0] += 1
+    return (OK,)
+
+
+def stub_the_gpu() -> None:
+    """Replace the driver calls the engine makes by stubs, and kernel compilation by a no-op."""
+    from infero.backends.cuda import compiler, runtime
+
+    done = lambda *a: (OK,)  # noqa: E731
+    stubs = {
+        "cuInit": done, "cuDeviceGetCount": lambda: (OK, 1), "cuDeviceGet": lambda o: (OK, 0),
+        "cuDevicePrimaryCtxRetain": lambda d: (OK, 0), "cuCtxSetCurrent": done, "cuCtxSynchronize": done,
+        "cuDeviceGetAttribute": _device_attribute, "cuDeviceGetName": lambda n, d: (OK, b"stub H200\0"),
+        "cuDeviceTotalMem": lambda d: (OK, 150 << 30), "cuMemGetInfo": lambda: (OK, 140 << 30, 150 << 30),
+        "cuStreamCreate": lambda flags: (OK, 1), "cuStreamSynchronize": done, "cuMemAlloc": _alloc,
+        "cuMemFree": done, "cuMemHostAlloc": _host_alloc, "cuMemFreeHost": done, "cuMemcpyHtoD": done,
+        "cuMemcpyHtoDAsync": done, "cuMemcpyDtoH": done, "cuMemcpyDtoHAsync": done, "cuMemcpyDtoDAsync": done,
+        "cuMemsetD8Async": done, "cuMemsetD32Async": done, "cuEventCreate": lambda flags: (OK, 1),
+        "cuEventRecord": done, "cuEventRecordWithFlags": done, "cuEventSynchronize": done,
+        "cuEventQuery": done, "cuEventElapsedTime": lambda a, b: (OK, 0.0), "cuStreamWaitEvent": done,
+        "cuModuleLoadData": lambda cubin: (OK, 1), "cuModuleGetFunction": lambda m, name: (OK, name),
+        "cuModuleGetGlobal": lambda m, name: (OK, next(_addresses), 8), "cuFuncSetAttribute": done,
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor": lambda fn, threads, shared: (OK, 2),
+        "cuLaunchKernel": _launch, "cuLaunchKernelEx": _launch, "cuStreamBeginCapture": done,
+        "cuStreamEndCapture": lambda stream: (OK, 1), "cuGraphInstantiate": lambda graph, flags: (OK, 1),
+        "cuGraphLaunch": done, "cuGraphExecDestroy": done, "cuGraphDestroy": done,
+    }  # fmt: skip
+    for name, fn in stubs.items():
+        setattr(cu, name, fn)
+    compiler.compile_cached = lambda filename, arch, defines, names: compiler.Compiled(b"", {}, "")
+    runtime.uncompiled = lambda arch, needs=None: ([], 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tokens", default="16,128,512")
+    parser.add_argument("--profile", action="store_true", help="cProfile the last width's forward passes")
+    args = parser.parse_args()
+    stub_the_gpu()
+    import numpy as np
+
+    from infero import LLM
+    from infero.bench.decode import BLOCK_SIZE, state_slot, state_slots
+    from infero.engine.batch import SequenceStep, build_batch
+
+    llm = LLM(args.model, device="cuda")
+    backend, model = llm.backend, llm.model
+    widths = [int(t) for t in args.tokens.split(",")]
+    print(f"{model.config.num_layers} layers; host ms an eager forward (launches; + {LAUNCH_HOST_US} us each)")
+    for n in widths:
+        ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=n).tolist()
+        blocks = -(-(n + 16) // BLOCK_SIZE)
+        cache = backend.allocate_kv_cache(model.config, blocks, BLOCK_SIZE, state_slots(model.config, 1))
+        batch = build_batch([SequenceStep(ids, 0, list(range(blocks)), state_slot=state_slot(model.config, 0))],
+                            BLOCK_SIZE)  # fmt: skip
+        backend.forward(model, batch, cache)
+        profiler = cProfile.Profile() if args.profile and n == widths[-1] else None
+        times, before = [], launches[0]
+        for _ in range(10):
+            if profiler:
+                profiler.enable()
+            start = time.perf_counter()
+            backend.forward(model, batch, cache)
+            times.append(time.perf_counter() - start)
+            if profiler:
+                profiler.disable()
+        per = (launches[0] - before) // 10
+        ms = float(np.median(times)) * 1e3
+        print(
+            f"{n:>5} tokens: {ms:7.2f} ms, {per} launches ({ms / model.config.num_layers:.3f} ms a layer); "
+            f"with launches {ms + per * LAUNCH_HOST_US / 1e3:7.2f} ms"
+        )
+    if args.profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
