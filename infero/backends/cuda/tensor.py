@@ -32,7 +32,7 @@ class DeviceTensor:
         if len(shape) == 1 and isinstance(shape[0], tuple):
             shape = shape[0]
         if -1 in shape:
-            known = math.prod(s for s in shape if s != -1)
+            known = int(math.prod(s for s in shape if s != -1))
             shape = tuple(self.numel // known if s == -1 else s for s in shape)
         if math.prod(shape) != self.numel:
             raise ValueError(f"cannot reshape {self.shape} to {shape}")
