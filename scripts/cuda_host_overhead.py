@@ -94,19 +94,14 @@ def main() -> None:
     import numpy as np
 
     from infero import LLM
-    from infero.bench.decode import BLOCK_SIZE, state_slot, state_slots
-    from infero.engine.batch import SequenceStep, build_batch
+    from infero.bench.decode import prefill_case
 
     llm = LLM(args.model, device="cuda")
     backend, model = llm.backend, llm.model
     widths = [int(t) for t in args.tokens.split(",")]
     print(f"{model.config.num_layers} layers; host ms an eager forward (launches; + {LAUNCH_HOST_US} us each)")
     for n in widths:
-        ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=n).tolist()
-        blocks = -(-(n + 16) // BLOCK_SIZE)
-        cache = backend.allocate_kv_cache(model.config, blocks, BLOCK_SIZE, state_slots(model.config, 1))
-        batch = build_batch([SequenceStep(ids, 0, list(range(blocks)), state_slot=state_slot(model.config, 0))],
-                            BLOCK_SIZE)  # fmt: skip
+        batch, cache = prefill_case(llm, n)
         backend.forward(model, batch, cache)
         profiler = cProfile.Profile() if args.profile and n == widths[-1] else None
         times, before = [], launches[0]

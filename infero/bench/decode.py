@@ -274,6 +274,17 @@ def profile(llm, prompt_len: int = 512, steps: int = 16, batch: int = 1) -> tupl
     return rows, float(np.median(step_us))
 
 
+def prefill_case(llm, prompt_len: int):
+    """(batch, cache): one sequence's prompt of prompt_len random ids from position 0, as a single step, over a cache
+    of its own (profile_prefill's, scripts/cuda_host_overhead.py's)."""
+    backend, config = llm.backend, llm.model.config
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, size=prompt_len).tolist()
+    blocks = -(-(prompt_len + 16) // BLOCK_SIZE)
+    cache = backend.allocate_kv_cache(config, blocks, BLOCK_SIZE, state_slots(config, 1))
+    step = SequenceStep(ids, 0, list(range(blocks)), state_slot=state_slot(config, 0))
+    return build_batch([step], BLOCK_SIZE), cache
+
+
 def profile_prefill(llm, prompt_len: int = 512, repeats: int = 3) -> tuple[list[tuple[str, float, int]], float, int]:
     """Where a prompt_len-token prefill (one chunk, eager, as the engine runs a prompt; at most the engine's token
     budget) spends its GPU time: (op, microseconds, calls), the prefill's GPU time without events between its ops
@@ -283,11 +294,7 @@ def profile_prefill(llm, prompt_len: int = 512, repeats: int = 3) -> tuple[list[
     if not hasattr(backend, "event_timer"):
         raise ValueError("--profile needs the CUDA backend")
     prompt_len = min(prompt_len, llm.engine.config.max_num_batched_tokens)
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=prompt_len).tolist()
-    blocks = -(-(prompt_len + 16) // BLOCK_SIZE)
-    cache = backend.allocate_kv_cache(model.config, blocks, BLOCK_SIZE, state_slots(model.config, 1))
-    step = SequenceStep(ids, 0, list(range(blocks)), state_slot=state_slot(model.config, 0))
-    batch = build_batch([step], BLOCK_SIZE)
+    batch, cache = prefill_case(llm, prompt_len)
     backend.forward(model, batch, cache)  # every kernel loaded
     timer = backend.event_timer()
     totals, calls, whole = defaultdict(float), defaultdict(int), []

@@ -11,6 +11,12 @@ import numpy as np
 from infero.backends.cuda import driver
 
 
+def nbytes_of(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of a tensor of this shape and dtype. math.prod, not np.prod: an eager forward pass asks this a few
+    hundred times, and np.prod costs ~4 us a call (scripts/cuda_host_overhead.py)."""
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
 @dataclass(frozen=True)
 class DeviceTensor:
     ptr: int
@@ -20,13 +26,11 @@ class DeviceTensor:
 
     @property
     def numel(self) -> int:
-        # math.prod, not np.prod: an eager forward asks this a few hundred times, and np.prod costs ~4 us a call
-        # (scripts/cuda_host_overhead.py).
-        return int(math.prod(self.shape))
+        return int(math.prod(self.shape))  # math.prod: see nbytes_of
 
     @property
     def nbytes(self) -> int:
-        return self.numel * np.dtype(self.dtype).itemsize
+        return nbytes_of(self.shape, self.dtype)
 
     def reshape(self, *shape: int) -> DeviceTensor:
         if len(shape) == 1 and isinstance(shape[0], tuple):
@@ -86,7 +90,7 @@ def columns(t: DeviceTensor, start: int, stop: int) -> Strided:
 
 
 def empty(shape: tuple[int, ...], dtype, arena: driver.Arena | None = None) -> DeviceTensor:
-    nbytes = int(math.prod(shape)) * np.dtype(dtype).itemsize
+    nbytes = nbytes_of(shape, dtype)
     if arena is not None:
         return DeviceTensor(arena.allocate(nbytes), tuple(shape), np.dtype(dtype), arena)
     mem = driver.DeviceMemory(nbytes)
@@ -120,7 +124,7 @@ class Workspace:
         self.generation += 1
 
     def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
-        nbytes = int(math.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = nbytes_of(shape, dtype)
         size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
         if self.offset + size > self.memory.nbytes:
             raise MemoryError(f"workspace of {self.memory.nbytes:,} bytes exhausted (needs {self.offset + size:,})")
