@@ -18,15 +18,20 @@ import csv
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
-def read(path: str) -> tuple[list[str], list[list[str]]]:
-    """The source page's header and its instruction rows (ncu prints its log lines before the table)."""
+def read(path: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Each profiled launch's (kernel name, source page header, instruction rows): ncu prints its log lines, then a
+    "Kernel Name" line and a table for each launch (--launch-count N gives N)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    start = next((i for i, row in enumerate(rows) if SAMPLES in row and "Source" in row), None)
-    if start is None:
+    starts = [i for i, row in enumerate(rows) if SAMPLES in row and "Source" in row]
+    if not starts:
         raise SystemExit(f"{path}: no '{SAMPLES}' column; was ncu run with --page source --csv and SourceCounters?")
-    header = rows[start]
-    return header, [row for row in rows[start + 1 :] if len(row) == len(header)]
+    tables = []
+    for start, end in zip(starts, starts[1:] + [len(rows)], strict=True):
+        name = next((row[1] for row in reversed(rows[:start]) if len(row) > 1 and row[0] == "Kernel Name"), "?")
+        header = rows[start]
+        tables.append((name, header, [row for row in rows[start + 1 : end] if len(row) == len(header)]))
+    return tables
 
 
 def number(text: str) -> float:
@@ -39,7 +44,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--before", type=int, default=12, help="instructions shown before each top one")
     args = parser.parse_args()
-    header, rows = read(args.csv)
+    for name, header, rows in read(args.csv):
+        print(f"=== {name}")
+        report(header, rows, args.top, args.before)
+
+
+def report(header: list[str], rows: list[list[str]], top: int, before: int) -> None:
     col = {name: i for i, name in enumerate(header)}
     reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
     totals = {r: sum(number(row[col[r]]) for row in rows) for r in reasons}
@@ -49,12 +59,12 @@ def main() -> None:
         if total:
             print(f"  {reason[len('stall_') :]:<20} {100 * total / everything:5.1f}%")
     source = [row[col["Source"]].strip() for row in rows]
-    ranked = sorted(range(len(rows)), key=lambda i: -number(rows[i][col[SAMPLES]]))[: args.top]
+    ranked = sorted(range(len(rows)), key=lambda i: -number(rows[i][col[SAMPLES]]))[:top]
     for i in ranked:
         share = 100 * number(rows[i][col[SAMPLES]]) / everything
         why = ", ".join(f"{r[len('stall_') :]} {rows[i][col[r]]}" for r in reasons if number(rows[i][col[r]]))
         print(f"\n{share:5.1f}%  [{i}] {source[i]}   ({why})")
-        for j in range(max(0, i - args.before), i):
+        for j in range(max(0, i - before), i):
             print(f"         [{j}] {source[j]}")
 
 

@@ -285,14 +285,16 @@ def grouped_matvec(outs: list[DeviceTensor], mats: list[ExpertWeights], grouping
 
 
 _MMA_PIECES = {12: 9, 13: 11, 14: 14, 8: 17}  # 16-byte pieces matvec_experts_mma stages a (stage, row): mu::Policy
+_MMA_RAW = {14: 224, 8: 288}  # a row's raw window (2-byte aligned stages, copied as the 16-byte chunks holding them)
 
 
 def mma_shared(ggml_type: int, group: int, cols: int) -> int:
     """matvec_experts_mma's dynamic shared memory: two buffers of a stage (256 columns), each with the pairs'
     activations and scales (640 bytes a pair) and the rows' weights (the format's pieces a row, and for Q4_K / Q5_K
-    each unit's {A, B}: 64 bytes)."""
+    each unit's {A, B}: 64 bytes), and for Q6_K / Q8_0 one raw window a row."""
     rows = 16 * MMA_WARPS // (group // 16)
-    return 2 * (640 * group + 16 * _MMA_PIECES[ggml_type] * rows + (64 * rows if ggml_type in (12, 13) else 0))
+    buffer = 640 * group + 16 * _MMA_PIECES[ggml_type] * rows + (64 * rows if ggml_type in (12, 13) else 0)
+    return 2 * buffer + _MMA_RAW.get(ggml_type, 0) * rows
 
 
 def _grouped_mma(outs, mats, grouping: Grouping, per_token: int, stream: driver.Stream, quantized) -> None:

@@ -34,15 +34,19 @@ constexpr int KU = 8;  // units a stage (a span)
 __device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))); }
 
 // 16 bytes at a 2-byte aligned p from the 4-byte words holding them (the last one found from p's byte 15, so no
-// word without a requested byte is read), shifted into place.
+// word without a requested byte is read), shifted into place. GLOBAL: p is in global memory (read through the
+// read-only cache), else in shared memory (a stage's bytes copied there whole: moe_mma.cu's raw windows).
+template <bool GLOBAL = true>
 __device__ __forceinline__ uint4 load16_at2(const uint8_t* p) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(a & ~3ull);
+  // Pointer arithmetic on p (not an integer made a pointer), so a shared-memory p is still known to be one: LDS.
+  const int mis = (int)(reinterpret_cast<unsigned long long>(p) & 3);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p - mis);
+  const uint32_t* last = reinterpret_cast<const uint32_t*>(p + 15 - ((mis + 15) & 3));
   uint32_t v[5];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = __ldg(w + i);
-  v[4] = __ldg(reinterpret_cast<const uint32_t*>((a + 15) & ~3ull));
-  const int sh = 8 * (int)(a & 3);
+  for (int i = 0; i < 4; ++i) v[i] = GLOBAL ? __ldg(w + i) : w[i];
+  v[4] = GLOBAL ? __ldg(last) : *last;
+  const int sh = 8 * mis;
   return make_uint4(__funnelshift_r(v[0], v[1], sh), __funnelshift_r(v[1], v[2], sh), __funnelshift_r(v[2], v[3], sh),
                     __funnelshift_r(v[3], v[4], sh));
 }
@@ -71,7 +75,8 @@ __device__ __forceinline__ uint32_t staged_at(const uint8_t* sw, int rows, int r
 }
 
 // ---- formats ------------------------------------------------------------------------------------------------------
-// Policy<T>: a row's stage is PIECES 16-byte pieces from stage_at(); frag() the lane's A words (RUNS fragments) of
+// Policy<T>: a row's stage is PIECES 16-byte pieces from stage_at() (!ASYNC: piece(), from the stage_bytes()
+// bytes of a 2-byte aligned stage); frag() the lane's A words (RUNS fragments) of
 // rows rl and rl + 8 for unit k of the staged stage and their A, B (and Q6_K's run scales); mma() the unit's sums,
 // value() its c for row h; HAS_M: M = s, the unit's activation sum (else B = M = 0); PREP: prep() forms a row's
 // A, B of the stage's 8 units once, frag() reads them.
@@ -135,9 +140,11 @@ template <>
 struct Policy<GGML_Q6_K> {
   static constexpr int BYTES = 210, PIECES = 14, RUNS = 2;
   static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
+  __device__ static int stage_bytes(int) { return BYTES; }
   struct Unit { float a[2], s0[2], s1[2], k0[2], k1[2]; };  // k_r = -S_r 1.5 2^23: exact
+  template <bool GLOBAL = true>
   __device__ static uint4 piece(const uint8_t* stage, int i, int = KU) {
-    return i < 13 ? load16_at2(stage + 16 * i) : make_uint4(quant::ld_u16(stage + 208), 0u, 0u, 0u);
+    return i < 13 ? load16_at2<GLOBAL>(stage + 16 * i) : make_uint4(quant::ld_u16(stage + 208), 0u, 0u, 0u);
   }
   __device__ static void frag(uint32_t (&a)[RUNS][4], Unit& un, const uint8_t* sw, const float2*, int rows, int rl,
                               int k, int j) {
@@ -183,9 +190,11 @@ template <>
 struct Policy<GGML_Q8_0> {
   static constexpr int BYTES = 272, PIECES = 17, RUNS = 1;
   static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
+  __device__ static int stage_bytes(int valid) { return 34 * valid; }  // a row's last stage: `valid` blocks
   struct Unit { float a[2]; };
+  template <bool GLOBAL = true>
   __device__ static uint4 piece(const uint8_t* stage, int i, int valid) {
-    if (i < 16) return load16_at2(stage + 34 * min(i >> 1, valid - 1) + 2 + 16 * (i & 1));
+    if (i < 16) return load16_at2<GLOBAL>(stage + 34 * min(i >> 1, valid - 1) + 2 + 16 * (i & 1));
     uint32_t d[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
@@ -271,9 +280,11 @@ template <>
 struct Policy<GGML_IQ4_XS> {
   static constexpr int BYTES = 136, PIECES = 9, RUNS = 1;
   static constexpr bool ASYNC = false, HAS_M = false, PREP = false;
+  __device__ static int stage_bytes(int) { return BYTES; }
   struct Unit { float a[2]; };
+  template <bool GLOBAL = true>
   __device__ static uint4 piece(const uint8_t* stage, int i, int = KU) {
-    if (i < 8) return load16_at2(stage + 16 * i);
+    if (i < 8) return load16_at2<GLOBAL>(stage + 16 * i);
     const uint2 v = *reinterpret_cast<const uint2*>(stage + 128);
     return make_uint4(v.x, v.y, 0u, 0u);
   }

@@ -17,11 +17,12 @@
 // the rows: a block holds 64 (G = 16), 32 (G = 32) or 16 (G = 64) rows. The block walks the row's stages (256
 // columns, a span: a Q8_0 row's last may be partial) through two shared buffers (mma_units.cuh's staging: the
 // activation [8][G][2][32 bytes], its scales [8][G][2], the weights [pieces][rows][16 bytes], Q4_K / Q5_K's {A, B}
-// [8][rows]); stage s + 1's
-// activations and 16-byte aligned weights are copied by cp.async while stage s's mma work runs, one block barrier a
-// stage. Q6_K and Q8_0 blocks are 2-byte aligned: their weight pieces come from the 4-byte words around them, through
-// registers, just before their stage's barrier. Speed on the H200: not measured yet (scripts/bench_moe_experts.py,
-// its --mma groups).
+// [8][rows]); stage s + 1's copies are issued by cp.async while stage s's mma work runs, one block barrier a stage.
+// Only the live column tiles' activations are copied (pairs past the group's count rounded up to 4 are never read).
+// Q6_K and Q8_0 stages are 2-byte aligned: each row's stage is copied whole as the 16-byte chunks holding it into a
+// raw window ([rows][RAW]: one buffer, its copy issued after the barrier that ends the previous stage's use of it),
+// and once it lands the row's THREADS / ROWS threads (lanes of one warp) cut it into the pieces, before the stage's
+// barrier. Speed on the H200: "Mixture of experts" in docs/performance.md (scripts/bench_moe_experts.py).
 #include "pdl.cuh"
 #include "fixed_point.cuh"
 #include "mma_units.cuh"
@@ -49,8 +50,11 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4, KU = mu::KU, THREADS = 32 * xm::WARPS;
   constexpr int ACT_BYTES = 640 * G, W_BYTES = 16 * P::PIECES * ROWS;
   constexpr int BUF_BYTES = ACT_BYTES + W_BYTES + (P::PREP ? 8 * KU * ROWS : 0);  // moe.mma_shared
+  // !ASYNC: a row's raw window (its stage's bytes from 14 past a 16-byte boundary at most) and its threads.
+  constexpr int RAW = 16 * ((14 + P::BYTES + 15) / 16), RQ = THREADS / ROWS;
   static_assert(G % 16 == 0 && WP <= xm::WARPS, "G: 16, 32 or 64");
-  extern __shared__ __align__(16) uint8_t smem[];  // two stage buffers, stage s in buffer s % 2
+  static_assert(32 % RQ == 0, "a row's threads are lanes of one warp");
+  extern __shared__ __align__(16) uint8_t smem[];  // two stage buffers, stage s in buffer s % 2; then the raw windows
   __shared__ int arow[G];
   const int units = cols / 32, stages = (units + KU - 1) / KU;
   const int tiles = (rows + ROWS - 1) / ROWS;
@@ -71,22 +75,32 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
     return mu::stage_at<T>(weight, min(row0 + r, rows - 1), st, row_bytes, false);
   };
   // Stage st's copies into buffer st % 2 by cp.async (no registers: they overlap the previous stage's mma work): the
-  // activation slices, their scales (a unit's two halves at once) and, where 16-byte aligned (ASYNC), the weights.
+  // live tiles' activation slices, their scales (a unit's two halves at once) and the weights, where 16-byte aligned
+  // (ASYNC) as pieces, else as the chunks of each row's raw window (this thread's share of row rr's).
+  const int live = min(G, (n + 3) & ~3);
+  const int rr = tid / RQ, rq = tid % RQ;
+  uint8_t* raw = smem + 2 * BUF_BYTES + rr * RAW;
   auto issue = [&](int st) {
     const int u0 = st * KU, valid = min(KU, units - u0);
     uint8_t* sb = smem + (st & 1) * BUF_BYTES;
     ActScale* ss = reinterpret_cast<ActScale*>(sb + 512 * G);
     for (int i = tid; i < 4 * KU * G; i += THREADS) {
       const int plane = (i >> 1) & 1, p = (i >> 2) % G, k = (i >> 2) / G;
-      if (k < valid)
+      if (k < valid && p < live)
         tc::cp_async<16>(sb + 16 * i, (plane ? xq1 : xq) + (long long)arow[p] * cols + 32 * (u0 + k) + 16 * (i & 1));
     }
     for (int i = tid; i < KU * G; i += THREADS)
-      if (i / G < valid) tc::cp_async<16>(ss + 2 * i, xs + (long long)arow[i % G] * (cols / 16) + 2 * (u0 + i / G));
+      if (i / G < valid && i % G < live)
+        tc::cp_async<16>(ss + 2 * i, xs + (long long)arow[i % G] * (cols / 16) + 2 * (u0 + i / G));
     if constexpr (P::ASYNC) {
       uint8_t* sa = sb + ACT_BYTES;
       for (int i = tid; i < P::PIECES * ROWS; i += THREADS)
         tc::cp_async<16>(sa + 16 * i, P::piece_at(stage_of(i % ROWS, st), i / ROWS));
+    } else {
+      const uint8_t* stage = stage_of(rr, st);
+      const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<unsigned long long>(stage) & ~15ull);
+      const int chunks = (int)((stage - base) + P::stage_bytes(valid) + 15) / 16;
+      for (int c = rq; c < chunks; c += RQ) tc::cp_async<16>(raw + 16 * c, base + 16 * c);
     }
   };
 
@@ -98,12 +112,13 @@ __global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __
   for (int st = 0; st < stages; ++st) {
     const int valid = min(KU, units - st * KU);
     uint8_t* sb = smem + (st & 1) * BUF_BYTES;
-    if constexpr (!P::ASYNC) {  // 2-byte aligned pieces, realigned in registers (the buffer's stage st - 2 is done)
-      uint4* sa = reinterpret_cast<uint4*>(sb + ACT_BYTES);
-#pragma unroll 4
-      for (int i = tid; i < P::PIECES * ROWS; i += THREADS) sa[i] = P::piece(stage_of(i % ROWS, st), i / ROWS, valid);
-    }
     tc::cp_async_wait<0>();
+    if constexpr (!P::ASYNC) {  // row rr's raw window landed (its lanes' copies): its pieces into the buffer
+      __syncwarp();
+      const int offset = (int)(reinterpret_cast<unsigned long long>(stage_of(rr, st)) & 15);
+      uint4* sa = reinterpret_cast<uint4*>(sb + ACT_BYTES);
+      for (int i = rq; i < P::PIECES; i += RQ) sa[i * ROWS + rr] = P::template piece<false>(raw + offset, i, valid);
+    }
     mu::scales<T>(reinterpret_cast<ActScale*>(sb + 512 * G), KU * G, tid, THREADS);
     mu::prep<T>(reinterpret_cast<float2*>(sb + ACT_BYTES + W_BYTES), sb + ACT_BYTES, ROWS, tid);
     __syncthreads();  // stage st landed for every thread; every warp done with stage st - 1, whose buffer st + 1 takes
