@@ -60,11 +60,13 @@ MOE_GROUPED_MIN_TOKENS = 2
 # From this many tokens a mixture-of-experts layer whose quantized expert types are all moe.MMA_TYPES sorts its pairs
 # in runs of moe.MMA_GROUP for the tensor-core expert kernel (matvec_experts_mma); below it, in runs of
 # moe.GROUP_TOKENS for the __dp4a one. Both give every pair its 1-token mat-vec's bits, so this only moves time.
-# H200, 2026-12-04, e77ca4d: qwen3-30b-a3b's layer alone with uniformly random routing (scripts/bench_moe_experts.py)
-# at 16 / 32 / 48 / 64 tokens 320 / 463 / 600 / 727 us on the __dp4a groups, 343 / 443 / 488 / 493 on the tensor
-# cores; in the synthetic models' decode steps (bench decode, from 128 -> from 32) qwen3-30b-a3b's 32 / 64 sequences
-# 20.1 / 35.2 -> 11.9 / 16.7 ms, qwen3.5-35b-a3b's 17.6 / 30.6 -> 8.9 / 13.9.
-MOE_MMA_MIN_TOKENS = 32
+# H200, 2026-12-04: since the kernel's Q6_K / Q8_0 windows and four Q4_K blocks an SM, qwen3-30b-a3b's layer alone
+# with uniformly random routing (scripts/bench_moe_experts.py) at 16 / 24 / 32 tokens took 197 / 283 / 374 us pair
+# by pair, 322 / 391 / 467 on the __dp4a groups, 222 / 252 / 296 on the tensor cores; the synthetic models' routing
+# (not uniform) favours them more: from 16 instead of 32, qwen3-30b-a3b's decode steps of 16 / 24 sequences 12.72 /
+# 16.19 -> 7.75 / 8.80 ms (8 and 32 unchanged: 8.3 and 10.5), bench serve at 32 clients unchanged (2,183 / 2,196
+# tok/s, fresh server).
+MOE_MMA_MIN_TOKENS = 16
 
 
 class CudaKVCache:

@@ -31,6 +31,16 @@ namespace xm {
 
 constexpr int WARPS = 4;
 
+// Blocks an SM holds (launch bounds): Q4_K's and Q5_K's four (128 registers, no spill; their two buffers fit four
+// times) against three (~148 registers) measured one qwen3-30b-a3b layer's experts at 32 / 512 tokens 313 / 1,261
+// -> 296 / 1,173 us and its synthetic model's prefill of 512 tokens 7,850 -> 8,501-8,588 tok/s (H200, 2026-12-04;
+// a third stage buffer at three blocks instead: 310 / 1,219 us, 8,078-8,135 tok/s), in groups of 16 (Q5_K's of 32
+// spill). Q6_K spills at 128 registers, and its windows and Q8_0's leave room for three.
+template <int T, int G>
+constexpr int blocks_per_sm() {
+  return (T == GGML_Q4_K || T == GGML_Q5_K) && G == 16 ? 4 : 3;
+}
+
 struct ExpertMats {
   const uint8_t* weight[2];
   float* out[2];
@@ -39,13 +49,11 @@ struct ExpertMats {
 }  // namespace xm
 
 template <int T, int G>
-__global__ void __launch_bounds__(32 * xm::WARPS, 3) matvec_experts_mma(const __grid_constant__ xm::ExpertMats mats,
-                                                                    const int* __restrict__ order,
-                                                                    const int4* __restrict__ groups,
-                                                                    const int* __restrict__ num_groups, int per_token,
-                                                                    const int8_t* __restrict__ xq,
-                                                                    const ActScale* __restrict__ xs, int act_rows,
-                                                                    int rows, int cols, long long row_bytes) {
+__global__ void __launch_bounds__(32 * xm::WARPS, (xm::blocks_per_sm<T, G>()))
+    matvec_experts_mma(const __grid_constant__ xm::ExpertMats mats, const int* __restrict__ order,
+                       const int4* __restrict__ groups, const int* __restrict__ num_groups, int per_token,
+                       const int8_t* __restrict__ xq, const ActScale* __restrict__ xs, int act_rows, int rows,
+                       int cols, long long row_bytes) {
   using P = mu::Policy<T>;
   constexpr int WP = G / 16, WR = xm::WARPS / WP, ROWS = 16 * WR, NT = 4, KU = mu::KU, THREADS = 32 * xm::WARPS;
   constexpr int ACT_BYTES = 640 * G, W_BYTES = 16 * P::PIECES * ROWS;
