@@ -851,7 +851,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="start every prompt with the same N-token text, sent once before the run (default: 0, none)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic prompts (default: 0); runs of one seed send the same prompts, which a server "
+        "with prefix caching answers from its cache the second time: give each run its own",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
