@@ -17,7 +17,8 @@
 //
 // Staging. A kernel copies each row's stage into shared memory as PIECES 16-byte pieces, [PIECES][rows][16 bytes]
 // (lanes of one j read one word of rows g and g + 8: conflict free): piece_at() (ASYNC: the stage 16-byte aligned in
-// GGUF rows and the tiled layout, copied by cp.async) or piece() through registers (2-byte aligned blocks). The
+// GGUF rows and the tiled layout, copied by cp.async) or piece() for 2-byte aligned blocks, through registers from
+// global memory (linear_mma) or from the stage's bytes copied whole into shared memory (matvec_experts_mma). The
 // activation: [8 units][tokens][2 planes][32 bytes] and the scales [8][tokens][2 halves] (act_quant.cuh's ActScale),
 // which scales() turns into {D, M} in the half-0 slot.
 #pragma once
