@@ -64,9 +64,11 @@ MOE_GROUPED_MIN_TOKENS = 2
 # with uniformly random routing (scripts/bench_moe_experts.py) at 16 / 24 / 32 tokens took 197 / 283 / 374 us pair
 # by pair, 322 / 391 / 467 on the __dp4a groups, 222 / 252 / 296 on the tensor cores; the synthetic models' routing
 # (not uniform) favours them more: from 16 instead of 32, qwen3-30b-a3b's decode steps of 16 / 24 sequences 12.72 /
-# 16.19 -> 7.75 / 8.80 ms (8 and 32 unchanged: 8.3 and 10.5), bench serve at 32 clients unchanged (2,183 / 2,196
-# tok/s, fresh server).
-MOE_MMA_MIN_TOKENS = 16
+# 16.19 -> 7.75 / 8.80 ms (32 unchanged: 10.5), bench serve at 32 clients unchanged (2,183 / 2,196 tok/s, fresh
+# server); from 8 instead of 16, its steps of 8 / 12 sequences 8.37 / 7.69 -> 6.45 / 7.53 ms (second pair 8.32 /
+# 7.55 -> 6.50 / 7.48), where the layer alone at 8 tokens took 151 us on the tensor cores, 185 on the __dp4a groups
+# (108 pair by pair, which the models' own steps measured slower below 40 tokens: MOE_GROUPED_MIN_TOKENS).
+MOE_MMA_MIN_TOKENS = 8
 
 
 class CudaKVCache:
