@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infero.backends.cuda import driver
+from infero.checkpoint.tensor_types import BLOCK_LAYOUTS
 
 
 def nbytes_of(shape: tuple[int, ...], dtype) -> int:
@@ -124,14 +125,16 @@ class Workspace:
         self.generation += 1
 
     def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
-        nbytes = nbytes_of(shape, dtype)
-        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
-        if self.offset + size > self.memory.nbytes:
-            raise MemoryError(f"workspace of {self.memory.nbytes:,} bytes exhausted (needs {self.offset + size:,})")
-        t = DeviceTensor(self.memory.ptr + self.offset, tuple(shape), np.dtype(dtype), self.memory)
-        self.offset += size
-        self.high_water = max(self.high_water, self.offset)
-        return t
+        # An eager forward pass carves ~25 tensors a layer: plain int arithmetic (scripts/cuda_host_overhead.py).
+        dtype = np.dtype(dtype)
+        start, align = self.offset, self.ALIGN
+        end = start + ((int(math.prod(shape)) * dtype.itemsize + align - 1) // align * align or align)
+        if end > self.memory.nbytes:
+            raise MemoryError(f"workspace of {self.memory.nbytes:,} bytes exhausted (needs {end:,})")
+        self.offset = end
+        if end > self.high_water:
+            self.high_water = end
+        return DeviceTensor(self.memory.ptr + start, tuple(shape), dtype, self.memory)
 
 
 # Bytes a superblock takes in the tiled layout (weight_layout.py, kernels/quant.cuh): Q4_K's 144; Q6_K's 210 and 6
@@ -154,20 +157,16 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         """The matrix's encoded bytes, GGUF's (a tiled Q6_K matrix stores 216 for each superblock's 210)."""
-        from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType
-
-        layout = BLOCK_LAYOUTS[GGMLType(self.ggml_type)]
+        layout = BLOCK_LAYOUTS[self.ggml_type]
         return self.rows * (self.cols // layout.elements) * layout.bytes
 
     def layout_error(self, supported, tiled_ok: bool = False) -> str | None:
         """What is wrong with the stored blocks for a kernel taking the `supported` types (and, tiled_ok, the tiled
         layout), or None."""
-        from infero.checkpoint.tensor_types import BLOCK_LAYOUTS, GGMLType
-
         t, rows, cols = self.ggml_type, self.rows, self.cols
         if t not in supported:
             return f"GGML type {t} is not supported"
-        layout = BLOCK_LAYOUTS[GGMLType(t)]
+        layout = BLOCK_LAYOUTS[t]  # keyed by GGMLType, an IntEnum: its int finds it
         if cols % layout.elements:
             return f"type {t} needs a row length divisible by {layout.elements}, got {cols}"
         if self.tiled and not tiled_ok:
