@@ -8,16 +8,16 @@ engine launches a step: kernels/pdl.cuh's pdl_enter), then every block reads one
 writes one value the next reads: the shortest dependent hop a real kernel makes (a real one then streams its
 weights and computes). Also the same chain launched without the PDL attribute (plain stream order), and a chain of
 kernels that trigger their dependents before waiting. Prints microseconds a link, from CUDA events around graph
-replays after warm-up (the median of 20 replays).
+replays after a warm-up one (the median of 20 replays: bench_matvec.time_in_graph).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 
 import numpy as np
+from bench_matvec import time_in_graph
 
 from infero.backends.cuda import compiler, driver, runtime
 from infero.backends.cuda.tensor import empty
@@ -43,18 +43,7 @@ def chain_us(fn, blocks: int, threads: int, links: int, pdl: bool, early: bool, 
             src, dst = bufs[i % 2], bufs[(i + 1) % 2]
             driver.launch(fn, (blocks,), (threads,), (src.ptr, dst.ptr, int(early)), types, stream, pdl=pdl)
 
-    graph = driver.Graph(stream, record)
-    for _ in range(3):
-        graph.replay(stream)
-    times = []
-    for _ in range(20):
-        start, stop = driver.Event(), driver.Event()
-        start.record(stream)
-        graph.replay(stream)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(stop.elapsed_ms(start) * 1e3 / links)
-    return statistics.median(times)
+    return time_in_graph(stream, record, links, replays=20)
 
 
 def main() -> None:

@@ -126,15 +126,14 @@ class Workspace:
 
     def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
         # An eager forward pass carves ~25 tensors a layer: plain int arithmetic (scripts/cuda_host_overhead.py).
-        dtype = np.dtype(dtype)
         start, align = self.offset, self.ALIGN
-        end = start + ((int(math.prod(shape)) * dtype.itemsize + align - 1) // align * align or align)
+        end = start + ((nbytes_of(shape, dtype) + align - 1) // align * align or align)
         if end > self.memory.nbytes:
             raise MemoryError(f"workspace of {self.memory.nbytes:,} bytes exhausted (needs {end:,})")
         self.offset = end
         if end > self.high_water:
             self.high_water = end
-        return DeviceTensor(self.memory.ptr + start, tuple(shape), dtype, self.memory)
+        return DeviceTensor(self.memory.ptr + start, tuple(shape), np.dtype(dtype), self.memory)
 
 
 # Bytes a superblock takes in the tiled layout (weight_layout.py, kernels/quant.cuh): Q4_K's 144; Q6_K's 210 and 6
