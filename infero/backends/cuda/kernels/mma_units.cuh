@@ -341,17 +341,19 @@ __device__ __forceinline__ void prep(float2* ab, const uint8_t* sw, int rows, in
   }
 }
 
-// One span of a warp's 16 rows (rl, rl + 8) x NT column tiles of 4 tokens from the staged stage: the weights sw
-// ([PIECES][rows][16]) and their {A, B} ab (PREP types), the activation sb ([KU][tok][2][32]) and its {D, M} dm
-// ([KU][tok] at 2 x); tile nt's
-// tokens pb0 + 4 nt ..; units from `valid` on are absent (+0). With WHOLE false tiles from `live` on are skipped.
-// Each output's span value is fx::add-ed to sum.
-template <int T, int NT, bool WHOLE>
+// One span of a warp's 16 rows (rl, rl + 8) x the first LIVE of NT column tiles of 4 tokens from the staged stage:
+// the weights sw ([PIECES][rows][16]) and their {A, B} ab (PREP types), the activation sb ([KU][tok][2][32]) and its
+// {D, M} dm ([KU][tok] at 2 x); tile nt's tokens pb0 + 4 nt ..; units from `valid` on are absent (+0). Each
+// output's span value is fx::add-ed to sum. LIVE and (in a whole stage) valid = KU are constants, so the unrolled
+// units and tiles are straight-line code the compiler interleaves: a test between two mma chains (a run-time tile
+// count or unit bound) had serialized each (unit, tile)'s loads, mma and arithmetic behind the last's.
+template <int T, int NT, int LIVE>
 __device__ __forceinline__ void span_tiles(fx::Sum (&sum)[NT][2], const uint8_t* sw, const float2* ab,
                                            const uint8_t* sb, const float2* dm, int rows, int tok, int rl, int pb0,
-                                           int live, int valid, int g, int j) {
+                                           int valid, int g, int j) {
   using P = Policy<T>;
-  float part[NT][2][3];
+  static_assert(LIVE >= 1 && LIVE <= NT, "1 to NT live tiles");
+  float part[LIVE][2][3];
 #pragma unroll
   for (int k = 0; k < KU; ++k) {
     const bool here = k < valid;
@@ -359,9 +361,8 @@ __device__ __forceinline__ void span_tiles(fx::Sum (&sum)[NT][2], const uint8_t*
     typename P::Unit un;
     if (here) P::frag(a, un, sw, ab, rows, rl, k, j);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < LIVE; ++nt) {
       const int pb = pb0 + 4 * nt;
-      if (!WHOLE && pb >= live) break;
       float c[2] = {0.f, 0.f};
       if (here) {
         const uint2 bw = *reinterpret_cast<const uint2*>(sb + 64 * (k * tok + pb) + 32 * g + 8 * j);
@@ -376,11 +377,21 @@ __device__ __forceinline__ void span_tiles(fx::Sum (&sum)[NT][2], const uint8_t*
     }
   }
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    if (!WHOLE && pb0 + 4 * nt >= live) break;
+  for (int nt = 0; nt < LIVE; ++nt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) fx::add(sum[nt][h], part[nt][h][0]);
+}
+
+// A compile-time int for a generic lambda's argument.
+template <int N> struct Int { static constexpr int value = N; };
+
+// f(Int<L>()) with L = tiles (1 .. NT) a constant: span_tiles' LIVE from a warp's run-time count of live tiles.
+template <int NT, class F>
+__device__ __forceinline__ void with_tiles(int tiles, F&& f) {
+  if constexpr (NT > 1) {
+    if (tiles < NT) return with_tiles<NT - 1>(tiles, f);
   }
+  f(Int<NT>());
 }
 
 }  // namespace mu
