@@ -140,14 +140,15 @@ def test_a_folded_shared_expert_is_each_tokens_last_pair_weighted_by_its_sigmoid
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64), (4096, 8, 64)])
 def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_launch(gpu, experts, k, hidden):
-    """moe.router's logits row of a token is the same bits among 1, 3, 17 or 64 rows (and within 1e-5 of numpy's
-    float64 dot); routing in the router's launch (up to ROUTER_WARPS rows) writes what moe.route writes from those
-    logits; a replayed launch (its done-counter back at 0) routes again."""
+    """moe.router's logits row of a token is the same bits among 1, 3, 17, 64 or 203 rows (and within 1e-5 of
+    numpy's float64 dot), from moe_router up to ROUTER_TILES_MIN_TOKENS rows and moe_router_tiles past it; routing
+    in the router's launch (up to ROUTER_WARPS rows) writes what moe.route writes from those logits; a replayed
+    launch (its done-counter back at 0) routes again."""
     from infero.backends.cuda import moe, runtime, weight_layout
     from infero.backends.cuda.tensor import empty, from_host
 
     rng = np.random.default_rng(experts)
-    h = rng.normal(0, 1, size=(64, hidden)).astype(np.float32)
+    h = rng.normal(0, 1, size=(203, hidden)).astype(np.float32)
     w = rng.normal(0, 0.3, size=(experts, hidden)).astype(np.float32)
     stream, router = runtime.stream(), weight_layout.upload(w.view(np.uint8), int(Q.F32), experts, hidden)
     hd = from_host(h)
@@ -157,11 +158,12 @@ def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_laun
         moe.router(out, hd.rows(0, n), router, stream, routed)
         return out
 
-    rows = {n: logits_of(n).to_host(stream) for n in (1, 3, 17, 64)}
+    assert 17 < moe.ROUTER_TILES_MIN_TOKENS <= 64
+    rows = {n: logits_of(n).to_host(stream) for n in (1, 3, 17, 64, 203)}
     ref = h.astype(np.float64) @ w.T.astype(np.float64)
-    assert np.abs(rows[64] - ref).max() < 1e-5 * np.abs(ref).max()
-    for n in (1, 3, 17):
-        assert np.array_equal(rows[n], rows[64][:n]), f"{n} rows"
+    assert np.abs(rows[203] - ref).max() < 1e-5 * np.abs(ref).max()
+    for n in (1, 3, 17, 64):
+        assert np.array_equal(rows[n], rows[203][:n]), f"{n} rows"
     for _ in range(2):
         n = moe.ROUTER_WARPS
         ids, weights = empty((n, k), np.int32), empty((n, k), np.float32)
@@ -458,7 +460,10 @@ def test_a_moe_model_compiles_its_types_expert_kernels_and_a_dense_one_none():
             f"matvec.cu: matvec_experts<14, {PAIR_RPW}>", "matvec.cu: matvec_experts_f<0>"} <= moe_names  # fmt: skip
     assert not [n for n in moe_names if "matvec_experts<8," in n or "matvec_experts_f<1>" in n]
     # A dense model's float32 matrices of few rows take the router's mat-vec (CudaOps.linear), nothing else of MoE.
-    assert [n for n in dense_names if "moe.cu" in n or "experts" in n] == ["moe.cu: moe_router"]
+    assert sorted(n for n in dense_names if "moe.cu" in n or "experts" in n) == [
+        "moe.cu: moe_router",
+        "moe.cu: moe_router_tiles",
+    ]
     assert not [n for n in names(False, (Q.Q4_K, Q.Q6_K)) if "moe.cu" in n or "experts" in n]
 
 

@@ -45,12 +45,18 @@ MMA_GROUP = 16
 MMA_WARPS = 4  # matvec_experts_mma's warps a block: G / 16 split the pairs, the others 16 rows each
 COMBINE_MAX_K = 16  # experts a token may choose for down_combine (matvec.cu's COMBINE_MAX_K: a warp each)
 ROUTER_WARPS, ROUTER_TOKENS = 4, 16  # moe.cu's: moe_router's warps a block (one routes a token) and tokens a block
+ROUTER_TILE = 8  # moe.cu's: moe_router_tiles' experts and tokens a block
+# From this many rows the router's logits take moe_router_tiles (the same bits; up to ROUTER_WARPS rows moe_router
+# also routes them). qwen3-30b-a3b's router (2048 x 128) on the H200, us with moe_router alone -> moe_router_tiles
+# (scripts/bench_moe_route.py --tiles-min 1,100000, 2026-12-04): 8 / 32 / 512 / 2,048 rows 8.1 / 12.1 / 47.1 /
+# 154.9 -> 7.6 / 7.6 / 19.8 / 59.1.
+ROUTER_TILES_MIN_TOKENS = 8
 SORT_THREADS = 1024
 MAX_EXPERTS = 4096  # moe_sort keeps 4 ints an expert in shared memory (64 KiB at 4096)
 
 runtime.declare(SOURCE, ["moe_route", "moe_combine", "moe_sort"], needs=(runtime.EXPERTS,))
 # The router's fp32 mat-vec also runs every float32 matrix of few rows (CudaOps.linear): a model with any.
-runtime.declare(SOURCE, ["moe_router"], needs=(runtime.weight_type(0),))
+runtime.declare(SOURCE, ["moe_router", "moe_router_tiles"], needs=(runtime.weight_type(0),))
 for _t in matvec.QUANT_TYPES:
     _names = [
         f"matvec_experts<{_t}, {PAIR_RPW}>",
@@ -72,6 +78,7 @@ _GROUPED_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _L)
 _MMA_ARGS = (None, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _SORT_ARGS = (_P, _P, _P, _P, _I, _I, _I)
 _ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
+_TILES_ARGS = (_P, _P, _P, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
@@ -164,6 +171,12 @@ def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: d
                              f"got {n} rows, ids {ids.dtype} {ids.shape}, weights {weights.shape}")  # fmt: skip
         smem = 4 * ROUTER_WARPS * experts
     if n == 0:
+        return
+    if routed is None and n >= ROUTER_TILES_MIN_TOKENS:
+        grid = (-(-experts // ROUTER_TILE), -(-n // ROUTER_TILE))
+        args = (logits.ptr, h.ptr, weight.data.ptr, n, hidden, experts)
+        fn = runtime.kernel(SOURCE, "moe_router_tiles")
+        driver.launch(fn, grid, (32 * ROUTER_WARPS,), args, _TILES_ARGS, stream, pdl=True)
         return
     k = 0 if ids is None else ids.shape[1] - shared
     args = (logits.ptr, 0 if ids is None else ids.ptr, 0 if weights is None else weights.ptr, h.ptr, weight.data.ptr,

@@ -20,6 +20,15 @@
 // grid row) the last block to finish also routes every token (moe_route's work, a warp a token): a decode step's
 // router and top-k in one launch, where the router had run on a 16-row-per-launch mat-vec and moe_route after it.
 //
+// moe_router_tiles. The same logits, the same expression, by tiles: a block computes ROUTER_TILE experts x
+// ROUTER_TILE tokens, its thread (w, lane) the partial sum that moe_router's lane `lane` of warp w forms (its
+// float4s in the same order, by fmaf in element order), for all 64 outputs at once, so each float4 of the router
+// and of h it loads serves 8 outputs, where moe_router's block re-reads a token's h for each expert row (at 512
+// tokens the L2 bound it: 45 us a qwen3-30b-a3b layer). The partials then meet in shared memory, each output's 32
+// lanes of a quarter added in the xor butterfly's pairs (lane i + lane i + off, off = 16, 8, 4, 2, 1: the sums
+// every lane of the butterfly holds) and the quarters as (q0 + q1) + (q2 + q3): moe_router's bits at every n.
+// grid: (ceil(experts / ROUTER_TILE), ceil(n / ROUTER_TILE)), 32 ROUTER_WARPS threads.
+//
 // moe_combine. y float32 [n * k, cols] (pair t k + r: token t's rank-r expert output), weights [n, k] -> out
 // [n, cols] = weights[t, 0] y[t k] + weights[t, 1] y[t k + 1] + ..., each product rounded, then added in rank
 // order (__fmul_rn, __fadd_rn): numpy's out = w0 * y0; out += w1 * y1; ... One thread an element.
@@ -40,6 +49,7 @@ constexpr float TAKEN = -2.f;  // a chosen expert's p in shared memory (p is in 
 constexpr int ROUTER_WARPS = 4;   // moe_router: a block's warps, one quarter of the router row each
 constexpr int ROUTER_TOKENS = 16;  // moe_router: tokens a block computes (a grid row); routes up to this many
 constexpr int ROUTER_AHEAD = 8;    // moe_router: float4s of its row a lane loads before the PDL wait
+constexpr int ROUTER_TILE = 8;     // moe_router_tiles: experts and tokens a block
 
 }  // namespace moe
 
@@ -201,6 +211,72 @@ extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router(
     moe::route_row(ids + (long long)t * (k + shared), weights + (long long)t * (k + shared),
                    logits + (long long)t * experts, p + warp * experts, experts - shared, k, lane, shared);
   if (threadIdx.x == 0) moe::router_blocks_done = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * moe::ROUTER_WARPS) moe_router_tiles(
+    float* __restrict__ logits, const float* __restrict__ h, const float* __restrict__ router, int n, int hidden,
+    int experts) {
+  constexpr int TILE = moe::ROUTER_TILE, OUTS = TILE * TILE, STRIDE = OUTS + 1;  // + 1: conflict-free stores
+  __shared__ float part[moe::ROUTER_WARPS * 32 * STRIDE];                     // [warp][lane][output]
+  __shared__ float halves[2][OUTS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
+  const int vecs = hidden / 4, per_warp = (vecs + moe::ROUTER_WARPS - 1) / moe::ROUTER_WARPS;
+  const int v0 = warp * per_warp, v1 = min(v0 + per_warp, vecs);
+  // Rows past the matrix or the tokens read its last one (in bounds; their outputs are never stored). The row
+  // offsets are recomputed where they are used: arrays of 16 pointers went to the stack.
+  const float4* w4 = reinterpret_cast<const float4*>(router);
+  const float4* x4 = reinterpret_cast<const float4*>(h);
+  float acc[TILE][TILE];
+#pragma unroll
+  for (int i = 0; i < TILE; ++i)
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) acc[i][t] = 0.f;
+  pdl_enter();
+  for (int v = v0 + lane; v < v1; v += 32) {
+    float4 a[TILE], b[TILE];
+#pragma unroll
+    for (int i = 0; i < TILE; ++i) a[i] = __ldg(w4 + (long long)min(e0 + i, experts - 1) * vecs + v);
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) b[t] = x4[(long long)min(t0 + t, n - 1) * vecs + v];
+#pragma unroll
+    for (int i = 0; i < TILE; ++i)
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+        acc[i][t] = fmaf(a[i].x, b[t].x, acc[i][t]);
+        acc[i][t] = fmaf(a[i].y, b[t].y, acc[i][t]);
+        acc[i][t] = fmaf(a[i].z, b[t].z, acc[i][t]);
+        acc[i][t] = fmaf(a[i].w, b[t].w, acc[i][t]);
+      }
+  }
+  float* mine = part + (warp * 32 + lane) * STRIDE;
+#pragma unroll
+  for (int i = 0; i < TILE; ++i)
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) mine[i * TILE + t] = acc[i][t];
+  __syncthreads();
+  // Thread (half, o): output o's quarters 2 half and 2 half + 1, each its lanes' butterfly, then their sum.
+  static_assert(moe::ROUTER_WARPS == 4 && 2 * OUTS == 32 * moe::ROUTER_WARPS, "a thread a (half, output)");
+  const int o = threadIdx.x % OUTS, half = threadIdx.x / OUTS;
+  float q[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const float* col = part + (2 * half + u) * 32 * STRIDE + o;
+    float s[16];
+#pragma unroll
+    for (int l = 0; l < 16; ++l) s[l] = __fadd_rn(col[l * STRIDE], col[(l + 16) * STRIDE]);
+#pragma unroll
+    for (int l = 0; l < 8; ++l) s[l] = __fadd_rn(s[l], s[l + 8]);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) s[l] = __fadd_rn(s[l], s[l + 4]);
+#pragma unroll
+    for (int l = 0; l < 2; ++l) s[l] = __fadd_rn(s[l], s[l + 2]);
+    q[u] = __fadd_rn(s[0], s[1]);
+  }
+  halves[half][o] = __fadd_rn(q[0], q[1]);
+  __syncthreads();
+  const int e = e0 + o / TILE, t = t0 + o % TILE;
+  if (half == 0 && e < experts && t < n) logits[(long long)t * experts + e] = __fadd_rn(halves[0][o], halves[1][o]);
 }
 
 extern "C" __global__ void moe_combine(float* __restrict__ out, const float* __restrict__ y,
