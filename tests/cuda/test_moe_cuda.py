@@ -140,7 +140,7 @@ def test_a_folded_shared_expert_is_each_tokens_last_pair_weighted_by_its_sigmoid
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts, k, hidden", [(128, 8, 2048), (60, 4, 516), (512, 10, 64), (4096, 8, 64)])
 def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_launch(gpu, experts, k, hidden):
-    """moe.router's logits row of a token is the same bits among 1, 3, 17, 64 or 203 rows (and within 1e-5 of
+    """moe.router's logits row of a token is the same bits among 1, 3, 5, 17, 64 or 203 rows (and within 1e-5 of
     numpy's float64 dot), from moe_router up to ROUTER_TILES_MIN_TOKENS rows and moe_router_tiles past it; routing
     in the router's launch (up to ROUTER_WARPS rows) writes what moe.route writes from those logits; a replayed
     launch (its done-counter back at 0) routes again."""
@@ -158,11 +158,11 @@ def test_router_rows_are_the_same_bits_at_every_width_and_route_in_the_same_laun
         moe.router(out, hd.rows(0, n), router, stream, routed)
         return out
 
-    assert 17 < moe.ROUTER_TILES_MIN_TOKENS <= 64
-    rows = {n: logits_of(n).to_host(stream) for n in (1, 3, 17, 64, 203)}
+    assert 5 < moe.ROUTER_TILES_MIN_TOKENS <= 17
+    rows = {n: logits_of(n).to_host(stream) for n in (1, 3, 5, 17, 64, 203)}
     ref = h.astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(rows[203] - ref).max() < 1e-5 * np.abs(ref).max()
-    for n in (1, 3, 17, 64):
+    for n in (1, 3, 5, 17, 64):
         assert np.array_equal(rows[n], rows[203][:n]), f"{n} rows"
     for _ in range(2):
         n = moe.ROUTER_WARPS
