@@ -26,6 +26,7 @@ from infero.checkpoint.tensor_types import GGMLType
 SHAPES = {
     "8b": [("Q4_K", 14336, 4096), ("Q4_K", 4096, 4096), ("Q4_K", 1024, 4096), ("Q6_K", 4096, 14336),
            ("Q4_K", 4096, 14336), ("Q6_K", 1024, 4096), ("Q6_K", 128256, 4096)],
+    "30b-a3b": [("Q4_K", 4096, 2048), ("Q4_K", 512, 2048), ("Q6_K", 512, 2048), ("Q4_K", 2048, 4096)],
     "0.5b": [("Q8_0", 4864, 896), ("Q8_0", 896, 896), ("Q8_0", 128, 896), ("Q8_0", 896, 4864),
              ("Q8_0", 151936, 896)],
     # The block formats whose blocks are only 2- or 4-byte aligned (their windows are shifted into place).
