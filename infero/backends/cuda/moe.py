@@ -148,7 +148,8 @@ def route(ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, stream
 def router(logits: DeviceTensor, h: DeviceTensor, weight: QuantWeight, stream: driver.Stream,
            routed: tuple[DeviceTensor, DeviceTensor] | None = None, shared: bool = False) -> None:  # fmt: skip
     """logits float32 [n, experts] = h float32 [n, hidden] @ weight^T for a float32 router [experts, hidden], each
-    row the same bits at every n (moe.cu's moe_router). routed: (ids, weights) as route() writes them (with
+    row the same bits at every n (moe.cu's moe_router; from ROUTER_TILES_MIN_TOKENS rows moe_router_tiles, its
+    expression by tiles). routed: (ids, weights) as route() writes them (with
     `shared`, as route(..., shared=True)), in the same launch (n <= ROUTER_WARPS)."""
     n, hidden = h.shape
     experts = weight.rows

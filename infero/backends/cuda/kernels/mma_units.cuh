@@ -320,9 +320,6 @@ __device__ __forceinline__ const uint8_t* stage_at(const uint8_t* data, int row,
   return data + (long long)row * row_bytes + (long long)st * Policy<T>::BYTES;
 }
 
-// A compile-time flag for a generic lambda's argument (a kernel's loop with and without its per-tile tests).
-template <bool B> struct Flag { static constexpr bool value = B; };
-
 // The staged scales of `count` (unit, token) pairs (index i: [unit][token], both halves' ActScale at 2 i, 2 i + 1)
 // turned into {D, M} floats in the half-0 slot (M = s_0 + s_1: |M| < 2^24, exact), by the threads that copied them.
 template <int T>
