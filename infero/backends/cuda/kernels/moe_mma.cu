@@ -31,11 +31,13 @@ namespace xm {
 
 constexpr int WARPS = 4;
 
-// Blocks an SM holds (launch bounds): Q4_K's and Q5_K's four (128 registers, no spill; their two buffers fit four
-// times) against three (~148 registers) measured one qwen3-30b-a3b layer's experts at 32 / 512 tokens 313 / 1,261
-// -> 296 / 1,173 us and its synthetic model's prefill of 512 tokens 7,850 -> 8,501-8,588 tok/s (H200, 2026-12-04;
-// a third stage buffer at three blocks instead: 310 / 1,219 us, 8,078-8,135 tok/s), in groups of 16 (Q5_K's of 32
-// spill). Q6_K spills at 128 registers, and its windows and Q8_0's leave room for three.
+// Blocks an SM holds (launch bounds): Q4_K's and Q5_K's four (128 registers; their two buffers fit four times)
+// against three (~148 registers) measured one qwen3-30b-a3b layer's experts at 32 / 512 tokens 313 / 1,261 -> 296 /
+// 1,173 us and its synthetic model's prefill of 512 tokens 7,850 -> 8,501-8,588 tok/s (H200, 2026-12-04; a third
+// stage buffer at three blocks instead: 310 / 1,219 us, 8,078-8,135 tok/s), in groups of 16 (Q5_K's of 32 spill).
+// With the span as straight-line code (a86f0c8) the four spill 8 bytes and still win: 261 / 918 us and 9,885-9,945
+// tok/s against three blocks' (no spill, 164 registers) 267 / 945 us and 9,531-9,605. Q6_K spills at 128
+// registers, and its windows and Q8_0's leave room for three.
 template <int T, int G>
 constexpr int blocks_per_sm() {
   return (T == GGML_Q4_K || T == GGML_Q5_K) && G == 16 ? 4 : 3;
