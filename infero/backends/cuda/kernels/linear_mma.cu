@@ -170,19 +170,10 @@ __global__ void __launch_bounds__(lm::THREADS, 1)
     const uint8_t* sb = smem + b * BUF_BYTES;
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * TOK);
     const float2* ab = reinterpret_cast<const float2*>(sb + ACT_BYTES + W_BYTES);
-    // The warp's live column tiles as a constant, and a whole stage's `valid` as KU: the span's units and tiles are
-    // then straight-line code (mma_units.cuh's span_tiles).
-    const int valid = min(KU, units - st * KU);
-    if (active) {
-      mu::with_tiles<NT>(min(NT, (live - tb + 3) / 4), [&](auto tiles) {
-        constexpr int L = decltype(tiles)::value;
-        if (valid == KU) {
-          mu::span_tiles<T, NT, L>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, KU, g, j);
-        } else if constexpr (lm::PARTIAL<T>) {
-          mu::span_tiles<T, NT, L>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, valid, g, j);
-        }
-      });
-    }
+    // The warp's live column tiles: those with a token below the block's live ones.
+    if (active)
+      mu::span<T, NT, lm::PARTIAL<T>>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, TOK, rl, tb, min(NT, (live - tb + 3) / 4),
+                                      min(KU, units - st * KU), g, j);
     const int after = b + 1 == bufs ? 0 : b + 1;  // stage st + 1's buffer
     if (next) store(after);  // its weights: every warp passed a barrier since its last mma work on that buffer
     b = after;

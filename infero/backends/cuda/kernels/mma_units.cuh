@@ -391,4 +391,21 @@ __device__ __forceinline__ void with_tiles(int tiles, F&& f) {
   f(Int<NT>());
 }
 
+// span_tiles for a warp's run-time count of live tiles (1 .. NT) and a stage's `valid` units, both made constants
+// where they can be: the live tiles always, `valid` = KU in a whole stage. PARTIAL: the type's rows may end inside a
+// stage (valid < KU); for other types such a stage never occurs and has no code.
+template <int T, int NT, bool PARTIAL>
+__device__ __forceinline__ void span(fx::Sum (&sum)[NT][2], const uint8_t* sw, const float2* ab, const uint8_t* sb,
+                                     const float2* dm, int rows, int tok, int rl, int pb0, int tiles, int valid,
+                                     int g, int j) {
+  with_tiles<NT>(tiles, [&](auto live) {
+    constexpr int L = decltype(live)::value;
+    if (valid == KU) {
+      span_tiles<T, NT, L>(sum, sw, ab, sb, dm, rows, tok, rl, pb0, KU, g, j);
+    } else if constexpr (PARTIAL) {
+      span_tiles<T, NT, L>(sum, sw, ab, sb, dm, rows, tok, rl, pb0, valid, g, j);
+    }
+  });
+}
+
 }  // namespace mu

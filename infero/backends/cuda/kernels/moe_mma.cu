@@ -136,18 +136,10 @@ __global__ void __launch_bounds__(32 * xm::WARPS, (xm::blocks_per_sm<T, G>()))
     tc::cp_async_commit();
     const float2* dm = reinterpret_cast<const float2*>(sb + 512 * G);
     const float2* ab = reinterpret_cast<const float2*>(sb + ACT_BYTES + W_BYTES);
-    // The warp's live column tiles (those with a pair below n) as a constant, and a whole stage's `valid` as KU: the
-    // span's units and tiles are then straight-line code (mma_units.cuh's span_tiles).
-    if (active) {
-      mu::with_tiles<NT>((n - 16 * wp + 3) / 4, [&](auto live) {
-        constexpr int L = decltype(live)::value;
-        if (valid == KU) {
-          mu::span_tiles<T, NT, L>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, G, rl, 16 * wp, KU, g, j);
-        } else if constexpr (T == GGML_Q8_0) {  // only Q8_0 rows (32-column blocks) end inside a stage
-          mu::span_tiles<T, NT, L>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, G, rl, 16 * wp, valid, g, j);
-        }
-      });
-    }
+    // The warp's live column tiles: those with a pair below n. Only Q8_0 rows (32-column blocks) end inside a stage.
+    if (active)
+      mu::span<T, NT, T == GGML_Q8_0>(sum, sb + ACT_BYTES, ab, sb, dm, ROWS, G, rl, 16 * wp, (n - 16 * wp + 3) / 4,
+                                      valid, g, j);
   }
   if (!active) return;
   float* out = seg ? mats.out[1] : mats.out[0];
