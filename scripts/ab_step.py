@@ -1,5 +1,5 @@
-"""A switch of the engine, each of its values, inside the batch-1 decode step (GPU machine): the step's GPU time
-for each, alternated so that the drift between measurements (tens of microseconds) falls on all alike.
+"""A switch of the engine, each of its values, inside a decode step (GPU machine; one sequence, or --batch N): the
+step's GPU time for each, alternated so that the drift between measurements (tens of microseconds) falls on all alike.
 
     python scripts/ab_step.py --model FILE.gguf --flag MODULE:ATTRIBUTE [--values 16,8] [--repeats 8]
     python scripts/ab_step.py --model FILE.gguf --flag MODULE:PREDICATE --predicate
@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="module:ATTRIBUTE=NUMBER held for the whole run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1, help="sequences in the step, each after its own prompt")
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
     hold(args.set)
-    step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps)
+    step_us = graph_step_timer(LLM(args.model, device="cuda"), args.prompt, args.steps, args.batch)
     step_us()
     for flag in args.flag:
         compare(flag, args, step_us)

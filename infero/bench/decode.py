@@ -142,12 +142,12 @@ def engine_token_seconds(llm, prompt_ids: list[int], tokens: int) -> float:
     return float(np.median(gaps[2:] if len(gaps) > 2 else gaps))
 
 
-def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
-    """A function timing the batch-1 decode step on the GPU alone (the engine's graph, CUDA events, median of
-    `steps` replays), re-captured on every call so that it runs the launches as the caller has just set them.
-    For A/B comparisons inside one process (scripts/sweep_decode_plan.py): alternate the variants, since the
-    step's time drifts by tens of microseconds between measurements."""
-    forward = decode_step(llm, prompt_len)
+def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30, batch: int = 1):
+    """A function timing the decode step of `batch` sequences on the GPU alone (the engine's graph, CUDA events,
+    median of `steps` replays), re-captured on every call so that it runs the launches as the caller has just set
+    them. For A/B comparisons inside one process (scripts/ab_step.py): alternate the variants, since the step's time
+    drifts by tens of microseconds between measurements."""
+    forward = decode_step(llm, prompt_len, batch)
     timer = llm.backend.event_timer()
 
     def step_us() -> float:
@@ -163,18 +163,22 @@ def graph_step_timer(llm, prompt_len: int = 512, steps: int = 30):
     return step_us
 
 
-def decode_step(llm, prompt_len: int = 512):
-    """A function running one batch-1 decode step (the same one each call, its graph once captured) after a
-    prompt_len-token prompt, with nothing on the host around it."""
+def decode_step(llm, prompt_len: int = 512, batch: int = 1):
+    """A function running one decode step of `batch` sequences (the same one each call, its graph once captured),
+    each after its own prompt_len-token prompt, with nothing on the host around it."""
     model, backend, block = llm.model, llm.backend, BLOCK_SIZE
     blocks = -(-(prompt_len + 64) // block)
-    cache = backend.allocate_kv_cache(model.config, blocks, block, state_slots(model.config, 1))
-    table, slot = list(range(blocks)), state_slot(model.config, 0)
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=prompt_len + 1).tolist()
-    last = prefill_chunks(llm, cache, table, ids[:-1], slot)
-    backend.forward(model, build_batch([SequenceStep(ids[last:-1], last, table, state_slot=slot)], block), cache)
-    # The same step each call: a hybrid's state moves on each time, which changes no kernel's work.
-    step = build_batch([SequenceStep(ids[-1:], prompt_len, table, state_slot=slot)], block)
+    cache = backend.allocate_kv_cache(model.config, blocks * batch, block, state_slots(model.config, batch))
+    rng = np.random.default_rng(0)
+    steps = []
+    for b in range(batch):
+        table, slot = list(range(b * blocks, (b + 1) * blocks)), state_slot(model.config, b)
+        ids = rng.integers(0, model.config.vocab_size, size=prompt_len + 1).tolist()
+        last = prefill_chunks(llm, cache, table, ids[:-1], slot)
+        backend.forward(model, build_batch([SequenceStep(ids[last:-1], last, table, state_slot=slot)], block), cache)
+        # The same step each call: a hybrid's state moves on each time, which changes no kernel's work.
+        steps.append(SequenceStep(ids[-1:], prompt_len, table, state_slot=slot))
+    step = build_batch(steps, block)
     return lambda: backend.forward(model, step, cache)
 
 

@@ -3,13 +3,13 @@
 Both kernels compute one definition (batch invariance rule 3, kernels/attention.cu's header): a query row's output
 is the left fold, in position order, of its 64-key tiles' partials anchored at position 0, then O / l. Prefill
 chunks (two or more new tokens) fold every tile in registers. Decode sequences (one new token) spread their tiles
-over the CTAs a launch gives each (sequence, kv head), chosen from the batch to fill the GPU; a CTA that takes all
-of a sequence's tiles folds them itself, otherwise each tile is written as a partial and a second kernel folds them
-in order: the same bits either way, so a query's bits depend neither on the batch, nor on the CTAs, nor on whether
-its token was decoded or prefilled. A mixed batch launches both kernels; each skips the other's sequences.
-Both kernels double-buffer their K/V tiles where two stages fit the GPU's shared memory, else take one (head dim
-256 on GPUs that let a block opt in to less than 132 KiB: sm_86, sm_89, sm_120); the stages change when a tile
-loads, never the arithmetic, so the bits do not depend on the GPU.
+over the CTAs a launch gives each (sequence, kv head), chosen from the batch to fill one wave (decode_splits); a CTA
+that takes all of a sequence's tiles folds them itself, otherwise each tile is written as a partial and a second
+kernel folds them in order: the same bits either way, so a query's bits depend neither on the batch, nor on the
+CTAs, nor on whether its token was decoded or prefilled. A mixed batch launches both kernels; each skips the
+other's sequences. Both kernels double-buffer their K/V tiles where two stages fit the GPU's shared memory, else
+take one (head dim 256 on GPUs that let a block opt in to less than 132 KiB: sm_86, sm_89, sm_120); the stages
+change when a tile loads, never the arithmetic, so the bits do not depend on the GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from infero.backends.cuda.tensor import DeviceTensor, Workspace
 
 FILE = "attention.cu"
 HEAD_DIMS = (64, 128, 256)
-DECODE_CTAS_PER_SM = 3  # decode CTAs a launch aims for per SM (3 fit at once at head_dim 128, 4 at 64, 1 at 256)
+# How many of a decode launch's CTAs each SM holds at once (0: one CTA per (sequence, kv head), never split); None:
+# what the occupancy calculator says for the kernel (3 at head dim 128 on the H200).
+DECODE_CTAS_PER_SM: int | None = None
 _BLOCK_N = 64  # keys a tile, must match kernels/attention.cu
 # Bytes of tile partials a decode launch may borrow from the workspace: a sequence with more tiles than the launch has
 # slots for is folded by one CTA (the same bits, less parallel). 64 sequences x 32 heads x 16 tiles of head dim 128
@@ -63,6 +65,8 @@ _LOG2E = 1.4426950408889634
 _functions: dict[tuple[str, int, int], object] = {}
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
+_resident: dict = {}  # decode kernel -> its CTAs an SM holds at once
+runtime.on_reload(_resident.clear)
 _shared_optin: list[int] = []
 
 
@@ -143,9 +147,8 @@ def paged_attention(
             return
 
     row_tiles = -(-group // _ROWS_DECODE)
-    # CTAs per (sequence, kv head): enough to fill the GPU at small batches, one at large ones.
-    ctas = -(-DECODE_CTAS_PER_SM * _sm_count() // (num_seqs * num_kv_heads * row_tiles))
-    ctas = max(1, min(key_tiles(max_context_len), ctas))
+    decode = _function("decode", head_dim, stages)
+    ctas = decode_splits(num_seqs * num_kv_heads * row_tiles, key_tiles(max_context_len), _slots(decode, smem))
     part_tiles = partial_tiles(num_seqs, num_heads, head_dim, max_context_len) if ctas > 1 else 0
     if part_tiles < 2:  # no sequence of more than one tile could be split: one CTA folds each
         ctas, part_tiles = 1, 0
@@ -156,7 +159,6 @@ def paged_attention(
         args[7], args[8] = part_out.ptr, part_ml.ptr
     args[14] = part_tiles
     grid = (ctas, num_kv_heads, num_seqs * row_tiles)
-    decode = _function("decode", head_dim, stages)
     driver.launch(decode, grid, (128,), tuple(args), _ATTENTION_TYPES, stream, smem, pdl=True, carveout=True)
     if part_tiles:
         merge_args = (out.ptr, part_out.ptr, part_ml.ptr, context_lens.ptr, query_starts.ptr, num_heads, part_tiles,
@@ -164,6 +166,28 @@ def paged_attention(
         driver.launch(_function("merge_splits", head_dim), (num_heads, num_seqs), (head_dim,), merge_args,
                       _MERGE_TYPES, stream, pdl=True)  # fmt: skip
     workspace.offset = mark  # the partials are dead once the merge (queued on this stream) has run
+
+
+def decode_splits(units: int, tiles: int, slots: int) -> int:
+    """CTAs a decode launch gives each of its `units` (sequence, kv head, row tile) of up to `tiles` key tiles, where
+    `slots` CTAs fit on the GPU at once: as many as fit in one wave, but one where the units alone fill half of it.
+    A split costs its tile partials' write and read and the merge launch, and a wave more leaves SMs idle at its
+    tail: on the H200 (scripts/bench_attention.py, 2026-12-04) qwen3-30b-a3b's 32 sequences of 512 keys took 23.8
+    us in 3 splits (one wave) against 28.7 in 4 (1.3 waves), llama-3.1-8b's 32 x 512 37.6 unsplit against 46.6 in
+    2, and 64 x 512 38.0 unsplit against 52.4 in 2 (docs/performance.md)."""
+    if slots <= 0 or 2 * units > slots:
+        return 1
+    return max(1, min(tiles, slots // units))
+
+
+def _slots(decode, smem: int) -> int:
+    """Decode CTAs the GPU holds at once: DECODE_CTAS_PER_SM, or the occupancy calculator's count, per SM."""
+    per_sm = DECODE_CTAS_PER_SM
+    if per_sm is None:
+        per_sm = _resident.get(decode)
+        if per_sm is None:
+            per_sm = _resident[decode] = driver.resident_blocks_per_sm(decode, 128, smem)
+    return per_sm * _sm_count()
 
 
 def _stages(head_dim: int) -> int:

@@ -47,10 +47,10 @@
 //                      and its barriers cost more than S computed four times. Sequences with q_len == 1
 //                      only. CTA (x, kv head, sequence) computes tiles x, x + gridDim.x, ... (the next one's
 //                      K/V in flight while it computes one) and writes each as a partial; the launcher picks
-//                      gridDim.x from the batch to fill the GPU (one CTA a tile at batch 1 up to 2,048 keys, one
-//                      CTA per sequence and kv head at large batches). Where one CTA takes all of a sequence's
-//                      tiles (gridDim.x 1, a context of one tile, or more tiles than part_tiles) it folds them in
-//                      registers and writes the output itself.
+//                      gridDim.x from the batch (attention.decode_splits: as many CTAs as fit in one wave, one
+//                      CTA per sequence and kv head where those alone fill half of it). Where one CTA takes all
+//                      of a sequence's tiles (gridDim.x 1, a context of one tile, or more tiles than part_tiles)
+//                      it folds them in registers and writes the output itself.
 //   attention_merge_splits: for decode sequences whose tiles were split, the fold of their partials in tile order.
 // xq / xs (decode only, every token a decode token): out is also written in the mat-vec's activation format
 // (act_quant.cuh), as rows of num_heads * HD, by whichever kernel writes the token's out (the decode kernel
