@@ -182,12 +182,11 @@ def decode_splits(units: int, tiles: int, slots: int) -> int:
 
 def _slots(decode, smem: int) -> int:
     """Decode CTAs the GPU holds at once: DECODE_CTAS_PER_SM, or the occupancy calculator's count, per SM."""
-    per_sm = DECODE_CTAS_PER_SM
-    if per_sm is None:
-        per_sm = _resident.get(decode)
-        if per_sm is None:
-            per_sm = _resident[decode] = driver.resident_blocks_per_sm(decode, 128, smem)
-    return per_sm * _sm_count()
+    if DECODE_CTAS_PER_SM is not None:
+        return DECODE_CTAS_PER_SM * _sm_count()
+    if decode not in _resident:
+        _resident[decode] = driver.resident_blocks_per_sm(decode, 128, smem)
+    return _resident[decode] * _sm_count()
 
 
 def _stages(head_dim: int) -> int:
