@@ -4,88 +4,30 @@
 
 A prefill or mixed step runs eagerly (only decode steps are graphs): the host queues each kernel with its Python
 around it. If the host takes longer than the GPU, the GPU waits and the step takes the host's time. This script
-replaces the CUDA driver calls by stubs (device memory as made-up addresses, copies, launches and events doing
+stubs the GPU out (infero.bench.gpu_stub: device memory as made-up addresses, copies, launches and events doing
 nothing, kernels not compiled), loads the model, and times `backend.forward` of one prompt of N tokens: what is
-left is the Python of the model, the ops and the launchers, plus what cuda.bindings' argument packing would add
-(not run here: the GPU machine measured ~5.9 us of host time a launch, ../shared/gpu/README.md, which the table
-adds as an estimate). Run on the GPU machine's CPU for its numbers; this one's are relative.
+left is the Python of the model, the ops and the launchers with the packing of each launch's parameters, all but
+the driver's own launch call (estimated at ~5.9 us of host time a launch on the GPU machine,
+../shared/gpu/README.md, which the table adds). Run on the GPU machine's CPU for its numbers; this one's are
+relative.
 
 --gpu (on a GPU machine): nothing stubbed at first; each width's forward is timed on the host with its real launches
 (the stream synchronized between passes, outside the timing), then again with only the two launch calls replaced
-by the no-op: the difference is what cuda.bindings' launches cost that host, the rest its Python.
+by the no-op: the difference is what the driver's launch calls cost that host, the rest its Python.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import ctypes
 import pstats
 import time
-from itertools import count
 
 from cuda.bindings import driver as cu
 
+from infero.bench.gpu_stub import count_launch, launches, stub_the_gpu
+
 LAUNCH_HOST_US = 5.9  # host time of a cuda.bindings launch on the GPU machine (../shared/gpu/README.md)
-OK = cu.CUresult.CUDA_SUCCESS
-_addresses = count(1 << 40, 1 << 12)
-_host_buffers: dict[int, ctypes.Array] = {}
-launches = [0]
-
-
-def _device_attribute(attribute, device):
-    a = cu.CUdevice_attribute
-    values = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
-              a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
-              a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448}  # fmt: skip
-    return OK, values.get(attribute, 1)
-
-
-def _alloc(nbytes):
-    address = next(_addresses)
-    for _ in range(-(-int(nbytes) // (1 << 12))):  # keep allocations apart
-        next(_addresses)
-    return OK, address
-
-
-def _host_alloc(nbytes, flags):
-    buffer = (ctypes.c_uint8 * max(int(nbytes), 1))()
-    _host_buffers[ctypes.addressof(buffer)] = buffer
-    return OK, ctypes.addressof(buffer)
-
-
-def _launch(*args):
-    launches[0] += 1
-    return (OK,)
-
-
-def stub_the_gpu() -> None:
-    """Replace the driver calls the engine makes by stubs, and kernel compilation by a no-op."""
-    from infero.backends.cuda import compiler, runtime
-
-    done = lambda *a: (OK,)  # noqa: E731
-    stubs = {
-        "cuInit": done, "cuDeviceGetCount": lambda: (OK, 1), "cuDeviceGet": lambda o: (OK, 0),
-        "cuDevicePrimaryCtxRetain": lambda d: (OK, 0), "cuCtxSetCurrent": done, "cuCtxSynchronize": done,
-        "cuDeviceGetAttribute": _device_attribute, "cuDeviceGetName": lambda n, d: (OK, b"stub H200\0"),
-        "cuDeviceTotalMem": lambda d: (OK, 150 << 30), "cuMemGetInfo": lambda: (OK, 140 << 30, 150 << 30),
-        "cuStreamCreate": lambda flags: (OK, 1), "cuStreamSynchronize": done, "cuMemAlloc": _alloc,
-        "cuMemFree": done, "cuMemHostAlloc": _host_alloc, "cuMemFreeHost": done, "cuMemcpyHtoD": done,
-        "cuMemcpyHtoDAsync": done, "cuMemcpyDtoH": done, "cuMemcpyDtoHAsync": done, "cuMemcpyDtoDAsync": done,
-        "cuMemsetD8Async": done, "cuMemsetD32Async": done, "cuEventCreate": lambda flags: (OK, 1),
-        "cuEventRecord": done, "cuEventRecordWithFlags": done, "cuEventSynchronize": done,
-        "cuEventQuery": done, "cuEventElapsedTime": lambda a, b: (OK, 0.0), "cuStreamWaitEvent": done,
-        "cuModuleLoadData": lambda cubin: (OK, 1), "cuModuleGetFunction": lambda m, name: (OK, name),
-        "cuModuleGetGlobal": lambda m, name: (OK, next(_addresses), 8), "cuFuncSetAttribute": done,
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor": lambda fn, threads, shared: (OK, 2),
-        "cuLaunchKernel": _launch, "cuLaunchKernelEx": _launch, "cuStreamBeginCapture": done,
-        "cuStreamEndCapture": lambda stream: (OK, 1), "cuGraphInstantiate": lambda graph, flags: (OK, 1),
-        "cuGraphLaunch": done, "cuGraphExecDestroy": done, "cuGraphDestroy": done,
-    }  # fmt: skip
-    for name, fn in stubs.items():
-        setattr(cu, name, fn)
-    compiler.compile_cached = lambda filename, arch, defines, names: compiler.Compiled(b"", {}, "")
-    runtime.uncompiled = lambda arch, needs=None: ([], 0)
 
 
 def timed_passes(backend, model, batch, cache, profiler=None, passes: int = 10) -> tuple[float, int]:
@@ -135,7 +77,7 @@ def main() -> None:
         if args.gpu:
             real, _ = timed_passes(backend, model, batch, cache)
             saved = cu.cuLaunchKernel, cu.cuLaunchKernelEx
-            cu.cuLaunchKernel = cu.cuLaunchKernelEx = _launch
+            cu.cuLaunchKernel = cu.cuLaunchKernelEx = count_launch
             try:
                 ms, per = timed_passes(backend, model, batch, cache, profiler)
             finally:
