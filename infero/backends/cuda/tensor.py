@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,12 +18,30 @@ def nbytes_of(shape: tuple[int, ...], dtype) -> int:
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
 
 
-@dataclass(frozen=True)
 class DeviceTensor:
-    ptr: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    owner: object = field(default=None, repr=False, compare=False)  # keeps the backing allocation alive
+    """A view of device memory: its address, shape and dtype, and the allocation it keeps alive (owner). Treated as
+    immutable, compared and hashed by (ptr, shape, dtype). A class with slots, not a frozen dataclass, whose
+    __init__ took 0.53 us against 0.15: qwen3-30b-a3b's eager forward makes ~1,450 of them, and its host time with
+    the GPU stubbed fell 8.1-8.4 -> 7.6-7.7 ms on the development machine (scripts/cuda_host_overhead.py)."""
+
+    __slots__ = ("ptr", "shape", "dtype", "owner")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object = None):
+        self.ptr = ptr
+        self.shape = shape
+        self.dtype = dtype
+        self.owner = owner
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not DeviceTensor:
+            return NotImplemented
+        return (self.ptr, self.shape, self.dtype) == (other.ptr, other.shape, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.ptr, self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype})"
 
     @property
     def numel(self) -> int:
