@@ -1,7 +1,8 @@
 """driver.Params: each launch's parameters packed as cuLaunchKernel reads them, byte for byte what ctypes makes of
 the same (values, types) (no GPU needed). The models' forward passes run with the GPU stubbed out
-(infero.bench.gpu_stub), so every launch they make on the way is read back from the pointer array it hands the
-driver."""
+(infero.bench.gpu_stub), so every launch they make on the way (dense, MoE and hybrid models, the default and the
+batch-invariant mode) is read back from the pointer array it hands the driver: the CUDA backend's host code runs
+here end to end without a GPU."""
 
 import ctypes
 import os
@@ -79,7 +80,7 @@ def test_a_value_the_type_cannot_hold_is_an_error():
         driver.packed((1 << 32,), (INT,))
 
 
-def checked_generation(path: str) -> int:
+def checked_generation(path: str, batch_invariant: bool = False) -> int:
     """Stub the GPU out, generate from path (prefill, decode graphs, both samplers), and compare every launch's
     packed parameters with ctypes' bytes of its (values, types). Returns how many launches were checked. Run in a
     process of its own (the stubs replace the driver's calls for good)."""
@@ -106,15 +107,15 @@ def checked_generation(path: str) -> int:
 
     gpu_stub.stub_the_gpu(launch)
     driver.launch = recorded
-    llm = LLM(path, device="cuda")
+    llm = LLM(path, device="cuda", batch_invariant=batch_invariant)
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True)]  # fmt: skip
     llm.generate(["hello world the", "and tion 12 hello world " * 15], params)  # a prompt past a 64-token chunk
     return len(checked)
 
 
-def assert_launches_packed(path) -> None:
-    code = f"import test_launch_params as t; print('checked', t.checked_generation({str(path)!r}))"
+def assert_launches_packed(path, batch_invariant: bool = False) -> None:
+    code = f"import test_launch_params as t; print('checked', t.checked_generation({str(path)!r}, {batch_invariant}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -123,9 +124,10 @@ def assert_launches_packed(path) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1, Q.F16])
-def test_dense_model_launches(tmp_path, qtype):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_dense_model_launches(tmp_path, qtype, batch_invariant):
     shape = tiny_shape(arch="qwen3", hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
-    assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape))
+    assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape), batch_invariant)
 
 
 def test_moe_model_launches(tmp_path):
