@@ -73,6 +73,11 @@ def test_a_thread_has_its_own_buffers():
     assert read_back(here, [8, 4]) == expected_bytes((1, 2), types)
 
 
+def test_a_type_it_does_not_pack_is_named():
+    with pytest.raises(TypeError, match="parameter 1"):
+        driver.packed((1, b"x"), (P, ctypes.c_char))
+
+
 def test_a_value_the_type_cannot_hold_is_an_error():
     with pytest.raises(struct.error):
         driver.packed((1.5,), (INT,))

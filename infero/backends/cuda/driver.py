@@ -265,7 +265,9 @@ class Params:
                 by_value.append(i)
                 offsets.append(0)
                 continue
-            code = _CODES[t]
+            code = _CODES.get(t)
+            if code is None:
+                raise TypeError(f"kernel parameter {i}: ctypes type {t!r} is not one driver.launch packs")
             offsets.append(struct.calcsize(codes + code) - struct.calcsize(code))
             codes += code
         self._struct = struct.Struct(codes)
