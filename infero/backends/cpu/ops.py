@@ -154,7 +154,7 @@ class CpuOps:
             out += weights[:, r, None] * y[:, r]
         return out
 
-    def rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
+    def _rotary(self, x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
         """Rotate the first rope_dim dimensions of every head of x [n, heads, head_dim] by position."""
         cos, sin = rotary.cos_sin(positions)
         cos, sin = cos[:, None, :], sin[:, None, :]
@@ -172,11 +172,11 @@ class CpuOps:
 
     def rotary_store_kv(self, q, k, v, positions, rotary: Rotary, cache: CpuKVCache, layer: int, slot_mapping):
         """Rotate q and k by position, write k and v [n, kv_heads, head_dim] into their cache slots; return q."""
-        k = self.rotary(k, positions, rotary)
+        k = self._rotary(k, positions, rotary)
         bs = cache.block_size
         cache.k[layer][slot_mapping // bs, slot_mapping % bs] = k
         cache.v[layer][slot_mapping // bs, slot_mapping % bs] = v
-        return self.rotary(q, positions, rotary)
+        return self._rotary(q, positions, rotary)
 
     def qk_norm_rotary_store_kv(self, q, k, v, q_norm, k_norm, eps: float, positions, rotary: Rotary,
                                 cache: CpuKVCache, layer: int, slot_mapping):  # fmt: skip
