@@ -293,3 +293,33 @@ def test_an_output_whose_norm_its_readers_apply_cannot_be_read_as_values():
     f16 = SimpleNamespace(ggml_type=int(T.F16), rows=64, cols=2048)
     with pytest.raises(RuntimeError, match="readers"):
         ops.linear(x, f16)
+
+
+def test_a_deferred_norms_output_read_as_float_values_is_refused():
+    """_require_values: an output whose norm its readers apply (in a decode buffer or, past 16 rows, the workspace)
+    has no float values; read as such, a clear error, whether or not other outputs are deferred (its fast path)."""
+    from infero.backends.cuda.tensor import DeviceTensor
+
+    class Workspace:
+        generation = 5
+        offset = 0
+
+        def empty(self, shape, dtype):
+            self.offset += 1
+            return DeviceTensor(self.offset << 20, tuple(shape), np.dtype(dtype))
+
+    ops = CudaOps(SimpleNamespace(workspace=Workspace(), stream=None, weights_arena=None, batch_invariant=False))
+    plain, deferred = (DeviceTensor(p << 30, (3, 256), np.dtype(np.float32)) for p in (1, 2))
+    ops._require_values(plain)  # nothing deferred anywhere: the fast path
+    ops._act_keys, ops._act_norms = [ops._key(deferred), None], [1e-6, None]
+    with pytest.raises(RuntimeError, match="read as float32 values"):
+        ops._require_values(deferred)
+    ops._require_values(plain)
+    ops._act_keys, ops._act_norms = [None, None], [None, None]
+    wide = DeviceTensor(3 << 30, (40, 256), np.dtype(np.float32))
+    ops._workspace_activation(wide, norm=1e-6)
+    with pytest.raises(RuntimeError, match="read as float32 values"):
+        ops._require_values(wide)
+    ops._require_values(plain)
+    ops.backend.workspace.generation += 1  # the next forward: that activation is gone
+    ops._require_values(wide)
