@@ -149,7 +149,7 @@ def _check(out: DeviceTensor, weight: QuantWeight, x: DeviceTensor, bias: Device
     n, rows, cols = x.shape[0], weight.rows, weight.cols
     if weight.ggml_type not in TYPES:
         raise ValueError(f"gemm: no kernel for GGML type {weight.ggml_type}")
-    layout = BLOCK_LAYOUTS[GGMLType(weight.ggml_type)]
+    layout = BLOCK_LAYOUTS[weight.ggml_type]  # keyed by GGMLType, an IntEnum: the int finds it (no enum call a launch)
     if cols % layout.elements or cols % 8:
         raise ValueError(f"gemm: {cols} columns is not a multiple of {max(layout.elements, 8)}")
     if problem := weight.layout_error(TYPES, tiled_ok=True):
