@@ -256,7 +256,7 @@ class Params:
     cost that depends on its release: 16 arguments took 2.8 us in 13.3 (the GPU machine's), 0.7 in 13.5, and 0.6
     here whatever the release (scripts/launch_overhead.py on the development machine)."""
 
-    __slots__ = ("_struct", "_data", "_pointers", "_address", "_by_value")
+    __slots__ = ("_struct", "_data", "_pointers", "_address", "_by_value", "_packed")
 
     def __init__(self, types: tuple):
         codes, offsets, by_value = "@", [], []
@@ -276,13 +276,14 @@ class Params:
         self._pointers = (ctypes.c_void_p * max(len(types), 1))(*(base + o for o in offsets))
         self._address = ctypes.addressof(self._pointers)
         self._by_value = tuple(by_value)
+        self._packed = tuple(i for i in range(len(types)) if i not in by_value)  # the struct's values, in order
 
     def pack(self, values: tuple) -> int:
         """The address of the pointer array, with values written where it points."""
         if self._by_value:
             for i in self._by_value:
                 self._pointers[i] = ctypes.addressof(values[i])
-            values = [v for i, v in enumerate(values) if i not in self._by_value]
+            values = [values[i] for i in self._packed]
         self._struct.pack_into(self._data, 0, *values)
         return self._address
 
