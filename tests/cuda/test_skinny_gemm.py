@@ -24,7 +24,7 @@ Q8_SHAPES = ((896, 896), (4864, 896), (200, 4864))
 TOKEN_COUNTS = (1, 5, 8, 17, 33, 64)
 
 
-def run_skinny(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+def run_skinny(weight, x: np.ndarray, bias: np.ndarray | None, gemv: bool = False) -> np.ndarray:
     from infero.backends.cuda import driver, runtime, skinny_gemm
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
@@ -37,7 +37,7 @@ def run_skinny(weight, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     xd = from_host(x.astype(np.float32))
     bd = from_host(bias.astype(np.float32)) if bias is not None else None
     skinny_gemm.convert(xa, xd, weight.ggml_type, stream)
-    skinny_gemm.skinny_gemm(out, weight, xa, bd, stream, ws)
+    (skinny_gemm.skinny_gemv if gemv else skinny_gemm.skinny_gemm)(out, weight, xa, bd, stream, ws)
     assert ws.offset == 0, "skinny_gemm must hand its scratch back"
     stream.synchronize()
     return out.to_host()
@@ -86,6 +86,36 @@ def test_skinny_gemm_row_does_not_depend_on_batch(gpu, qtype):
     assert not lines, "\n".join(lines)
 
 
+GEMV_CASES = [(t, s, False) for t in TYPES for s in SHAPES] + [(Q.Q8_0, s, False) for s in Q8_SHAPES]
+GEMV_CASES += [(Q.Q4_K, (1024, 4096), True), (Q.Q6_K, (1024, 4096), True), (Q.Q4_K, (4096, 14336), True)]
+
+
+@pytest.mark.parametrize("qtype, shape, tiled", GEMV_CASES,
+                         ids=[f"{t.name}-{r}x{c}{'-tiled' if ti else ''}" for t, (r, c), ti in GEMV_CASES])  # fmt: skip
+def test_skinny_gemv_gives_skinny_gemms_bits(gpu, qtype, shape, tiled):
+    """skinny_gemv is skinny_gemm's numbers, streamed: every output bitwise, at 1-8 tokens, with and without bias,
+    whether a row's splits are summed in its block or (Q6_K past 8 splits: 300 x 14336) through skinny_reduce."""
+    from infero.backends.cuda import runtime, skinny_gemm, weight_layout
+
+    rows, cols = shape
+    weight, _ = weight_case(qtype, rows, cols)
+    if tiled:
+        assert weight_layout.tiles(int(qtype), rows, cols), "the case must be a shape the tiled layout holds"
+        weight = weight_layout.upload(weight.data.to_host(), int(qtype), rows, cols)
+    splits = skinny_gemm.splits(int(qtype), rows, cols, runtime.context().info.num_sms)
+    rng = np.random.default_rng(rows + cols)
+    lines = []
+    for n in (1, 2, 3, 8):
+        x = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
+        bias = rng.normal(0, 0.5, size=rows).astype(np.float32) if n in (1, 3) else None
+        want, got = run_skinny(weight, x, bias), run_skinny(weight, x, bias, gemv=True)
+        differ = int((want.view(np.uint32) != got.view(np.uint32)).sum())
+        if differ:
+            lines.append(f"{qtype.name} {rows}x{cols} splits={splits} n={n} bias={bias is not None}: {differ} of "
+                         f"{want.size} outputs differ (largest {np.nanmax(np.abs(want - got)):.3e})")  # fmt: skip
+    assert not lines, "\n".join(lines)
+
+
 def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
     from infero.backends.cuda import runtime, skinny_gemm
     from infero.backends.cuda.tensor import Workspace, empty
@@ -97,6 +127,8 @@ def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
         skinny_gemm.skinny_gemm(empty((65, 1000), np.float32), weight, xa, None, stream, ws)
     with pytest.raises(ValueError, match="65 tokens"):
         skinny_gemm.activation_shape(65, 4096)
+    with pytest.raises(ValueError, match="9 tokens"):
+        skinny_gemm.skinny_gemv(empty((9, 1000), np.float32), weight, xa, None, stream, ws)
     q5, _ = weight_case(Q.Q5_0, 200, 1056)
     with pytest.raises(ValueError, match="no kernel for type 6"):
         skinny_gemm.skinny_gemm(empty((8, 200), np.float32), q5, xa, None, stream, ws)

@@ -4,7 +4,8 @@
 every matrix of that type reading x), then `skinny_gemm` streams the weights once for all n <= MAX_TOKENS tokens
 on the tensor cores, splitting k over blocks where the row tiles alone leave SMs idle, the splits' partial sums
 added by a second kernel (kernels/skinny_gemm.cu says how). A row's result does not depend on n or the token's
-position in the batch.
+position in the batch. `skinny_gemv` computes the same bits for up to GEMV_MAX_TOKENS tokens, streamed as a
+mat-vec streams (every warp on its own, several superblocks in flight, the splits summed inside the block).
 """
 
 from __future__ import annotations
@@ -28,16 +29,23 @@ ROWS_PER_WARP = {int(GGMLType.Q4_K): 32, int(GGMLType.Q6_K): 16, int(GGMLType.Q8
 WARPS = 8
 MAX_SPLITS = 16
 _THREADS = 256
+GEMV_MAX_TOKENS = 8  # one 8-token MMA tile
+_GEMV_WARPS = 8  # warps a block aims at: row tiles x splits
+_GEMV_MAX_WARPS = {int(GGMLType.Q4_K): 16, int(GGMLType.Q6_K): 8, int(GGMLType.Q8_0): 16}  # Gemv<T>::MAX_WARPS
 
 runtime.declare(SOURCE, ["skinny_reduce"])
 for _t in TYPES:
     runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>"] + [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS],
                     needs=(runtime.weight_type(_t),))  # fmt: skip
+    # No forward pass runs skinny_gemv yet (its tests and scripts/bench_skinny.py do): a need no model has keeps it
+    # out of a model's compile at start, and CI compiles it with every declared kernel.
+    runtime.declare(SOURCE, [f"skinny_gemv<{_t}>"], needs=(runtime.weight_type(_t), "skinny_gemv"))
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
+_GEMV_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I)
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
@@ -132,6 +140,47 @@ def skinny_gemm(
     driver.launch(_gemm_function(weight.ggml_type, n), (row_tiles * s,), (_THREADS,), args, _GEMM_ARG_TYPES,
                   stream, shared=shared_bytes(weight.ggml_type, n), pdl=True)  # fmt: skip
     if s > 1:
+        reduce = runtime.kernel(SOURCE, "skinny_reduce")
+        driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), (out.ptr, part.ptr, bias_ptr, n, rows, s),
+                      _REDUCE_ARG_TYPES, stream, pdl=True)  # fmt: skip
+    workspace.offset = mark
+
+
+def gemv_blocks(ggml_type: int, rows: int, splits: int) -> tuple[int, int, int]:
+    """skinny_gemv's (blocks, row tiles a block, splits a block): a block's warps are row tiles x splits, all of
+    a row's splits in one block (summed there) where they fit, else one split a warp through `part`."""
+    if splits <= _GEMV_MAX_WARPS[ggml_type]:
+        per_block, splits_per_block = max(1, _GEMV_WARPS // splits), splits
+    else:
+        per_block, splits_per_block = _GEMV_WARPS, 1
+    row_tiles = -(-rows // 16)
+    row_blocks = -(-row_tiles // per_block)
+    return row_blocks * (splits // splits_per_block), per_block, splits_per_block
+
+
+def skinny_gemv(
+    out: DeviceTensor,
+    weight: QuantWeight,
+    xa: DeviceTensor,
+    bias: DeviceTensor | None,
+    stream: driver.Stream,
+    workspace: Workspace,
+) -> None:
+    """skinny_gemm's out, bitwise, for up to GEMV_MAX_TOKENS tokens: x as `convert` wrote it for weight's type."""
+    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    if n > GEMV_MAX_TOKENS:
+        raise ValueError(f"skinny_gemv: {n} tokens; it takes 1 to {GEMV_MAX_TOKENS}")
+    _check(out, weight, xa, bias)
+    s = splits(weight.ggml_type, rows, cols, _sms())
+    blocks, per_block, splits_per_block = gemv_blocks(weight.ggml_type, rows, s)
+    bias_ptr = bias.ptr if bias is not None else 0
+    mark = workspace.offset
+    part = workspace.empty((s, n, rows), np.float32) if splits_per_block < s else out
+    args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s,
+            per_block, splits_per_block, int(weight.tiled))  # fmt: skip
+    fn = runtime.kernel(SOURCE, f"skinny_gemv<{weight.ggml_type}>")
+    driver.launch(fn, (blocks,), (32 * per_block * splits_per_block,), args, _GEMV_ARG_TYPES, stream, pdl=True)
+    if splits_per_block < s:
         reduce = runtime.kernel(SOURCE, "skinny_reduce")
         driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), (out.ptr, part.ptr, bias_ptr, n, rows, s),
                       _REDUCE_ARG_TYPES, stream, pdl=True)  # fmt: skip

@@ -429,6 +429,130 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   }
 }
 
+// skinny_gemv: skinny_gemm's numbers for 1-8 tokens (one 8-token tile), streamed like a mat-vec. Its blocks stage
+// x through shared memory with two barriers a superblock and hold one superblock a warp in flight at ~230
+// registers, which at one token leaves it at 1.5 TB/s where the mat-vecs stream 2.3-2.6. Here every warp streams
+// on its own: 16 rows (one MMA tile), a ring of RING superblocks a lane (RING - 1 in flight while one is
+// multiplied), x's B fragments read straight from skinny_x_to_f16's layout (the L1 serves a block's warps; the
+// padding tokens' zeros are loaded like the rest, which costs less than selecting them), no barrier until the end.
+//
+// Same bits as skinny_gemm (tests/cuda/test_skinny_gemm.py), by construction: a row's MMA tile holds the same 16
+// rows (rows 16 t .. 16 t + 15), A and B the same fragments (Fmt<T>::word, the same x), each output's accumulator
+// the same chain (from zero, one MMA a word half in increasing k over the split's superblocks), the splits the
+// launcher's skinny_gemm.splits(rows, cols) and added the same way: a block holds G row tiles x S splits (a warp
+// each) and sums a row's S partials in split order, then the bias, exactly as skinny_reduce does (S = 1: acc +
+// bias or + 0, as skinny_gemm's own epilogue). Where S warps do not fit a block (SB < S) every warp writes its
+// partial to `part` for skinny_reduce, as skinny_gemm does.
+namespace sk {
+template <int T> struct Gemv;
+template <> struct Gemv<GGML_Q4_K> { static constexpr int RING = 3, MAX_WARPS = 16; };  // 24 registers a superblock
+template <> struct Gemv<GGML_Q8_0> { static constexpr int RING = 3, MAX_WARPS = 16; };  // 26
+template <> struct Gemv<GGML_Q6_K> { static constexpr int RING = 2, MAX_WARPS = 8; };   // 82: two 16-byte loads a run
+
+__device__ __forceinline__ uint4 ld_x(const uint4* p) {  // x: every warp of the SM reads it, so through L1
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+}  // namespace sk
+
+// grid ceil(ceil(rows / 16) / G) * (S / SB) blocks of G * SB warps (warp w: row tile G * (block % row_blocks) +
+// w % G, split (block / row_blocks) * SB + w / G); xa: skinny_x_to_f16's layout with one tile (n <= 8).
+template <int T>
+__global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
+    skinny_gemv(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
+                const uint4* __restrict__ xa, const float* __restrict__ bias, int n, int rows, int cols,
+                int row_bytes, int splits, int tiles_per_block, int splits_per_block, int tiled) {
+  using namespace sk;
+  using F = Fmt<T>;
+  constexpr int RING = Gemv<T>::RING, MAX_WARPS = Gemv<T>::MAX_WARPS;
+  __shared__ float partial[MAX_WARPS][8][16];  // [warp][token][row of the tile]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int G = tiles_per_block, SB = splits_per_block;
+  const int row_tiles = (rows + 15) / 16, row_blocks = (row_tiles + G - 1) / G;
+  const int tile = (blockIdx.x % row_blocks) * G + warp % G;
+  const int split = (blockIdx.x / row_blocks) * SB + warp / G;
+  const int sbs = cols / F::SB;
+  const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
+
+  constexpr int TILED_T = T == GGML_Q6_K ? GGML_Q6_K : GGML_Q4_K;
+  const bool tiled_k = T != GGML_Q8_0 && tiled;
+  const uint8_t* rowp[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = min(tile * 16 + 8 * r + g, rows - 1);  // a tile past the last reloads the last row
+    rowp[r] = weight + (tiled_k ? tiled_offset<TILED_T>(row, 0, row_bytes) : (long long)row * row_bytes);
+  }
+  auto fetch = [&](typename F::Raw (&rw)[2], int sb) {
+    const long long at = tiled_k ? tiled_offset<TILED_T>(0, sb, row_bytes) : (long long)sb * F::BYTES;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) F::fetch(rw[r], rowp[r] + at, c);
+  };
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
+    const uint4* xs = xa + (long long)sb * F::WORDS * 32 + lane;
+    typename F::Scale s[2];
+    typename F::Bits bits[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      F::scales(s[r], rw[r], c);
+      F::bits(bits[r], rw[r]);
+    }
+#pragma unroll
+    for (int i = 0; i < F::WORDS; ++i) {
+      const uint4 b = ld_x(xs + i * 32);
+      uint32_t a[2][4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) F::word(a[r], bits[r], s[r], i, c);
+      const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
+      tc::mma_16816(acc, lo, b.x, b.y);
+      tc::mma_16816(acc, hi, b.z, b.w);
+    }
+  };
+
+  typename F::Raw ring[RING][2];
+  // Weights are immutable: the first superblocks' loads start before the previous kernel has finished.
+#pragma unroll
+  for (int k = 0; k < RING - 1; ++k)
+    if (sb0 + k < sb1) fetch(ring[k], sb0 + k);
+  pdl_enter();
+  for (int sb = sb0; sb < sb1; sb += RING) {
+#pragma unroll
+    for (int k = 0; k < RING; ++k) {
+      if (sb + k >= sb1) break;
+      if (sb + k + RING - 1 < sb1) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
+      compute(ring[k], sb + k);
+    }
+  }
+
+  // Accumulator e: row g (+ 8 for e >= 2) of the tile, token 2 c + e % 2.
+  if (SB < splits) {
+    float* dst = part + (long long)split * n * rows;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = tile * 16 + g + (e >= 2 ? 8 : 0), token = 2 * c + (e & 1);
+      if (row < rows && token < n) dst[(long long)token * rows + row] = acc[e];
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) partial[warp][2 * c + (e & 1)][g + (e >= 2 ? 8 : 0)] = acc[e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * n * 16; i += blockDim.x) {
+    const int t = i / (n * 16), token = i / 16 % n, r = i % 16;  // consecutive threads: consecutive rows
+    const int row = ((blockIdx.x % row_blocks) * G + t) * 16 + r;
+    if (row >= rows) continue;
+    float v = partial[t][token][r];
+    if (splits == 1) {
+      v = v + (bias != nullptr ? bias[row] : 0.f);
+    } else {
+      for (int s = 1; s < splits; ++s) v += partial[s * G + t][token][r];
+      if (bias != nullptr) v += bias[row];
+    }
+    out[(long long)token * rows + row] = v;
+  }
+}
+
 // out[i] = part[0][i] + part[1][i] + ... (in split order) + bias[row], for the n * rows outputs of a split launch.
 // One thread an output.
 extern "C" __global__ void skinny_reduce(float* __restrict__ out, const float* __restrict__ part,
