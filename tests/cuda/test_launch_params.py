@@ -85,14 +85,18 @@ def test_a_value_the_type_cannot_hold_is_an_error():
         driver.packed((1 << 32,), (INT,))
 
 
-def checked_generation(path: str, batch_invariant: bool = False) -> int:
+def checked_generation(path: str, batch_invariant: bool = False, skinny_gemv: bool = False) -> int:
     """Stub the GPU out, generate from path (prefill, decode graphs, both samplers), and compare every launch's
     packed parameters with ctypes' bytes of its (values, types). Returns how many launches were checked. Run in a
-    process of its own (the stubs replace the driver's calls for good)."""
+    process of its own (the stubs replace the driver's calls for good). skinny_gemv: with ops.SKINNY_GEMV on, and
+    at least one of its launches among them."""
     from cuda.bindings import driver as cu  # noqa: F401
 
     from infero import LLM, SamplingParams
+    from infero.backends.cuda import ops
     from infero.bench import gpu_stub
+
+    ops.SKINNY_GEMV = int(skinny_gemv)
 
     expected, checked = threading.local(), []
 
@@ -116,11 +120,17 @@ def checked_generation(path: str, batch_invariant: bool = False) -> int:
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True)]  # fmt: skip
     llm.generate(["hello world the", "and tion 12 hello world " * 15], params)  # a prompt past a 64-token chunk
+    if skinny_gemv:
+        from infero.backends.cuda import runtime, skinny_gemm
+
+        gemv = {runtime.kernel(skinny_gemm.SOURCE, f"skinny_gemv<{t}>") for t in skinny_gemm.TYPES}
+        assert any(fn in gemv for fn in checked), "ops.SKINNY_GEMV ran no skinny_gemv"
     return len(checked)
 
 
-def assert_launches_packed(path, batch_invariant: bool = False) -> None:
-    code = f"import test_launch_params as t; print('checked', t.checked_generation({str(path)!r}, {batch_invariant}))"
+def assert_launches_packed(path, batch_invariant: bool = False, skinny_gemv: bool = False) -> None:
+    call = f"t.checked_generation({str(path)!r}, {batch_invariant}, {skinny_gemv})"
+    code = f"import test_launch_params as t; print('checked', {call})"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -133,6 +143,12 @@ def assert_launches_packed(path, batch_invariant: bool = False) -> None:
 def test_dense_model_launches(tmp_path, qtype, batch_invariant):
     shape = tiny_shape(arch="qwen3", hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
     assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape), batch_invariant)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_dense_model_launches_with_skinny_gemv(tmp_path, qtype):
+    shape = tiny_shape(arch="qwen3", hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
+    assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape), skinny_gemv=True)
 
 
 def test_moe_model_launches(tmp_path):

@@ -35,11 +35,9 @@ _GEMV_MAX_WARPS = {int(GGMLType.Q4_K): 16, int(GGMLType.Q6_K): 8, int(GGMLType.Q
 
 runtime.declare(SOURCE, ["skinny_reduce"])
 for _t in TYPES:
-    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>"] + [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS],
-                    needs=(runtime.weight_type(_t),))  # fmt: skip
-    # No forward pass runs skinny_gemv yet (its tests and scripts/bench_skinny.py do): a need no model has keeps it
-    # out of a model's compile at start, and CI compiles it with every declared kernel.
-    runtime.declare(SOURCE, [f"skinny_gemv<{_t}>"], needs=(runtime.weight_type(_t), "skinny_gemv"))
+    # skinny_gemv with them (~0.4 s of the unit's compile): ops.SKINNY_GEMV switches to it between graph captures.
+    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>", f"skinny_gemv<{_t}>"] +
+                    [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS], needs=(runtime.weight_type(_t),))  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
