@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                         default=os.environ.get(BATCH_INVARIANT_ENV),
                         help="give a request's logits the same bits whatever other requests share its steps (GPU; "
-                             "on an H200 the 8B decodes a third slower alone and half as fast at 32 streams: "
-                             "docs/kernels.md) (default: off) "
+                             "on an H200 it costs the 8B nothing alone but 45%% of its speed at 32 streams and "
+                             "61%% of its prefill: docs/kernels.md) (default: off) "
                              f"[env {BATCH_INVARIANT_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     flag("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
