@@ -16,10 +16,13 @@ the instruction. This probe asks the GPU:
 4. Today's kernels: the skinny GEMM's rows at 3 / 17 / 64 tokens and the fp16 GEMM's at 65 / 128 / 512 tokens (every
    tile), for the same input rows: bitwise equal within each kernel and across the two?
 
-It prints one line per question with the count of differing elements. --sass (no GPU needed) instead compiles a
-sketch of a batch-1 mat-vec's fp16 fragments (16 rows of Q4_K superblocks against one token: the nibbles made
-1024 + q by a lop3, less 1024 exactly, times scale minus min by HFMA2, then mma.m16n8k16) and prints its SASS
-instruction histogram: what such a kernel issues a superblock and lane, against matvec_mma's int8 fragments.
+5. Is D the same with the operands' roles swapped (weights as B's columns and tokens as A's rows, D transposed), so
+   that a kernel may put eight weight rows in an instruction instead of sixteen?
+6. How many cycles does one mma.m16n8k16 take in a chain of dependent ones (each on the last one's D), and with 2, 4
+   and 8 chains interleaved in one warp: what a split's chain of 16 instructions a superblock costs in latency, and so
+   how wide a split may be before its chain, not the bytes, bounds a mat-vec.
+
+It prints one line per question with the count of differing elements (the cycles for 6).
 """
 
 from __future__ import annotations
@@ -59,102 +62,36 @@ extern "C" __global__ void mma_case(const __half* __restrict__ a, const __half* 
   D[8 * (g + 8) + 2 * j] = acc[2];
   D[8 * (g + 8) + 2 * j + 1] = acc[3];
 }
-"""
 
-
-FRAGMENTS = r"""
-#include <cuda_fp16.h>
-// One warp, 16 rows x one Q4_K superblock (staged in shared memory as [16 rows][144 bytes]) against one token's fp16
-// activation (256 halves in shared memory), by mma.m16n8k16 f16 -> f32: the per-superblock instruction count.
-extern "C" __global__ void deq_mma(const unsigned char* __restrict__ g, const __half* __restrict__ xg, float* out,
-                                   int nsb) {
-  __shared__ __align__(16) unsigned char s[2][16 * 144];
-  __shared__ __align__(16) __half xs[256];
-  const int lane = threadIdx.x & 31, gq = lane >> 2, j = lane & 3;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int sb = 0; sb < nsb; ++sb) {
-    // stand-in for the ring: copy the superblock tile (not counted as the loop's math)
-    for (int i = lane; i < 16 * 144 / 16; i += 32)
-      reinterpret_cast<uint4*>(s[sb & 1])[i] = reinterpret_cast<const uint4*>(g + (size_t)sb * 16 * 144)[i];
-    for (int i = lane; i < 32; i += 32)
-      reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(xg + sb * 256)[i];
-    __syncwarp();
-    const unsigned char* t = s[sb & 1];
-    // per sub-block pair c (32 qs bytes: sub-block 2c low nibbles, 2c+1 high nibbles)
+// One warp: CHAINS accumulators, each advanced n times by a dependent mma; the cycles the loop took.
+template <int CHAINS>
+__device__ void chain(float* out, long long* cycles, int n) {
+  const unsigned a[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};  // 1.0
+  const unsigned b0 = 0x14001400u, b1 = 0x14001400u;                           // 2^-10
+  float acc[CHAINS][4] = {};
+  __syncwarp();
+  const long long t0 = clock64();
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      __half2 sc[2][2], mn[2][2];  // [row half][sub-block of the pair]
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned char* row = t + (gq + 8 * h) * 144;
-        const float d = __half2float(*reinterpret_cast<const __half*>(row));
-        const float dmin = __half2float(*reinterpret_cast<const __half*>(row + 2));
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int sub = 2 * c + u;
-          const int scv = row[4 + sub] & 63, mv = row[8 + (sub & 3)] & 63;  // stand-in for the 6-bit unpack
-          sc[h][u] = __float2half2_rn(d * (float)scv);
-          mn[h][u] = __float2half2_rn(dmin * (float)mv);
-        }
-      }
-      // qs bytes 32c .. 32c + 31 of each row: lane (g, j) takes bytes 8j .. 8j + 7 (k-permuted as the int8 path)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {  // low nibbles: sub-block 2c, high: 2c + 1 (32 k each: two k16 mma)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          unsigned a[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const unsigned char* at = t + (gq + 8 * h) * 144 + 16 + 32 * c + 8 * j + 4 * kk;
-            const unsigned w = *reinterpret_cast<const unsigned*>(at);
-            const unsigned q = u ? (w >> 4) : w;
-            // nibbles of bytes 0, 2 and 1, 3 as half2 of 1024 + q, minus 1024 (exact), times scale minus min
-            const unsigned e02 = (q & 0x000F000Fu) | 0x64006400u, e13 = ((q >> 8) & 0x000F000Fu) | 0x64006400u;
-            __half2 v02 = __hsub2(*reinterpret_cast<const __half2*>(&e02), __float2half2_rn(1024.f));
-            __half2 v13 = __hsub2(*reinterpret_cast<const __half2*>(&e13), __float2half2_rn(1024.f));
-            v02 = __hfma2(v02, sc[h][u], __hneg2(mn[h][u]));
-            v13 = __hfma2(v13, sc[h][u], __hneg2(mn[h][u]));
-            a[h] = *reinterpret_cast<unsigned*>(&v02);
-            a[2 + h] = *reinterpret_cast<unsigned*>(&v13);
-          }
-          const unsigned* xb = reinterpret_cast<const unsigned*>(xs + 64 * c + 32 * u + 16 * kk);
-          const unsigned b0 = xb[j], b1 = xb[4 + j];
-          asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                       "{%0,%1,%2,%3};"
-                       : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-        }
-      }
-    }
+    for (int c = 0; c < CHAINS; ++c)
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(acc[c][0]), "+f"(acc[c][1]), "+f"(acc[c][2]), "+f"(acc[c][3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  out[threadIdx.x] = acc[0] + acc[1] + acc[2] + acc[3];
+  const long long t1 = clock64();
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c) sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+  out[threadIdx.x] = sum;
+  if (threadIdx.x == 0) *cycles = t1 - t0;
 }
+extern "C" __global__ void mma_chain1(float* out, long long* cycles, int n) { chain<1>(out, cycles, n); }
+extern "C" __global__ void mma_chain2(float* out, long long* cycles, int n) { chain<2>(out, cycles, n); }
+extern "C" __global__ void mma_chain4(float* out, long long* cycles, int n) { chain<4>(out, cycles, n); }
+extern "C" __global__ void mma_chain8(float* out, long long* cycles, int n) { chain<8>(out, cycles, n); }
 """
-
-
-def fragment_sass() -> None:
-    import collections
-    import re
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from infero.backends.cuda import compiler
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from kernel_resources import _cuda_binary
-
-    compiled = compiler.compile_source(FRAGMENTS, "fp16_fragments.cu", "sm_90a")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.cubin)
-        f.flush()
-        sass = subprocess.run([_cuda_binary("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    ops = [re.sub(r"/\*[0-9a-f]+\*/", "", line).split()[0].split(".")[0]
-           for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]  # fmt: skip
-    counts = collections.Counter(o for o in ops if not o.startswith("@"))
-    print(f"{len(ops)} SASS instructions in all (the copy stand-ins LDG / STS included); by opcode: "
-          + ", ".join(f"{k} {v}" for k, v in counts.most_common(16)))  # fmt: skip
 
 
 def operands(rng: np.random.Generator, cases: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -234,6 +171,32 @@ def probe_mma(cases: int) -> None:
           f"(max |diff| / |exact| {float(np.max(np.abs(d - exact) / np.maximum(np.abs(exact), 1e-30))):.2e}); "
           f"against fp32 adds in k order: {differing(d, seq)}")  # fmt: skip
 
+    # 5. Roles swapped: A's first 8 rows as B's columns, B's 8 columns as A's first 8 rows (the rest random), C
+    # transposed: D[r, t] against the swapped call's D[t, r].
+    a3, b3, c3 = operands(np.random.default_rng(3), cases)
+    a3[:, :8, :] = np.transpose(b, (0, 2, 1))
+    b3[:, :, :] = np.transpose(a[:, :8, :], (0, 2, 1))
+    c3[:, :8, :] = np.transpose(c[:, :8, :], (0, 2, 1))
+    back = np.transpose(mma(a3, b3, c3)[:, :8, :], (0, 2, 1)).copy()
+    print(f"5. operands' roles swapped: {differing(back, d[:, :8, :].copy())} of {cases * 64} elements differ")
+
+
+def probe_chain() -> None:
+    from infero.backends.cuda import driver
+    from infero.backends.cuda.tensor import empty
+
+    mma = MmaProbe()
+    out, cycles, n = empty((32,), np.float32), empty((1,), np.int64), 4096
+    line = []
+    for chains in (1, 2, 4, 8):
+        fn = mma.module.function(f"mma_chain{chains}")
+        for _ in range(2):  # the first launch warms the instruction cache
+            driver.launch(fn, (1,), (32,), (out.ptr, cycles.ptr, n), (ctypes.c_void_p,) * 2 + (ctypes.c_int,),
+                          mma.stream)  # fmt: skip
+        mma.stream.synchronize()
+        line.append(f"{chains} chain{'s' if chains > 1 else ''} {int(cycles.to_host()[0]) / (n * chains):.1f}")
+    print("6. cycles a dependent mma.m16n8k16 (one warp): " + ", ".join(line) + " a mma")
+
 
 def probe_kernels() -> None:
     from infero.backends.cuda import gemm, runtime, skinny_gemm
@@ -278,13 +241,10 @@ def probe_kernels() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=4096)
-    parser.add_argument("--sass", action="store_true", help="the fp16 fragments' SASS histogram (no GPU)")
     args = parser.parse_args()
-    if args.sass:
-        fragment_sass()
-        return
     probe_mma(args.cases)
     probe_kernels()
+    probe_chain()
 
 
 if __name__ == "__main__":
