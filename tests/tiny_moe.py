@@ -22,15 +22,17 @@ def write_tiny_moe(
     expert_count_key: int | None = None,
     drop: tuple[str, ...] = (),
     head_dim: int = HEAD_DIM,
+    hidden: int = HIDDEN,
 ) -> Path:
     """A 2-layer qwen3moe with `experts` experts of width expert_ffn, `used` of them per token; matrices in qtype
     (expert tensors 3-D, one matrix per expert). expert_count_key writes another expert_count than the tensors
-    hold; tensors named in drop are left out; head_dim 64 for the GPU backend, whose attention takes 64 and 128."""
+    hold; tensors named in drop are left out; head_dim 64 for the GPU backend, whose attention takes 64 and 128; hidden
+    the model's width."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = byte_level_vocab(["hello", " world", " the", "ing", " and", "tion", "12"])
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
+    w.add_embedding_length(hidden)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(4 * expert_ffn)
     w.add_head_count(HEADS)
@@ -58,23 +60,23 @@ def write_tiny_moe(
     def vector(name: str, n: int) -> None:
         add(name, (1.0 + rng.normal(0, 0.1, size=n)).astype(np.float32))
 
-    matrix("token_embd.weight", len(tokens), HIDDEN, std=0.5)
+    matrix("token_embd.weight", len(tokens), hidden, std=0.5)
     for i in range(LAYERS):
         p = f"blk.{i}."
-        vector(p + "attn_norm.weight", HIDDEN)
-        matrix(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
-        matrix(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        matrix(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        vector(p + "attn_norm.weight", hidden)
+        matrix(p + "attn_q.weight", HEADS * head_dim, hidden)
+        matrix(p + "attn_k.weight", KV_HEADS * head_dim, hidden)
+        matrix(p + "attn_v.weight", KV_HEADS * head_dim, hidden)
         vector(p + "attn_q_norm.weight", head_dim)
         vector(p + "attn_k_norm.weight", head_dim)
-        matrix(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
-        vector(p + "ffn_norm.weight", HIDDEN)
-        add(p + "ffn_gate_inp.weight", rng.normal(0, 0.3, size=(experts, HIDDEN)).astype(np.float32))
-        matrix(p + "ffn_gate_exps.weight", experts, expert_ffn, HIDDEN)
-        matrix(p + "ffn_up_exps.weight", experts, expert_ffn, HIDDEN)
-        matrix(p + "ffn_down_exps.weight", experts, HIDDEN, expert_ffn, std=0.15)
-    vector("output_norm.weight", HIDDEN)
-    matrix("output.weight", len(tokens), HIDDEN)
+        matrix(p + "attn_output.weight", hidden, HEADS * head_dim)
+        vector(p + "ffn_norm.weight", hidden)
+        add(p + "ffn_gate_inp.weight", rng.normal(0, 0.3, size=(experts, hidden)).astype(np.float32))
+        matrix(p + "ffn_gate_exps.weight", experts, expert_ffn, hidden)
+        matrix(p + "ffn_up_exps.weight", experts, expert_ffn, hidden)
+        matrix(p + "ffn_down_exps.weight", experts, hidden, expert_ffn, std=0.15)
+    vector("output_norm.weight", hidden)
+    matrix("output.weight", len(tokens), hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

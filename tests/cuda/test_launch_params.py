@@ -85,18 +85,23 @@ def test_a_value_the_type_cannot_hold_is_an_error():
         driver.packed((1 << 32,), (INT,))
 
 
-def checked_generation(path: str, batch_invariant: bool = False, skinny_gemv: bool = False) -> int:
+def checked_generation(path: str, batch_invariant: bool = False, flags: dict | None = None, expect=()) -> int:
     """Stub the GPU out, generate from path (prefill, decode graphs, both samplers), and compare every launch's
     packed parameters with ctypes' bytes of its (values, types). Returns how many launches were checked. Run in a
-    process of its own (the stubs replace the driver's calls for good). skinny_gemv: with ops.SKINNY_GEMV on, and
-    at least one of its launches among them."""
+    process of its own (the stubs replace the driver's calls for good). flags: module attributes set first
+    ({"infero.backends.cuda.ops:SKINNY_GEMV": 1}); expect: (kernel file, names) of which each must have launched
+    at least one."""
+    import importlib
+
     from cuda.bindings import driver as cu  # noqa: F401
 
     from infero import LLM, SamplingParams
-    from infero.backends.cuda import ops
+    from infero.backends.cuda import runtime
     from infero.bench import gpu_stub
 
-    ops.SKINNY_GEMV = int(skinny_gemv)
+    for flag, value in (flags or {}).items():
+        module, attribute = flag.split(":")
+        setattr(importlib.import_module(module), attribute, value)
 
     expected, checked = threading.local(), []
 
@@ -120,16 +125,14 @@ def checked_generation(path: str, batch_invariant: bool = False, skinny_gemv: bo
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True)]  # fmt: skip
     llm.generate(["hello world the", "and tion 12 hello world " * 15], params)  # a prompt past a 64-token chunk
-    if skinny_gemv:
-        from infero.backends.cuda import runtime, skinny_gemm
-
-        gemv = {runtime.kernel(skinny_gemm.SOURCE, f"skinny_gemv<{t}>") for t in skinny_gemm.TYPES}
-        assert any(fn in gemv for fn in checked), "ops.SKINNY_GEMV ran no skinny_gemv"
+    for source, names in expect:
+        functions = {runtime.kernel(source, name) for name in names}
+        assert any(fn in functions for fn in checked), f"none of {names} launched"
     return len(checked)
 
 
-def assert_launches_packed(path, batch_invariant: bool = False, skinny_gemv: bool = False) -> None:
-    call = f"t.checked_generation({str(path)!r}, {batch_invariant}, {skinny_gemv})"
+def assert_launches_packed(path, batch_invariant: bool = False, flags: dict | None = None, expect=()) -> None:
+    call = f"t.checked_generation({str(path)!r}, {batch_invariant}, {flags!r}, {expect!r})"
     code = f"import test_launch_params as t; print('checked', {call})"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -148,11 +151,23 @@ def test_dense_model_launches(tmp_path, qtype, batch_invariant):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
 def test_dense_model_launches_with_skinny_gemv(tmp_path, qtype):
     shape = tiny_shape(arch="qwen3", hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
-    assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape), skinny_gemv=True)
+    gemv = ("skinny_gemm.cu", [f"skinny_gemv<{int(qtype)}>"])
+    assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape),
+                           flags={"infero.backends.cuda.ops:SKINNY_GEMV": 1}, expect=[gemv])  # fmt: skip
 
 
 def test_moe_model_launches(tmp_path):
     assert_launches_packed(write_tiny_moe(tmp_path / "moe.gguf", qtype=Q.Q8_0, head_dim=64))
+
+
+def test_moe_model_launches_on_the_fp16_experts(tmp_path):
+    """moe.FP16_EXPERTS: a decode step's pairs each a group (NI 1), a prompt's sorted into runs (expert rows of
+    whole 128-column superblocks)."""
+    names = [f"skinny_experts<{int(Q.Q8_0)}, {ni}>" for ni in (1, 2, 4, 8)]
+    assert_launches_packed(write_tiny_moe(tmp_path / "moe.gguf", qtype=Q.Q8_0, head_dim=64, expert_ffn=128,
+                                          hidden=128),
+                           flags={"infero.backends.cuda.moe:FP16_EXPERTS": 1},
+                           expect=[("skinny_gemm.cu", names)])  # fmt: skip
 
 
 @pytest.mark.parametrize("shape, quant", [("qwen35-tiny", "Q4_K_M"), ("qwen35moe-tiny", "Q8_0"),

@@ -684,3 +684,84 @@ def test_decode_beside_seven_others_is_bitwise_decode_alone(gpu, tmp_path):
 def test_moe_graph_replay_is_bit_identical_to_eager(gpu, tmp_path):
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]
     assert_graph_replay_is_eager(moe_file(tmp_path, Q.Q8_0), prompts)
+
+
+FP16_TYPES = (Q.Q4_K, Q.Q6_K, Q.Q8_0)
+FP16_BOUND = 2e-3  # fp16 weights and activations, fp32 sums: as test_skinny_gemm.py's
+
+
+def fp16_rows(mats, x: np.ndarray, per_token: int, ids: np.ndarray, run: int | None) -> list[np.ndarray]:
+    """moe.fp16_experts' outputs for pairs ids (pair p reading row p // per_token of x): sorted into runs of `run`,
+    or (None) each pair a group of its own; outputs NaN-poisoned first, so a row left unwritten shows."""
+    from infero.backends.cuda import driver, moe, runtime, skinny_gemm
+    from infero.backends.cuda.tensor import empty, from_host
+
+    stream, pairs = runtime.stream(), ids.size
+    xa = empty(moe.fp16_activation_shape(*x.shape), np.uint32)
+    skinny_gemm.convert(xa, from_host(x), mats[0].ggml_type, stream, rows_layout=True)
+    outs = [empty((pairs, m.rows), np.float32) for m in mats]
+    for o in outs:
+        driver.memset_d8(o.ptr, 0xFF, o.nbytes, stream)
+    if run is None:
+        moe.fp16_experts(outs, mats, per_token, xa, stream, ids=from_host(ids.astype(np.int32)))
+    else:
+        grouping, _, _ = _sorted_pairs(ids, mats[0].experts, run)
+        moe.fp16_experts(outs, mats, per_token, xa, stream, grouping=grouping)
+    return [o.to_host(stream) for o in outs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", FP16_TYPES, ids=lambda q: q.name)
+def test_fp16_experts_match_float64_and_give_a_pair_the_same_bits_in_any_run(gpu, qtype):
+    """skinny_experts (moe.FP16_EXPERTS): every pair's row within FP16_BOUND of float64 on the dequantized expert,
+    gate and up in one launch (per_token 3) and down alone (per_token 1, 256 columns); and bitwise the same with
+    each pair a group of its own and in runs of 8, 16, 32 and 64 (one expert taken by 40 of 50 tokens, so full and
+    short runs; experts nobody chose)."""
+    from infero.backends.cuda import moe
+
+    experts, k, n = 8, 3, 50
+    gate, wg = upload_experts(qtype, experts, EXPERT_FFN, HIDDEN, 21)
+    up, wu = upload_experts(qtype, experts, EXPERT_FFN, HIDDEN, 22)
+    down, wd = upload_experts(qtype, experts, HIDDEN, EXPERT_FFN, 23)
+    rng = np.random.default_rng(int(qtype))
+    x = rng.normal(0, 1, size=(n, HIDDEN)).astype(np.float32)
+    ids = rng.integers(0, 6, size=(n, k))
+    ids[:40, 0] = 2
+    ids = ids.reshape(-1)
+    y = rng.normal(0, 1, size=(n * k, EXPERT_FFN)).astype(np.float32)
+    cases = [([gate, up], (wg, wu), x, k), ([down], (wd,), y, 1)]
+    for mats, ws, act, per_token in cases:
+        runs = {run: fp16_rows(mats, act, per_token, ids, run) for run in (None, *moe.FP16_RUNS)}
+        for got, w in zip(runs[None], ws, strict=True):
+            ref = np.einsum(
+                "pc,prc->pr", act[np.arange(n * k) // per_token].astype(np.float64), w[ids].astype(np.float64)
+            )
+            err = rel_err(got, ref)
+            print(f"{qtype.name} {w.shape[1]}x{w.shape[2]}: rel err {err:.2e}")
+            assert np.isfinite(got).all() and err < FP16_BOUND
+        for run, outs in runs.items():
+            for got, want in zip(outs, runs[None], strict=True):
+                assert np.array_equal(got, want), f"runs of {run}: a pair's row differs from its own group's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_type, down_type", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)], ids=["Q4_K-Q6_K", "Q8_0"])
+def test_fp16_experts_layer_matches_numpy_and_is_batch_invariant(gpu, monkeypatch, gate_type, down_type):
+    """CudaOps.moe_experts with moe.FP16_EXPERTS: within FP16_BOUND of numpy, and a token's row the same bits alone
+    (each pair its own group, no sort), among 8 and among 64 tokens (sorted into runs)."""
+    from infero.backends.cuda import moe
+
+    monkeypatch.setattr(moe, "FP16_EXPERTS", 1)
+    experts, k = 8, 2
+    mats, ws = expert_mats(gate_type, down_type, experts)
+    assert moe.fp16_takes(list(mats))
+    h, _, ids, weights = routed(64, experts, k, seed=70)
+    ops = gpu_ops()
+    outs = {n: run_experts(ops, h[:n], ids[:n], weights[:n], mats) for n in TOKEN_COUNTS}
+    err = rel_err(outs[64], CpuOps().moe_experts(h, ids, weights, *ws))
+    print(f"{gate_type.name}/{down_type.name}: rel err {err:.2e}")
+    assert np.isfinite(outs[64]).all() and err < FP16_BOUND
+    for n in TOKEN_COUNTS[:-1]:
+        assert np.array_equal(outs[n], outs[64][:n]), f"{n} tokens: not the bits of the same rows among 64"
+    alone = np.concatenate([run_experts(ops, h[t : t + 1], ids[t : t + 1], weights[t : t + 1], mats) for t in range(8)])
+    assert np.array_equal(alone, outs[8])

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from infero.backends.cuda import driver, matvec, runtime, weight_layout
+from infero.backends.cuda import driver, matvec, runtime, skinny_gemm, weight_layout
 from infero.backends.cuda.tensor import DeviceTensor, QuantWeight
 
 SOURCE = "moe.cu"
@@ -70,6 +70,17 @@ for _t in MMA_TYPES:
     _names = [f"matvec_experts_mma<{_t}, {g}>" for g in MMA_GROUPS]
     runtime.declare(MMA_SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS))
 
+# 1: expert tensors of skinny_gemm's types (Q4_K, Q6_K, Q8_0, whole superblocks a row) take skinny_experts at every
+# width: the skinny GEMM's fp16 numbers, each pair's row one chain over its columns, its weights read once per run of
+# up to 64 pairs on the fp16 tensor cores (where the int8 kernels' float work a 32-column unit bounds them at 16 and
+# more pairs an expert: docs/performance.md). A layer runs one kind at every width, so either keeps a pair's bits
+# independent of the batch. Off until measured on a GPU.
+FP16_EXPERTS = 0
+FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
+for _t in skinny_gemm.TYPES:
+    _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS]
+    runtime.declare(skinny_gemm.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS), part="experts")
+
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ROUTE_ARGS = (_P, _P, _P, _I, _I, _I)
 _COMBINE_ARGS = (_P, _P, _P, _I, _I, _I)
@@ -81,6 +92,7 @@ _ROUTER_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _TILES_ARGS = (_P, _P, _P, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
+_FP16_ARGS = (None, _P, _P, _P, _P, _I, _P, _I, _I, _I, _L)
 _shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
 runtime.on_reload(_shared_allowed.clear)
 
@@ -332,6 +344,71 @@ def _grouped_mma(outs, mats, grouping: Grouping, per_token: int, stream: driver.
     _allow_shared(fn, shared)
     driver.launch(fn, (tiles * len(mats), grouping.groups.shape[0]), (32 * MMA_WARPS,), args, _MMA_ARGS, stream,
                   shared, pdl=True)  # fmt: skip
+
+
+def fp16_takes(mats: list[ExpertWeights]) -> bool:
+    """Whether skinny_experts runs these expert tensors (with FP16_EXPERTS on): all of skinny_gemm's types, whole
+    superblocks a row."""
+    return bool(FP16_EXPERTS) and all(
+        m.ggml_type in skinny_gemm.TYPES and m.cols % skinny_gemm.SUPERBLOCK[m.ggml_type] == 0 for m in mats
+    )
+
+
+def fp16_run(pairs: int, experts: int) -> int:
+    """The run moe_sort cuts for skinny_experts: the fewest pairs a warp (8 NI) that hold an expert's average share
+    of the pairs. Any run gives the same bits; this only moves time."""
+    share = -(-pairs // max(1, min(experts, pairs)))
+    return next((r for r in FP16_RUNS if r >= share), FP16_RUNS[-1])
+
+
+def fp16_activation_shape(rows: int, cols: int) -> tuple[int, int]:
+    """skinny_gemm.convert's layout of `rows` activation rows (any count: ceil(rows / 8) tiles)."""
+    return (cols // 32 * -(-rows // 8) * 32, 4)
+
+
+def fp16_experts(outs: list[DeviceTensor], mats: list[ExpertWeights], per_token: int, xa: DeviceTensor,
+                 stream: driver.Stream, grouping: Grouping | None = None,
+                 ids: DeviceTensor | None = None) -> None:  # fmt: skip
+    """outs[i] [pairs, rows] float32: row p = activation row p // per_token @ dequant(expert of pair p)^T on
+    skinny_experts, for one or two expert tensors of one type and shape (gate and up) in one launch. xa: the
+    activation rows as skinny_gemm.convert writes them (fp16_activation_shape). The pairs: grouped by sort (runs
+    of one of FP16_RUNS), or ids int32 [pairs] with each pair its own group (no sort). A pair's row is the same bits
+    either way and in any run."""
+    first = mats[0]
+    t, rows, cols = first.ggml_type, first.rows, first.cols
+    if not 1 <= len(mats) <= 2 or len(outs) != len(mats) or (grouping is None) == (ids is None):
+        raise ValueError("fp16_experts: one or two expert tensors with an out each, and either a grouping or ids")
+    if any((m.ggml_type, m.rows, m.cols, m.experts) != (t, rows, cols, first.experts) for m in mats):
+        raise ValueError("fp16_experts: one launch takes expert tensors of one type and shape")
+    if t not in skinny_gemm.TYPES or cols % skinny_gemm.SUPERBLOCK[t] or any(m.matrix.tiled for m in mats):
+        raise ValueError(f"fp16_experts: no kernel for type {t} with {cols} columns (or a tiled expert tensor)")
+    pairs = (grouping.order if grouping is not None else ids).numel
+    act_rows = -(-pairs // per_token) if per_token > 0 else -1
+    if per_token < 1 or pairs % per_token or xa.dtype != np.uint32 or xa.shape != fp16_activation_shape(act_rows, cols):
+        raise ValueError(f"fp16_experts: xa must be uint32 {fp16_activation_shape(act_rows, cols)} for {pairs} pairs "
+                         f"at {per_token} a row; got {xa.dtype} {xa.shape}")  # fmt: skip
+    if any(o.dtype != np.float32 or o.shape != (pairs, rows) for o in outs):
+        raise ValueError(f"fp16_experts: outs must be float32 [{pairs}, {rows}]")
+    if grouping is not None and grouping.run not in FP16_RUNS:
+        raise ValueError(f"fp16_experts: runs of {FP16_RUNS} pairs, got {grouping.run}")
+    if pairs == 0:
+        return
+    mats_arg = ExpertMats()
+    for i, (out, m) in enumerate(zip(outs, mats, strict=True)):
+        mats_arg.weight[i], mats_arg.out[i] = m.matrix.data.ptr, out.ptr
+    ni = grouping.run // 8 if grouping is not None else 1
+    blocks_y = grouping.groups.shape[0] if grouping is not None else pairs
+    if blocks_y > 65535:
+        raise ValueError(f"fp16_experts: {blocks_y} groups exceed the launch's grid (65535)")
+    tiles = -(-act_rows // 8)
+    if grouping is not None:
+        pointers = (0, grouping.order.ptr, grouping.groups.ptr, grouping.num_groups.ptr)
+    else:
+        pointers = (ids.ptr, 0, 0, 0)
+    args = (mats_arg, *pointers, per_token, xa.ptr, tiles, rows, cols, first.matrix.data.shape[1])
+    fn = runtime.kernel(skinny_gemm.SOURCE, f"skinny_experts<{t}, {ni}>")
+    grid = (-(-rows // (16 * skinny_gemm.WARPS)) * len(mats), blocks_y)
+    driver.launch(fn, grid, (32 * skinny_gemm.WARPS,), args, _FP16_ARGS, stream, pdl=True)
 
 
 def _check(outs, mats, ids, per_token, x, quantized) -> str | None:

@@ -478,6 +478,8 @@ class CudaOps:
         (moe.expert_matvec), and down and the combine are one launch (moe.down_combine): the same bits every way.
         The pairs' buffers are dead once the combine is queued: the workspace takes them back (a replayed graph
         sees the same addresses)."""
+        if moe.fp16_takes([gate_exps, up_exps, down_exps]):
+            return self._moe_experts_fp16(h, experts, weights, gate_exps, up_exps, down_exps)
         n, k = experts.shape
         out = self.ws.empty((n, down_exps.rows), np.float32)
         mark = self.ws.offset
@@ -523,6 +525,49 @@ class CudaOps:
             y = self.ws.empty((n * k, down_exps.rows), np.float32)
             expert_matvec([y], [down_exps], 1, gate, down_quantized)
             moe.combine(out, y, weights, self.stream)
+        self.ws.offset = mark
+        return out
+
+    def _moe_experts_fp16(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,
+                          down_exps) -> DeviceTensor:  # fmt: skip
+        """moe_experts on the skinny GEMM's fp16 numbers (moe.FP16_EXPERTS): h, then the SwiGLU output, converted
+        once a weight type to its fp16 layout; from MOE_GROUPED_MIN_TOKENS tokens the pairs sorted by expert into
+        runs of moe.fp16_run, below it each pair a group of its own (no sort); down, then moe.combine. A pair's rows
+        are the same bits every way."""
+        n, k = experts.shape
+        out = self.ws.empty((n, down_exps.rows), np.float32)
+        mark = self.ws.offset
+        pair_ids = experts.reshape(n * k)
+        route = {"ids": pair_ids}
+        if n >= MOE_GROUPED_MIN_TOKENS:
+            run = moe.fp16_run(n * k, gate_exps.experts)
+            grouping = moe.Grouping(self.ws.empty((n * k,), np.int32),
+                                    self.ws.empty((moe.max_groups(n * k, gate_exps.experts, run), 4), np.int32),
+                                    self.ws.empty((1,), np.int32), run)  # fmt: skip
+            moe.sort(grouping, pair_ids, gate_exps.experts, self.stream)
+            route = {"grouping": grouping}
+        self._require_values(h)
+        converted: dict[int, DeviceTensor] = {}
+
+        def activation(x: DeviceTensor, ggml_type: int) -> DeviceTensor:
+            if ggml_type not in converted:
+                xa = self.ws.empty(moe.fp16_activation_shape(*x.shape), np.uint32)
+                skinny_gemm.convert(xa, x, ggml_type, self.stream, rows_layout=True)
+                converted[ggml_type] = xa
+            return converted[ggml_type]
+
+        gate = self.ws.empty((n * k, gate_exps.rows), np.float32)
+        up = self.ws.empty((n * k, up_exps.rows), np.float32)
+        launches = [([gate, up], [gate_exps, up_exps])]
+        if (gate_exps.ggml_type, gate_exps.matrix.data.shape) != (up_exps.ggml_type, up_exps.matrix.data.shape):
+            launches = [([gate], [gate_exps]), ([up], [up_exps])]  # one launch takes one type and shape
+        for outs, mats in launches:
+            moe.fp16_experts(outs, mats, k, activation(h, mats[0].ggml_type), self.stream, **route)
+        elementwise.swiglu(gate, gate, up, self.stream)
+        converted.clear()
+        y = self.ws.empty((n * k, down_exps.rows), np.float32)
+        moe.fp16_experts([y], [down_exps], 1, activation(gate, down_exps.ggml_type), self.stream, **route)
+        moe.combine(out, y, weights, self.stream)
         self.ws.offset = mark
         return out
 

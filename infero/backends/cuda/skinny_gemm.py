@@ -104,17 +104,21 @@ def _sms() -> int:
     return _num_sms[0]
 
 
-def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream) -> None:
-    """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero."""
+def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream,
+            rows_layout: bool = False) -> None:  # fmt: skip
+    """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero.
+    rows_layout: any n, in ceil(n / 8) tiles (the expert kernels' activation rows: moe.fp16_activation_shape)."""
     n, cols = x.shape
-    if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or n > MAX_TOKENS:
+    count = -(-n // 8) if rows_layout else (tiles(n) if 0 < n <= MAX_TOKENS else 0)
+    if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or not 0 < count < (1 << 16):
         raise ValueError(f"skinny_gemm.convert: no layout for type {ggml_type}, [{n}, {cols}]")
-    if x.dtype != np.float32 or x.ptr % 16 or xa.shape != activation_shape(n, cols) or xa.dtype != np.uint32:
+    shape = (cols // 32 * count * 32, 4)
+    if x.dtype != np.float32 or x.ptr % 16 or xa.shape != shape or xa.dtype != np.uint32:
         raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
     slots = xa.shape[0]
     fn = runtime.kernel(SOURCE, f"skinny_x_to_f16<{ggml_type}>")
-    driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), (xa.ptr, x.ptr, n, cols, tiles(n)),
-                  _CONVERT_ARG_TYPES, stream, pdl=True)  # fmt: skip
+    driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), (xa.ptr, x.ptr, n, cols, count), _CONVERT_ARG_TYPES,
+                  stream, pdl=True)  # fmt: skip
 
 
 def skinny_gemm(

@@ -553,6 +553,128 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
   }
 }
 
+// skinny_experts: a mixture-of-experts layer's expert matrices (gate and up, or down) on the skinny GEMM's numbers,
+// every (token, expert) pair's output row one chain over all its columns (no split: expert rows are at most a few
+// thousand columns), so a pair's bits are the same in a group of one as of 64 and whatever shares its group.
+// groups: moe_sort's runs of one expert's pairs, (expert, first index into order, count <= 8 NI); null: pair b is
+// group b alone (ids[b] its expert; a decode step, no sort launch). Pair p reads activation row p / per_token of
+// xa (skinny_x_to_f16's layout of x_tiles tiles: any row of any tile, each lane loading its own pair's fragments)
+// and writes row p of its segment's out [pairs, rows]. A warp: 16 rows of the group's expert x the group's pairs
+// (NI tiles of 8; pairs past count compute the group's last pair again and are not stored), its weights through a
+// ring in registers as skinny_gemv's. Expert matrices are GGUF rows (never tiled), expert e's from row e rows.
+namespace sk {
+struct ExpertOut {
+  const uint8_t* weight[2];
+  float* out[2];
+};
+// Superblocks a lane holds (RING - 1 in flight): fewer as the pairs' accumulators and fragments take registers
+// (no spill on sm_90a; Q6_K's raw superblock is 41 registers a row).
+template <int T, int NI>
+constexpr int experts_ring() {
+  if (T == GGML_Q6_K) return NI == 1 ? 2 : 1;
+  return NI <= 2 ? Gemv<T>::RING : NI == 4 ? 2 : 1;
+}
+}  // namespace sk
+
+// grid (ceil(rows / 128) x segments, groups or pairs), 256 threads.
+template <int T, int NI>
+__global__ void __launch_bounds__(sk::WARPS * 32)
+    skinny_experts(const __grid_constant__ sk::ExpertOut mats, const int* __restrict__ ids,
+                   const int* __restrict__ order, const int4* __restrict__ groups, const int* __restrict__ num_groups,
+                   int per_token, const uint4* __restrict__ xa, int x_tiles, int rows, int cols, long long row_bytes) {
+  using namespace sk;
+  using F = Fmt<T>;
+  constexpr int RING = experts_ring<T, NI>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  pdl_enter();  // the groups, the ids and the activation are earlier kernels' output
+  int expert, first, count;
+  if (groups != nullptr) {
+    if ((int)blockIdx.y >= *num_groups) return;
+    const int4 group = groups[blockIdx.y];
+    expert = group.x, first = group.y, count = group.z;
+  } else {
+    expert = ids[blockIdx.y], first = (int)blockIdx.y, count = 1;
+  }
+  const int blocks_per_seg = (rows + WARPS * 16 - 1) / (WARPS * 16);
+  const int seg = (int)blockIdx.x / blocks_per_seg;
+  const int row0 = ((int)blockIdx.x % blocks_per_seg) * WARPS * 16 + warp * 16;
+  const uint8_t* base = (seg == 0 ? mats.weight[0] : mats.weight[1]) + (long long)expert * rows * row_bytes;
+  const uint8_t* rowp[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rowp[r] = base + (long long)min(row0 + 8 * r + g, rows - 1) * row_bytes;
+  // Lane g of tile j holds pair first + 8 j + g (the group's last where the group is shorter): its activation
+  // row's slot within a (superblock, word): tile * 32 + lane within the tile.
+  int slot[NI];
+#pragma unroll
+  for (int j = 0; j < NI; ++j) {
+    const int q = first + min(8 * j + g, count - 1);
+    const int pair = groups != nullptr ? order[q] : q;
+    const int row = pair / per_token;
+    slot[j] = (row >> 3) * 32 + (row & 7) * 4 + c;
+  }
+  auto fetch = [&](typename F::Raw (&rw)[2], int sb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) F::fetch(rw[r], rowp[r] + (long long)sb * F::BYTES, c);
+  };
+  float acc[NI][4];
+#pragma unroll
+  for (int j = 0; j < NI; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
+    typename F::Scale s[2];
+    typename F::Bits bits[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      F::scales(s[r], rw[r], c);
+      F::bits(bits[r], rw[r]);
+    }
+#pragma unroll
+    for (int i = 0; i < F::WORDS; ++i) {
+      const uint4* xw = xa + ((long long)sb * F::WORDS + i) * x_tiles * 32;
+      uint4 b[NI];
+#pragma unroll
+      for (int j = 0; j < NI; ++j) b[j] = ld_x(xw + slot[j]);
+      uint32_t a[2][4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) F::word(a[r], bits[r], s[r], i, c);
+      const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
+#pragma unroll
+      for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], lo, b[j].x, b[j].y);
+#pragma unroll
+      for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], hi, b[j].z, b[j].w);
+    }
+  };
+
+  const int sbs = cols / F::SB;
+  typename F::Raw ring[RING][2];
+#pragma unroll
+  for (int k = 0; k < RING - 1; ++k)
+    if (k < sbs) fetch(ring[k], k);
+  for (int sb = 0; sb < sbs; sb += RING) {
+#pragma unroll
+    for (int k = 0; k < RING; ++k) {
+      if (sb + k >= sbs) break;
+      if (sb + k + RING - 1 < sbs) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
+      compute(ring[k], sb + k);
+    }
+  }
+
+  // Accumulator e of tile j: row g (+ 8 for e >= 2), the group's pair 8 j + 2 c + e % 2.
+  float* const out = seg == 0 ? mats.out[0] : mats.out[1];
+#pragma unroll
+  for (int j = 0; j < NI; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + g + (e >= 2 ? 8 : 0), p = 8 * j + 2 * c + (e & 1);
+      if (row < rows && p < count) {
+        const int pair = groups != nullptr ? order[first + p] : first + p;
+        out[(long long)pair * rows + row] = acc[j][e];
+      }
+    }
+  }
+}
+
 // out[i] = part[0][i] + part[1][i] + ... (in split order) + bias[row], for the n * rows outputs of a split launch.
 // One thread an output.
 extern "C" __global__ void skinny_reduce(float* __restrict__ out, const float* __restrict__ part,
