@@ -78,7 +78,7 @@ for _t in MMA_TYPES:
 FP16_EXPERTS = 0
 FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
 for _t in skinny_gemm.TYPES:
-    _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS]
+    _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS] + [f"skinny_swiglu_to_f16<{_t}>"]
     runtime.declare(skinny_gemm.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS), part="experts")
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong

@@ -530,10 +530,10 @@ class CudaOps:
 
     def _moe_experts_fp16(self, h: DeviceTensor, experts: DeviceTensor, weights: DeviceTensor, gate_exps, up_exps,
                           down_exps) -> DeviceTensor:  # fmt: skip
-        """moe_experts on the skinny GEMM's fp16 numbers (moe.FP16_EXPERTS): h, then the SwiGLU output, converted
-        once a weight type to its fp16 layout; from MOE_GROUPED_MIN_TOKENS tokens the pairs sorted by expert into
-        runs of moe.fp16_run, below it each pair a group of its own (no sort); down, then moe.combine. A pair's rows
-        are the same bits every way."""
+        """moe_experts on the skinny GEMM's fp16 numbers (moe.FP16_EXPERTS): h converted once a weight type to its
+        fp16 layout; from MOE_GROUPED_MIN_TOKENS tokens the pairs sorted by expert into runs of moe.fp16_run, below
+        it each pair a group of its own (no sort); SwiGLU in the conversion of down's input; down, then
+        moe.combine. A pair's rows are the same bits every way."""
         n, k = experts.shape
         out = self.ws.empty((n, down_exps.rows), np.float32)
         mark = self.ws.offset
@@ -547,26 +547,22 @@ class CudaOps:
             moe.sort(grouping, pair_ids, gate_exps.experts, self.stream)
             route = {"grouping": grouping}
         self._require_values(h)
-        converted: dict[int, DeviceTensor] = {}
-
-        def activation(x: DeviceTensor, ggml_type: int) -> DeviceTensor:
-            if ggml_type not in converted:
-                xa = self.ws.empty(moe.fp16_activation_shape(*x.shape), np.uint32)
-                skinny_gemm.convert(xa, x, ggml_type, self.stream, rows_layout=True)
-                converted[ggml_type] = xa
-            return converted[ggml_type]
-
         gate = self.ws.empty((n * k, gate_exps.rows), np.float32)
         up = self.ws.empty((n * k, up_exps.rows), np.float32)
         launches = [([gate, up], [gate_exps, up_exps])]
         if (gate_exps.ggml_type, gate_exps.matrix.data.shape) != (up_exps.ggml_type, up_exps.matrix.data.shape):
             launches = [([gate], [gate_exps]), ([up], [up_exps])]  # one launch takes one type and shape
+        h_of: dict[int, DeviceTensor] = {}  # h in each weight type's fp16 layout
         for outs, mats in launches:
-            moe.fp16_experts(outs, mats, k, activation(h, mats[0].ggml_type), self.stream, **route)
-        elementwise.swiglu(gate, gate, up, self.stream)
-        converted.clear()
+            t = mats[0].ggml_type
+            if t not in h_of:
+                h_of[t] = self.ws.empty(moe.fp16_activation_shape(*h.shape), np.uint32)
+                skinny_gemm.convert(h_of[t], h, t, self.stream, rows_layout=True)
+            moe.fp16_experts(outs, mats, k, h_of[t], self.stream, **route)
+        ya = self.ws.empty(moe.fp16_activation_shape(*gate.shape), np.uint32)
+        skinny_gemm.convert(ya, gate, down_exps.ggml_type, self.stream, rows_layout=True, up=up)  # SwiGLU with it
         y = self.ws.empty((n * k, down_exps.rows), np.float32)
-        moe.fp16_experts([y], [down_exps], 1, activation(gate, down_exps.ggml_type), self.stream, **route)
+        moe.fp16_experts([y], [down_exps], 1, ya, self.stream, **route)
         moe.combine(out, y, weights, self.stream)
         self.ws.offset = mark
         return out

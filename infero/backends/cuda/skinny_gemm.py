@@ -42,6 +42,7 @@ for _t in TYPES:
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
+_SWIGLU_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
 _GEMV_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I)
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
@@ -104,10 +105,11 @@ def _sms() -> int:
     return _num_sms[0]
 
 
-def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream,
-            rows_layout: bool = False) -> None:  # fmt: skip
+def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream, rows_layout: bool = False,
+            up: DeviceTensor | None = None) -> None:  # fmt: skip
     """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero.
-    rows_layout: any n, in ceil(n / 8) tiles (the expert kernels' activation rows: moe.fp16_activation_shape)."""
+    rows_layout: any n, in ceil(n / 8) tiles (the expert kernels' activation rows: moe.fp16_activation_shape).
+    up: x is SwiGLU's gate and up its up projection (float32 [n, cols]): xa holds silu(x) * up."""
     n, cols = x.shape
     count = -(-n // 8) if rows_layout else (tiles(n) if 0 < n <= MAX_TOKENS else 0)
     if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or not 0 < count < (1 << 16):
@@ -115,10 +117,16 @@ def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.St
     shape = (cols // 32 * count * 32, 4)
     if x.dtype != np.float32 or x.ptr % 16 or xa.shape != shape or xa.dtype != np.uint32:
         raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
+    if up is not None and (up.dtype != np.float32 or up.shape != x.shape or up.ptr % 16):
+        raise ValueError(f"skinny_gemm.convert: up must be float32 {x.shape}, 16-byte aligned; got {up.shape}")
     slots = xa.shape[0]
-    fn = runtime.kernel(SOURCE, f"skinny_x_to_f16<{ggml_type}>")
-    driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), (xa.ptr, x.ptr, n, cols, count), _CONVERT_ARG_TYPES,
-                  stream, pdl=True)  # fmt: skip
+    if up is None:
+        fn, args = runtime.kernel(SOURCE, f"skinny_x_to_f16<{ggml_type}>"), (xa.ptr, x.ptr, n, cols, count)
+        types = _CONVERT_ARG_TYPES
+    else:
+        fn, args = runtime.kernel(SOURCE, f"skinny_swiglu_to_f16<{ggml_type}>"), (xa.ptr, x.ptr, up.ptr, n, cols, count)
+        types = _SWIGLU_ARG_TYPES
+    driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), args, types, stream, pdl=True)
 
 
 def skinny_gemm(

@@ -273,8 +273,11 @@ struct Fmt<GGML_Q8_0> {
 // x float32 [n, cols] -> xa fp16 in Fmt<T>'s column order, 16 bytes per (superblock, word, token tile, lane):
 // slot ((sb * WORDS + word) * tiles + tile) * 32 + lane holds token 8 tile + lane / 4's columns (p0, p2, p1, p3) of the
 // word's low half, then of its high half, for c = lane % 4. Tokens in [n, 8 tiles) are zeros. One thread a slot.
-template <int T>
-__global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict__ x, int n, int cols, int tiles) {
+// UP: x holds SwiGLU's gate and `up` its up projection, and the slot holds silu(gate) * up (elementwise.cu's swiglu
+// expression): the expert kernels' down input in one launch, not swiglu's then this one's.
+template <int T, bool UP>
+__device__ __forceinline__ void to_f16(uint4* __restrict__ xa, const float* __restrict__ x,
+                                       const float* __restrict__ up, int n, int cols, int tiles) {
   using F = sk::Fmt<T>;
   pdl_enter();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -286,15 +289,34 @@ __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict_
   const int token = tile * 8 + (lane >> 2), c = lane & 3;
   uint4 o = make_uint4(0, 0, 0, 0);
   if (token < n) {
-    const float* row = x + (long long)token * cols + sb * F::SB;
-    const float4 lo = *reinterpret_cast<const float4*>(row + F::column(c, word, 0, 0));
-    const float4 hi = *reinterpret_cast<const float4*>(row + F::column(c, word, 1, 0));
+    const long long at = (long long)token * cols + sb * F::SB;
+    float4 lo = *reinterpret_cast<const float4*>(x + at + F::column(c, word, 0, 0));
+    float4 hi = *reinterpret_cast<const float4*>(x + at + F::column(c, word, 1, 0));
+    if (UP) {
+      const float4 ulo = *reinterpret_cast<const float4*>(up + at + F::column(c, word, 0, 0));
+      const float4 uhi = *reinterpret_cast<const float4*>(up + at + F::column(c, word, 1, 0));
+      auto glu = [](float g, float u) { return g / (1.0f + expf(-g)) * u; };
+      lo = make_float4(glu(lo.x, ulo.x), glu(lo.y, ulo.y), glu(lo.z, ulo.z), glu(lo.w, ulo.w));
+      hi = make_float4(glu(hi.x, uhi.x), glu(hi.y, uhi.y), glu(hi.z, uhi.z), glu(hi.w, uhi.w));
+    }
     o.x = tc::pack_half2_sat(lo.x, lo.z);
     o.y = tc::pack_half2_sat(lo.y, lo.w);
     o.z = tc::pack_half2_sat(hi.x, hi.z);
     o.w = tc::pack_half2_sat(hi.y, hi.w);
   }
   xa[i] = o;
+}
+
+template <int T>
+__global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict__ x, int n, int cols, int tiles) {
+  to_f16<T, false>(xa, x, nullptr, n, cols, tiles);
+}
+
+// xa = skinny_x_to_f16's layout of silu(gate) * up (gate, up float32 [n, cols]).
+template <int T>
+__global__ void skinny_swiglu_to_f16(uint4* __restrict__ xa, const float* __restrict__ gate,
+                                     const float* __restrict__ up, int n, int cols, int tiles) {
+  to_f16<T, true>(xa, gate, up, n, cols, tiles);
 }
 
 // grid row_tiles * splits blocks (1-D; the row tiles of one split consecutive, so blocks in flight read the same
