@@ -163,11 +163,10 @@ def test_moe_model_launches(tmp_path):
 def test_moe_model_launches_on_the_fp16_experts(tmp_path):
     """moe.FP16_EXPERTS: a decode step's pairs each a group (NI 1), a prompt's sorted into runs (expert rows of
     whole 128-column superblocks)."""
-    names = [f"skinny_experts<{int(Q.Q8_0)}, {ni}>" for ni in (1, 2, 4, 8)]
-    assert_launches_packed(write_tiny_moe(tmp_path / "moe.gguf", qtype=Q.Q8_0, head_dim=64, expert_ffn=128,
-                                          hidden=128),
-                           flags={"infero.backends.cuda.moe:FP16_EXPERTS": 1},
-                           expect=[("skinny_gemm.cu", names)])  # fmt: skip
+    grouped = ("skinny_gemm.cu", [f"skinny_experts<{int(Q.Q8_0)}, {ni}>" for ni in (1, 2, 4, 8)])
+    fused = ("skinny_gemm.cu", [f"skinny_experts_combine<{int(Q.Q8_0)}>"])  # a decode step of one sequence
+    path = write_tiny_moe(tmp_path / "moe.gguf", qtype=Q.Q8_0, head_dim=64, expert_ffn=128, hidden=128)
+    assert_launches_packed(path, flags={"infero.backends.cuda.moe:FP16_EXPERTS": 1}, expect=[grouped, fused])
 
 
 @pytest.mark.parametrize("shape, quant", [("qwen35-tiny", "Q4_K_M"), ("qwen35moe-tiny", "Q8_0"),

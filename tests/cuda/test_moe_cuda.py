@@ -745,14 +745,15 @@ def test_fp16_experts_match_float64_and_give_a_pair_the_same_bits_in_any_run(gpu
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts, k", [(8, 2), (16, 9)])  # 9 pairs a token: a warp of the fused combine takes two
 @pytest.mark.parametrize("gate_type, down_type", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)], ids=["Q4_K-Q6_K", "Q8_0"])
-def test_fp16_experts_layer_matches_numpy_and_is_batch_invariant(gpu, monkeypatch, gate_type, down_type):
+def test_fp16_experts_layer_matches_numpy_and_is_batch_invariant(gpu, monkeypatch, gate_type, down_type, experts, k):
     """CudaOps.moe_experts with moe.FP16_EXPERTS: within FP16_BOUND of numpy, and a token's row the same bits alone
-    (each pair its own group, no sort), among 8 and among 64 tokens (sorted into runs)."""
+    (each pair its own group, no sort, down and the combine in one launch), among 8 and among 64 tokens (sorted into
+    runs; down, then moe_combine)."""
     from infero.backends.cuda import moe
 
     monkeypatch.setattr(moe, "FP16_EXPERTS", 1)
-    experts, k = 8, 2
     mats, ws = expert_mats(gate_type, down_type, experts)
     assert moe.fp16_takes(list(mats))
     h, _, ids, weights = routed(64, experts, k, seed=70)

@@ -78,7 +78,8 @@ for _t in MMA_TYPES:
 FP16_EXPERTS = 0
 FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
 for _t in skinny_gemm.TYPES:
-    _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS] + [f"skinny_swiglu_to_f16<{_t}>"]
+    _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS]
+    _names += [f"skinny_swiglu_to_f16<{_t}>", f"skinny_experts_combine<{_t}>"]
     runtime.declare(skinny_gemm.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS), part="experts")
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
@@ -93,6 +94,7 @@ _TILES_ARGS = (_P, _P, _P, _I, _I, _I)
 _DOWN_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _L)
 _F_ARGS = (None, _P, _I, _P, _I, _L, _I)
 _FP16_ARGS = (None, _P, _P, _P, _P, _I, _P, _I, _I, _I, _L)
+_FP16_COMBINE_ARGS = (_P, _P, _P, _P, _I, _P, _I, _I, _I, _L)
 _shared_allowed: dict[object, int] = {}  # a kernel's dynamic shared memory opted in past the default
 runtime.on_reload(_shared_allowed.clear)
 
@@ -409,6 +411,29 @@ def fp16_experts(outs: list[DeviceTensor], mats: list[ExpertWeights], per_token:
     fn = runtime.kernel(skinny_gemm.SOURCE, f"skinny_experts<{t}, {ni}>")
     grid = (-(-rows // (16 * skinny_gemm.WARPS)) * len(mats), blocks_y)
     driver.launch(fn, grid, (32 * skinny_gemm.WARPS,), args, _FP16_ARGS, stream, pdl=True)
+
+
+def fp16_down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor, weights: DeviceTensor,
+                      xa: DeviceTensor, stream: driver.Stream) -> None:  # fmt: skip
+    """combine's out [n, rows] of fp16_experts' down rows (each pair its own group) in one launch: each pair's row
+    the bits fp16_experts gives it, then combine's sum (skinny_experts_combine; k <= COMBINE_MAX_K)."""
+    n, rows = out.shape
+    k = weights.shape[1] if len(weights.shape) == 2 else 0
+    t, cols = down.ggml_type, down.cols
+    if not 1 <= k <= COMBINE_MAX_K or weights.shape != (n, k) or ids.numel != n * k or ids.dtype != np.int32:
+        raise ValueError(f"fp16_down_combine: ids int32 [n k] and weights [n, k] for 1 <= k <= {COMBINE_MAX_K}, got "
+                         f"{ids.shape} and {weights.shape}")  # fmt: skip
+    if t not in skinny_gemm.TYPES or cols % skinny_gemm.SUPERBLOCK[t] or down.matrix.tiled or rows != down.rows:
+        raise ValueError(f"fp16_down_combine: no kernel for type {t}, [{down.rows}, {cols}] into {out.shape}")
+    if out.dtype != np.float32 or weights.dtype != np.float32 or xa.shape != fp16_activation_shape(n * k, cols):
+        raise ValueError(f"fp16_down_combine: float32 out and weights, xa {fp16_activation_shape(n * k, cols)}")
+    if n == 0:
+        return
+    args = (out.ptr, down.matrix.data.ptr, ids.ptr, weights.ptr, k, xa.ptr, -(-n * k // 8), rows, cols,
+            down.matrix.data.shape[1])  # fmt: skip
+    fn = runtime.kernel(skinny_gemm.SOURCE, f"skinny_experts_combine<{t}>")
+    driver.launch(fn, (-(-rows // 16), n), (32 * min(k, skinny_gemm.WARPS),), args, _FP16_COMBINE_ARGS, stream,
+                  pdl=True)  # fmt: skip
 
 
 def _check(outs, mats, ids, per_token, x, quantized) -> str | None:

@@ -532,8 +532,8 @@ class CudaOps:
                           down_exps) -> DeviceTensor:  # fmt: skip
         """moe_experts on the skinny GEMM's fp16 numbers (moe.FP16_EXPERTS): h converted once a weight type to its
         fp16 layout; from MOE_GROUPED_MIN_TOKENS tokens the pairs sorted by expert into runs of moe.fp16_run, below
-        it each pair a group of its own (no sort); SwiGLU in the conversion of down's input; down, then
-        moe.combine. A pair's rows are the same bits every way."""
+        it each pair a group of its own (no sort); SwiGLU in the conversion of down's input; down, then moe.combine
+        (in one launch where the pairs are not sorted). A pair's rows are the same bits every way."""
         n, k = experts.shape
         out = self.ws.empty((n, down_exps.rows), np.float32)
         mark = self.ws.offset
@@ -561,9 +561,12 @@ class CudaOps:
             moe.fp16_experts(outs, mats, k, h_of[t], self.stream, **route)
         ya = self.ws.empty(moe.fp16_activation_shape(*gate.shape), np.uint32)
         skinny_gemm.convert(ya, gate, down_exps.ggml_type, self.stream, rows_layout=True, up=up)  # SwiGLU with it
-        y = self.ws.empty((n * k, down_exps.rows), np.float32)
-        moe.fp16_experts([y], [down_exps], 1, ya, self.stream, **route)
-        moe.combine(out, y, weights, self.stream)
+        if "ids" in route and k <= moe.COMBINE_MAX_K:
+            moe.fp16_down_combine(out, down_exps, pair_ids, weights, ya, self.stream)
+        else:
+            y = self.ws.empty((n * k, down_exps.rows), np.float32)
+            moe.fp16_experts([y], [down_exps], 1, ya, self.stream, **route)
+            moe.combine(out, y, weights, self.stream)
         self.ws.offset = mark
         return out
 

@@ -697,6 +697,81 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   }
 }
 
+// skinny_experts_combine: down and moe_combine in one launch for a few tokens (each pair its own group, as
+// skinny_experts with ids). Block (row tile of 16, token t): warp w computes pairs t k + w, t k + w + warps, ... (the
+// pair's expert's 16 rows, skinny_experts' chain and fragments, so each pair's row is the bits skinny_experts gives
+// it), into shared memory; then out[t, row] = weights[t, 0] y_0 + weights[t, 1] y_1 + ..., each product rounded and
+// added in rank order, as moe_combine. k <= 16.
+template <int T>
+__global__ void __launch_bounds__(sk::WARPS * 32)
+    skinny_experts_combine(float* __restrict__ out, const uint8_t* __restrict__ weight, const int* __restrict__ ids,
+                           const float* __restrict__ weights, int k, const uint4* __restrict__ xa, int x_tiles,
+                           int rows, int cols, long long row_bytes) {
+  using namespace sk;
+  using F = Fmt<T>;
+  constexpr int RING = experts_ring<T, 1>();
+  __shared__ float y[16][16];  // [rank][row of the tile]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int warps = blockDim.x >> 5, t = (int)blockIdx.y, row0 = (int)blockIdx.x * 16;
+  pdl_enter();  // the ids, the weights and the activation are earlier kernels' output
+  const int sbs = cols / F::SB;
+  for (int r = warp; r < k; r += warps) {
+    const int pair = t * k + r;
+    const uint8_t* base = weight + (long long)ids[pair] * rows * row_bytes;
+    const uint8_t* rowp[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rowp[h] = base + (long long)min(row0 + 8 * h + g, rows - 1) * row_bytes;
+    const int slot = (pair >> 3) * 32 + (pair & 7) * 4 + c;  // every lane the pair's row: all 8 columns alike
+    auto fetch = [&](typename F::Raw (&rw)[2], int sb) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) F::fetch(rw[h], rowp[h] + (long long)sb * F::BYTES, c);
+    };
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
+      typename F::Scale s[2];
+      typename F::Bits bits[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        F::scales(s[h], rw[h], c);
+        F::bits(bits[h], rw[h]);
+      }
+#pragma unroll
+      for (int i = 0; i < F::WORDS; ++i) {
+        const uint4 b = ld_x(xa + ((long long)sb * F::WORDS + i) * x_tiles * 32 + slot);
+        uint32_t a[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) F::word(a[h], bits[h], s[h], i, c);
+        const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
+        tc::mma_16816(acc, lo, b.x, b.y);
+        tc::mma_16816(acc, hi, b.z, b.w);
+      }
+    };
+    typename F::Raw ring[RING][2];
+#pragma unroll
+    for (int j = 0; j < RING - 1; ++j)
+      if (j < sbs) fetch(ring[j], j);
+    for (int sb = 0; sb < sbs; sb += RING) {
+#pragma unroll
+      for (int j = 0; j < RING; ++j) {
+        if (sb + j >= sbs) break;
+        if (sb + j + RING - 1 < sbs) fetch(ring[(j + RING - 1) % RING], sb + j + RING - 1);
+        compute(ring[j], sb + j);
+      }
+    }
+    if (c == 0) {  // column 0: accumulators 0 (row g) and 2 (row g + 8)
+      y[r][g] = acc[0];
+      y[r][g + 8] = acc[2];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 && row0 + (int)threadIdx.x < rows) {
+    const float* w = weights + (long long)t * k;
+    float v = __fmul_rn(w[0], y[0][threadIdx.x]);
+    for (int r = 1; r < k; ++r) v = __fadd_rn(v, __fmul_rn(w[r], y[r][threadIdx.x]));
+    out[(long long)t * rows + row0 + threadIdx.x] = v;
+  }
+}
+
 // out[i] = part[0][i] + part[1][i] + ... (in split order) + bias[row], for the n * rows outputs of a split launch.
 // One thread an output.
 extern "C" __global__ void skinny_reduce(float* __restrict__ out, const float* __restrict__ part,
