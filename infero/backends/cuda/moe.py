@@ -77,6 +77,7 @@ for _t in MMA_TYPES:
 # independent of the batch. Off until measured on a GPU.
 FP16_EXPERTS = 0
 FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
+FP16_WARPS = 4  # skinny_experts' warps a block (sk::EXPERT_WARPS), 16 rows each
 for _t in skinny_gemm.TYPES:
     _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS]
     _names += [f"skinny_swiglu_to_f16<{_t}>", f"skinny_experts_combine<{_t}>"]
@@ -409,8 +410,8 @@ def fp16_experts(outs: list[DeviceTensor], mats: list[ExpertWeights], per_token:
         pointers = (ids.ptr, 0, 0, 0)
     args = (mats_arg, *pointers, per_token, xa.ptr, tiles, rows, cols, first.matrix.data.shape[1])
     fn = runtime.kernel(skinny_gemm.SOURCE, f"skinny_experts<{t}, {ni}>")
-    grid = (-(-rows // (16 * skinny_gemm.WARPS)) * len(mats), blocks_y)
-    driver.launch(fn, grid, (32 * skinny_gemm.WARPS,), args, _FP16_ARGS, stream, pdl=True)
+    grid = (-(-rows // (16 * FP16_WARPS)) * len(mats), blocks_y)
+    driver.launch(fn, grid, (32 * FP16_WARPS,), args, _FP16_ARGS, stream, pdl=True)
 
 
 def fp16_down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor, weights: DeviceTensor,

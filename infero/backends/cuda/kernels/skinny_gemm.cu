@@ -589,18 +589,21 @@ struct ExpertOut {
   const uint8_t* weight[2];
   float* out[2];
 };
+// Warps a block of skinny_experts: 64 rows, so that a decode step's few pairs still spread over every SM (gate and
+// up of 768 rows for 8 pairs: 192 blocks).
+constexpr int EXPERT_WARPS = 4;
 // Superblocks a lane holds (RING - 1 in flight): fewer as the pairs' accumulators and fragments take registers
 // (no spill on sm_90a; Q6_K's raw superblock is 41 registers a row).
 template <int T, int NI>
 constexpr int experts_ring() {
   if (T == GGML_Q6_K) return NI == 1 ? 2 : 1;
-  return NI <= 2 ? Gemv<T>::RING : NI == 4 ? 2 : 1;
+  return NI == 1 ? Gemv<T>::RING : NI <= 4 ? 2 : 1;
 }
 }  // namespace sk
 
-// grid (ceil(rows / 128) x segments, groups or pairs), 256 threads.
+// grid (ceil(rows / 64) x segments, groups or pairs), 128 threads.
 template <int T, int NI>
-__global__ void __launch_bounds__(sk::WARPS * 32)
+__global__ void __launch_bounds__(sk::EXPERT_WARPS * 32)
     skinny_experts(const __grid_constant__ sk::ExpertOut mats, const int* __restrict__ ids,
                    const int* __restrict__ order, const int4* __restrict__ groups, const int* __restrict__ num_groups,
                    int per_token, const uint4* __restrict__ xa, int x_tiles, int rows, int cols, long long row_bytes) {
@@ -617,9 +620,9 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
   } else {
     expert = ids[blockIdx.y], first = (int)blockIdx.y, count = 1;
   }
-  const int blocks_per_seg = (rows + WARPS * 16 - 1) / (WARPS * 16);
+  const int blocks_per_seg = (rows + EXPERT_WARPS * 16 - 1) / (EXPERT_WARPS * 16);
   const int seg = (int)blockIdx.x / blocks_per_seg;
-  const int row0 = ((int)blockIdx.x % blocks_per_seg) * WARPS * 16 + warp * 16;
+  const int row0 = ((int)blockIdx.x % blocks_per_seg) * EXPERT_WARPS * 16 + warp * 16;
   const uint8_t* base = (seg == 0 ? mats.weight[0] : mats.weight[1]) + (long long)expert * rows * row_bytes;
   const uint8_t* rowp[2];
 #pragma unroll
