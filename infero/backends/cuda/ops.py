@@ -38,10 +38,12 @@ MATVEC_MAX_TOKENS = 16
 # the mat-vec, 4.9 / 5.4 / 6.4 on the skinny GEMM, 2 sequences 3.5 vs 4.7; qwen2.5-0.5b Q8_0 steps of 4 / 5 / 8 / 16
 # sequences 1.49 / 2.17 / 2.20 / 2.91 ms on the mat-vec, 1.79 / 2.03 / 1.81 / 2.10 on the skinny GEMM.
 SKINNY_MIN_TOKENS = {int(GGMLType.Q4_K): 3, int(GGMLType.Q6_K): 3, int(GGMLType.Q8_0): 5}
-# 1: the skinny family takes its types at every width (skinny_gemv to skinny_gemm.GEMV_MAX_TOKENS tokens, then
-# skinny_gemm), so a decode step computes the fp16 definition throughout, its norms and SwiGLU in launches of their
-# own: what scripts/ab_step.py prices against the tensor-core mat-vecs (docs/performance.md, "Next"). Off until
-# measured on a GPU.
+# 1: the skinny family takes its types (Q4_K, Q6_K, Q8_0) at every width: skinny_gemv to skinny_gemm.GEMV_MAX_TOKENS
+# tokens, skinny_gemm to skinny_gemm.MAX_TOKENS, past that skinny_gemm on slices of that many. Every width then
+# computes the skinny GEMM's fp16 numbers, so such a model's logits are the same bits at any batch and however its
+# prompt is split (batch invariance by default, issue 29), its decode step's norms and SwiGLU in launches of their
+# own: what scripts/ab_step.py and bench decode price against the tensor-core mat-vecs and the fp16 GEMM
+# (docs/performance.md, "Next"). Off until measured on a GPU.
 SKINNY_GEMV = 0
 # In batch-invariant mode, from this many tokens a quantized linear layer that linear_mma takes runs it instead of
 # the mat-vecs (the same bits: unit_value.cuh's definition). linear_mma's time hardly grows up to 16 tokens, the
@@ -323,7 +325,8 @@ class CudaOps:
 
     def _takes_skinny(self, x: DeviceTensor, weight: QuantWeight) -> bool:
         n = x.shape[0]
-        return (not self.invariant and bool(self._skinny) and skinny_gemm.supports(weight, n)
+        width = min(n, skinny_gemm.MAX_TOKENS) if SKINNY_GEMV else n  # past MAX_TOKENS: slices
+        return (not self.invariant and bool(self._skinny) and skinny_gemm.supports(weight, width)
                 and (SKINNY_GEMV or n >= SKINNY_MIN_TOKENS[weight.ggml_type]) and len(x.shape) == 2
                 and x.ptr % 16 == 0)  # fmt: skip
 
@@ -338,9 +341,14 @@ class CudaOps:
             self._require_values(x)
             moe.router(out, x, weight, self.stream)
         elif self._takes_skinny(x, weight):
-            xa = self._skinny_input(x, weight.ggml_type)
-            gemv = SKINNY_GEMV and n <= skinny_gemm.GEMV_MAX_TOKENS
-            (skinny_gemm.skinny_gemv if gemv else skinny_gemm.skinny_gemm)(out, weight, xa, bias, self.stream, self.ws)
+            self._require_values(x)
+            for a in range(0, n, skinny_gemm.MAX_TOKENS):  # one slice but with SKINNY_GEMV
+                b = min(a + skinny_gemm.MAX_TOKENS, n)
+                x_part, out_part = (x, out) if b - a == n else (x.rows(a, b), out.rows(a, b))
+                xa = self._skinny_input(x_part, weight.ggml_type)
+                gemv = SKINNY_GEMV and b - a <= skinny_gemm.GEMV_MAX_TOKENS
+                kernel = skinny_gemm.skinny_gemv if gemv else skinny_gemm.skinny_gemm
+                kernel(out_part, weight, xa, bias, self.stream, self.ws)
         elif self._takes_linear_mma(weight, n):
             linear_mma.linear_mma(out, weight, self._quantized(x), bias, self.stream, self.ws)
         elif quantized and n <= MATVEC_MAX_TOKENS:
