@@ -84,7 +84,7 @@ class LlamaModel:
             gate_up = (layer.w_gate, layer.w_up)
             h, residual = ops.linear_add_rms_norm(attn, layer.wo, residual, layer.ffn_norm, c.rms_norm_eps,
                                                   readers=gate_up)  # fmt: skip
-            g = ops.swiglu_gate_up(h, gate_up)
+            g = ops.swiglu_gate_up(h, gate_up, reader=layer.w_down)
             if i + 1 < len(self.layers):
                 following = self.layers[i + 1]
                 h, residual = ops.linear_add_rms_norm(g, layer.w_down, residual, following.attn_norm, c.rms_norm_eps,

@@ -171,13 +171,14 @@ class Qwen35Model(LlamaModel):
         shape, which takes three launches fewer a layer on the GPU."""
         ops, c = self.ops, self.config
         if "router" not in w:
-            return ops.linear(ops.swiglu_gate_up(h, (w["w_gate"], w["w_up"])), w["w_down"])
+            return ops.linear(ops.swiglu_gate_up(h, (w["w_gate"], w["w_up"]), reader=w["w_down"]), w["w_down"])
         if "shexp_gate" not in w:
             experts, weights = ops.moe_route(h, w["router"], c.num_experts_used, shared=True)
             return ops.moe_experts(h, experts, weights, w["gate_exps"], w["up_exps"], w["down_exps"])
         experts, weights = ops.moe_route(h, w["router"], c.num_experts_used)
         routed = ops.moe_experts(h, experts, weights, w["gate_exps"], w["up_exps"], w["down_exps"])
-        shared = ops.linear(ops.swiglu_gate_up(h, (w["gate_shexp"], w["up_shexp"])), w["down_shexp"])
+        shared_h = ops.swiglu_gate_up(h, (w["gate_shexp"], w["up_shexp"]), reader=w["down_shexp"])
+        shared = ops.linear(shared_h, w["down_shexp"])
         return ops.sigmoid_gate(shared, ops.linear(h, w["shexp_gate"]), addend=routed)
 
 

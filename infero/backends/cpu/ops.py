@@ -106,8 +106,9 @@ class CpuOps:
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
-    def swiglu_gate_up(self, x: np.ndarray, weights) -> np.ndarray:
-        """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch)."""
+    def swiglu_gate_up(self, x: np.ndarray, weights, reader=None) -> np.ndarray:
+        """silu(x W_gate) * (x W_up) for weights (W_gate, W_up) (the CUDA backend runs it as one launch; reader, the
+        weight that reads the output, lets it write that weight's input form too)."""
         return self.swiglu(*self.linears(x, weights))
 
     def moe_route(self, x: np.ndarray, router: np.ndarray, k: int,

@@ -80,7 +80,7 @@ FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' p
 FP16_WARPS = 4  # skinny_experts' warps a block (sk::EXPERT_WARPS), 16 rows each
 for _t in skinny_gemm.TYPES:
     _names = [f"skinny_experts<{_t}, {ni}>" for ni in skinny_gemm.TILE_COUNTS]
-    _names += [f"skinny_swiglu_to_f16<{_t}>", f"skinny_experts_combine<{_t}>"]
+    _names += [f"skinny_experts_combine<{_t}>"]
     runtime.declare(skinny_gemm.SOURCE, _names, needs=(runtime.weight_type(_t), runtime.EXPERTS), part="experts")
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong

@@ -425,18 +425,40 @@ class CudaOps:
                                [biases[i] for i in group], self.stream, self.ws, self._quantized(x))  # fmt: skip
         return outs
 
-    def swiglu_gate_up(self, x: DeviceTensor, weights) -> DeviceTensor:
+    def swiglu_gate_up(self, x: DeviceTensor, weights, reader: QuantWeight | None = None) -> DeviceTensor:
         """swiglu(*linears(x, (w_gate, w_up))); a decode step of one or two tokens whose gate and up take
         matvec.matvec_glu runs it as one launch, which writes the down projection's quantized input too (no
-        SwiGLU kernel between the mat-vecs)."""
+        SwiGLU kernel between the mat-vecs). reader: the weight that reads the output (down), where known: with
+        SKINNY_GEMV a few tokens' gate and up take one skinny_gemv launch and the SwiGLU one more, which writes the
+        reader's fp16 input beside the float32 output (the reader converts nothing)."""
         gate, up = weights
         n = x.shape[0]
+        if self._gemv_glu_fits(x, gate, up, reader):
+            g, u, out = (self.ws.empty((n, gate.rows), np.float32) for _ in range(3))
+            skinny_gemm.skinny_gemv(g, gate, self._skinny_input(x, gate.ggml_type), None, self.stream, self.ws,
+                                    pair=(u, up))  # fmt: skip
+            t = reader.ggml_type
+            xa = DeviceTensor(self._skinny[t].ptr, skinny_gemm.activation_shape(n, gate.rows), np.dtype(np.uint32),
+                              self._skinny[t])  # fmt: skip
+            skinny_gemm.convert(xa, g, t, self.stream, up=u, out=out)
+            self._skinny_keys[t] = self._key(out)
+            return out
         if not (self._quantizable(x) and matvec.glu_fits(gate, up, n) and not self._takes_skinny(x, gate)):
             return self.swiglu(*self.linears(x, weights))
         out = self.ws.empty((n, gate.rows), np.float32)
         quantized = self._quantized(x)
         matvec.matvec_glu(out, gate, up, x, (None, None), quantized, self._quantize_into(out, keep=x), self.stream)
         return out
+
+    def _gemv_glu_fits(self, x: DeviceTensor, gate: QuantWeight, up: QuantWeight, reader) -> bool:
+        """Whether swiglu_gate_up runs SKINNY_GEMV's two launches: a few tokens, gate and up of one skinny type,
+        shape and layout, and a reader the skinny family takes at this width."""
+        n = x.shape[0]
+        return (bool(SKINNY_GEMV) and n <= skinny_gemm.GEMV_MAX_TOKENS and reader is not None
+                and self._takes_skinny(x, gate) and reader.cols == gate.rows
+                and (up.ggml_type, up.rows, up.data.shape, up.tiled) == (gate.ggml_type, gate.rows, gate.data.shape,
+                                                                        gate.tiled)
+                and reader.ggml_type in skinny_gemm.TYPES and skinny_gemm.supports(reader, n))  # fmt: skip
 
     def swiglu(self, gate: DeviceTensor, up: DeviceTensor) -> DeviceTensor:
         out = self.ws.empty(gate.shape, np.float32)

@@ -35,16 +35,17 @@ _GEMV_MAX_WARPS = {int(GGMLType.Q4_K): 16, int(GGMLType.Q6_K): 8, int(GGMLType.Q
 
 runtime.declare(SOURCE, ["skinny_reduce"])
 for _t in TYPES:
-    # skinny_gemv with them (~0.4 s of the unit's compile): ops.SKINNY_GEMV switches to it between graph captures.
-    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>", f"skinny_gemv<{_t}>"] +
+    # skinny_gemv and the SwiGLU conversion with them (~0.5 s of the unit's compile): ops.SKINNY_GEMV switches to
+    # them between graph captures, and the MoE's fp16 experts convert with the latter.
+    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>", f"skinny_swiglu_to_f16<{_t}>", f"skinny_gemv<{_t}>"] +
                     [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS], needs=(runtime.weight_type(_t),))  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
-_SWIGLU_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
+_SWIGLU_ARG_TYPES = (_P, _P, _P, _I, _I, _I, _P)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
-_GEMV_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I)
+_GEMV_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P)
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
@@ -106,10 +107,11 @@ def _sms() -> int:
 
 
 def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream, rows_layout: bool = False,
-            up: DeviceTensor | None = None) -> None:  # fmt: skip
+            up: DeviceTensor | None = None, out: DeviceTensor | None = None) -> None:  # fmt: skip
     """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero.
     rows_layout: any n, in ceil(n / 8) tiles (the expert kernels' activation rows: moe.fp16_activation_shape).
-    up: x is SwiGLU's gate and up its up projection (float32 [n, cols]): xa holds silu(x) * up."""
+    up: x is SwiGLU's gate and up its up projection (float32 [n, cols]): xa holds silu(x) * up, and out (if
+    given, float32 [n, cols]) the same in float32."""
     n, cols = x.shape
     count = -(-n // 8) if rows_layout else (tiles(n) if 0 < n <= MAX_TOKENS else 0)
     if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or not 0 < count < (1 << 16):
@@ -117,14 +119,18 @@ def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.St
     shape = (cols // 32 * count * 32, 4)
     if x.dtype != np.float32 or x.ptr % 16 or xa.shape != shape or xa.dtype != np.uint32:
         raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
-    if up is not None and (up.dtype != np.float32 or up.shape != x.shape or up.ptr % 16):
-        raise ValueError(f"skinny_gemm.convert: up must be float32 {x.shape}, 16-byte aligned; got {up.shape}")
+    for name, t in (("up", up), ("out", out)):
+        if t is not None and (t.dtype != np.float32 or t.shape != x.shape or t.ptr % 16):
+            raise ValueError(f"skinny_gemm.convert: {name} must be float32 {x.shape}, 16-byte aligned; got {t.shape}")
+    if out is not None and up is None:
+        raise ValueError("skinny_gemm.convert: out is SwiGLU's float output; it needs up")
     slots = xa.shape[0]
     if up is None:
         fn, args = runtime.kernel(SOURCE, f"skinny_x_to_f16<{ggml_type}>"), (xa.ptr, x.ptr, n, cols, count)
         types = _CONVERT_ARG_TYPES
     else:
-        fn, args = runtime.kernel(SOURCE, f"skinny_swiglu_to_f16<{ggml_type}>"), (xa.ptr, x.ptr, up.ptr, n, cols, count)
+        fn = runtime.kernel(SOURCE, f"skinny_swiglu_to_f16<{ggml_type}>")
+        args = (xa.ptr, x.ptr, up.ptr, n, cols, count, out.ptr if out is not None else 0)
         types = _SWIGLU_ARG_TYPES
     driver.launch(fn, (-(-slots // _THREADS),), (_THREADS,), args, types, stream, pdl=True)
 
@@ -175,25 +181,38 @@ def skinny_gemv(
     bias: DeviceTensor | None,
     stream: driver.Stream,
     workspace: Workspace,
+    pair: tuple[DeviceTensor, QuantWeight] | None = None,
 ) -> None:
-    """skinny_gemm's out, bitwise, for up to GEMV_MAX_TOKENS tokens: x as `convert` wrote it for weight's type."""
+    """skinny_gemm's out, bitwise, for up to GEMV_MAX_TOKENS tokens: x as `convert` wrote it for weight's type.
+    pair: (out_b, weight_b), a second matrix of weight's type, shape and layout on the same x (up beside gate),
+    without bias, in the same launch."""
     n, rows, cols = out.shape[0], weight.rows, weight.cols
     if n > GEMV_MAX_TOKENS:
         raise ValueError(f"skinny_gemv: {n} tokens; it takes 1 to {GEMV_MAX_TOKENS}")
     _check(out, weight, xa, bias)
+    if pair is not None:
+        out_b, weight_b = pair
+        _check(out_b, weight_b, xa, None)
+        if (weight_b.ggml_type, weight_b.rows, weight_b.data.shape, weight_b.tiled) != (
+                weight.ggml_type, rows, weight.data.shape, weight.tiled):  # fmt: skip
+            raise ValueError("skinny_gemv: a pair of matrices of one type, shape and layout")
     s = splits(weight.ggml_type, rows, cols, _sms())
     blocks, per_block, splits_per_block = gemv_blocks(weight.ggml_type, rows, s)
+    matrices = 1 if pair is None else 2
     bias_ptr = bias.ptr if bias is not None else 0
     mark = workspace.offset
-    part = workspace.empty((s, n, rows), np.float32) if splits_per_block < s else out
+    part = workspace.empty((matrices * s, n, rows), np.float32) if splits_per_block < s else out
     args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s,
-            per_block, splits_per_block, int(weight.tiled))  # fmt: skip
+            per_block, splits_per_block, int(weight.tiled), pair[1].data.ptr if pair else 0,
+            pair[0].ptr if pair else 0)  # fmt: skip
     fn = runtime.kernel(SOURCE, f"skinny_gemv<{weight.ggml_type}>")
-    driver.launch(fn, (blocks,), (32 * per_block * splits_per_block,), args, _GEMV_ARG_TYPES, stream, pdl=True)
+    driver.launch(fn, (blocks, matrices), (32 * per_block * splits_per_block,), args, _GEMV_ARG_TYPES, stream,
+                  pdl=True)  # fmt: skip
     if splits_per_block < s:
         reduce = runtime.kernel(SOURCE, "skinny_reduce")
-        driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), (out.ptr, part.ptr, bias_ptr, n, rows, s),
-                      _REDUCE_ARG_TYPES, stream, pdl=True)  # fmt: skip
+        for m, (o, b) in enumerate([(out, bias_ptr)] + ([(pair[0], 0)] if pair else [])):
+            args = (o.ptr, part.ptr + m * s * n * rows * 4, b, n, rows, s)
+            driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), args, _REDUCE_ARG_TYPES, stream, pdl=True)
     workspace.offset = mark
 
 

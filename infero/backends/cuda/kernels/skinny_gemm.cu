@@ -277,7 +277,8 @@ struct Fmt<GGML_Q8_0> {
 // expression): the expert kernels' down input in one launch, not swiglu's then this one's.
 template <int T, bool UP>
 __device__ __forceinline__ void to_f16(uint4* __restrict__ xa, const float* __restrict__ x,
-                                       const float* __restrict__ up, int n, int cols, int tiles) {
+                                       const float* __restrict__ up, int n, int cols, int tiles,
+                                       float* __restrict__ out = nullptr) {
   using F = sk::Fmt<T>;
   pdl_enter();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -298,6 +299,10 @@ __device__ __forceinline__ void to_f16(uint4* __restrict__ xa, const float* __re
       auto glu = [](float g, float u) { return g / (1.0f + expf(-g)) * u; };
       lo = make_float4(glu(lo.x, ulo.x), glu(lo.y, ulo.y), glu(lo.z, ulo.z), glu(lo.w, ulo.w));
       hi = make_float4(glu(hi.x, uhi.x), glu(hi.y, uhi.y), glu(hi.z, uhi.z), glu(hi.w, uhi.w));
+      if (out != nullptr) {  // the float SwiGLU output too, for readers of another kind
+        *reinterpret_cast<float4*>(out + at + F::column(c, word, 0, 0)) = lo;
+        *reinterpret_cast<float4*>(out + at + F::column(c, word, 1, 0)) = hi;
+      }
     }
     o.x = tc::pack_half2_sat(lo.x, lo.z);
     o.y = tc::pack_half2_sat(lo.y, lo.w);
@@ -312,11 +317,12 @@ __global__ void skinny_x_to_f16(uint4* __restrict__ xa, const float* __restrict_
   to_f16<T, false>(xa, x, nullptr, n, cols, tiles);
 }
 
-// xa = skinny_x_to_f16's layout of silu(gate) * up (gate, up float32 [n, cols]).
+// xa = skinny_x_to_f16's layout of silu(gate) * up (gate, up float32 [n, cols]); out (or null): the same float32.
 template <int T>
 __global__ void skinny_swiglu_to_f16(uint4* __restrict__ xa, const float* __restrict__ gate,
-                                     const float* __restrict__ up, int n, int cols, int tiles) {
-  to_f16<T, true>(xa, gate, up, n, cols, tiles);
+                                     const float* __restrict__ up, int n, int cols, int tiles,
+                                     float* __restrict__ out) {
+  to_f16<T, true>(xa, gate, up, n, cols, tiles, out);
 }
 
 // grid row_tiles * splits blocks (1-D; the row tiles of one split consecutive, so blocks in flight read the same
@@ -478,14 +484,21 @@ __device__ __forceinline__ uint4 ld_x(const uint4* p) {  // x: every warp of the
 }
 }  // namespace sk
 
-// grid ceil(ceil(rows / 16) / G) * (S / SB) blocks of G * SB warps (warp w: row tile G * (block % row_blocks) +
-// w % G, split (block / row_blocks) * SB + w / G); xa: skinny_x_to_f16's layout with one tile (n <= 8).
+// grid (ceil(ceil(rows / 16) / G) * (S / SB), matrices) blocks of G * SB warps (warp w: row tile G * (block %
+// row_blocks) + w % G, split (block / row_blocks) * SB + w / G); xa: skinny_x_to_f16's layout with one tile (n <= 8).
+// A second matrix of the same type and shape on the same x (gate and up) runs as blockIdx.y 1: weight_b, out_b, no
+// bias, its partial sums after the first's in part.
 template <int T>
 __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
     skinny_gemv(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
                 const uint4* __restrict__ xa, const float* __restrict__ bias, int n, int rows, int cols,
-                int row_bytes, int splits, int tiles_per_block, int splits_per_block, int tiled) {
+                int row_bytes, int splits, int tiles_per_block, int splits_per_block, int tiled,
+                const uint8_t* __restrict__ weight_b, float* __restrict__ out_b) {
   using namespace sk;
+  if (blockIdx.y == 1) {
+    weight = weight_b, out = out_b, bias = nullptr;
+    part += (long long)splits * n * rows;
+  }
   using F = Fmt<T>;
   constexpr int RING = Gemv<T>::RING, MAX_WARPS = Gemv<T>::MAX_WARPS;
   __shared__ float partial[MAX_WARPS][8][16];  // [warp][token][row of the tile]
