@@ -116,6 +116,39 @@ def test_skinny_gemv_gives_skinny_gemms_bits(gpu, qtype, shape, tiled):
     assert not lines, "\n".join(lines)
 
 
+@pytest.mark.parametrize("qtype, shape", [(Q.Q4_K, (1000, 4096)), (Q.Q6_K, (300, 14336)), (Q.Q8_0, (896, 896))],
+                         ids=lambda v: getattr(v, "name", None) or "x".join(map(str, v)))  # fmt: skip
+def test_skinny_gemv_runs_a_pair_of_matrices_as_each_alone(gpu, qtype, shape):
+    """gate and up in one skinny_gemv launch: each output bitwise its matrix's own skinny_gemm (Q6_K 300 x 14336:
+    through skinny_reduce, each matrix's partial sums in its own part of the scratch)."""
+    from infero.backends.cuda import runtime, skinny_gemm
+    from infero.backends.cuda.tensor import Workspace, empty, from_host
+
+    rows, cols = shape
+    first, _ = weight_case(qtype, rows, cols)
+    second = _other_weight(qtype, rows, cols)
+    stream, ws = runtime.stream(), Workspace(2 * skinny_gemm.MAX_SPLITS * 8 * rows * 4 + (1 << 20))
+    for n in (1, 8):
+        x = np.random.default_rng(n).normal(0, 1, size=(n, cols)).astype(np.float32)
+        xa = empty(skinny_gemm.activation_shape(n, cols), np.uint32)
+        skinny_gemm.convert(xa, from_host(x), int(qtype), stream)
+        a, b = empty((n, rows), np.float32), empty((n, rows), np.float32)
+        skinny_gemm.skinny_gemv(a, first, xa, None, stream, ws, pair=(b, second))
+        got = (a.to_host(stream), b.to_host(stream))
+        for out, weight in zip(got, (first, second), strict=True):
+            assert np.array_equal(out.view(np.uint32), run_skinny(weight, x, None).view(np.uint32)), f"n={n}"
+
+
+def _other_weight(qtype, rows: int, cols: int):
+    """A second weight of the shape: weight_case's rows in another order."""
+    from infero.backends.cuda.tensor import QuantWeight, from_host
+
+    raw = weight_case(qtype, rows, cols)[0].data.to_host()
+    rng = np.random.default_rng(7)
+    other = raw[rng.permutation(rows)]  # the same blocks in another row order: another matrix
+    return QuantWeight(from_host(np.ascontiguousarray(other)), int(qtype), rows, cols)
+
+
 def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
     from infero.backends.cuda import runtime, skinny_gemm
     from infero.backends.cuda.tensor import Workspace, empty
