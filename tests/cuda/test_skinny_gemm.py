@@ -165,3 +165,28 @@ def test_skinny_gemm_rejects_what_it_cannot_run(gpu):
     q5, _ = weight_case(Q.Q5_0, 200, 1056)
     with pytest.raises(ValueError, match="no kernel for type 6"):
         skinny_gemm.skinny_gemm(empty((8, 200), np.float32), q5, xa, None, stream, ws)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_add_rms_norm_writes_the_skinny_layout_as_convert_does(gpu, qtype):
+    """add_rms_norm's skinny output (kernels/skinny_layout.cuh): every real token's slots bitwise what
+    skinny_gemm.convert writes from the norm's float output, at 1 / 3 / 8 / 17 / 64 tokens."""
+    from infero.backends.cuda import elementwise, runtime, skinny_gemm
+    from infero.backends.cuda.tensor import empty, from_host
+
+    stream, dim = runtime.stream(), 1024
+    rng = np.random.default_rng(int(qtype))
+    weight = from_host(rng.normal(1, 0.1, size=dim).astype(np.float32))
+    for n in (1, 3, 8, 17, 64):
+        residual = from_host(rng.normal(0, 1, size=(n, dim)).astype(np.float32))
+        x = from_host(rng.normal(0, 1, size=(n, dim)).astype(np.float32))
+        out = empty((n, dim), np.float32)
+        fused = from_host(np.full(skinny_gemm.activation_shape(n, dim), 0x7E007E00, np.uint32))  # NaN halves
+        elementwise.add_rms_norm(out, residual, x, weight, 1e-6, stream, None, (fused, int(qtype)))
+        want = empty(skinny_gemm.activation_shape(n, dim), np.uint32)
+        skinny_gemm.convert(want, out, int(qtype), stream)
+        got, ref = fused.to_host(stream), want.to_host(stream)
+        tiles = skinny_gemm.tiles(n)
+        tokens = (np.arange(got.shape[0]) // 32 % tiles) * 8 + np.arange(got.shape[0]) % 32 // 4  # a slot's token
+        real = tokens < n
+        assert np.array_equal(got[real], ref[real]), f"n={n}: the norm's layout differs from convert's"

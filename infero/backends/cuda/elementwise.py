@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from infero.backends.cuda import driver, matvec, runtime
+from infero.backends.cuda import driver, matvec, runtime, skinny_gemm
 from infero.backends.cuda.tensor import DeviceTensor, Strided
 
 SOURCE = "elementwise.cu"
@@ -74,12 +74,15 @@ def add_rms_norm(
     eps: float,
     stream: driver.Stream,
     quantized=None,
+    skinny: tuple[DeviceTensor, int] | None = None,
 ) -> None:
     """residual += x (in place; x None: residual unchanged), then out = residual / rms(residual) * weight.
     quantized: (xq int8, xs int32) of matvec.activation_shapes(rows, dim) to receive out in the mat-vec's activation
     format as well (kernels/act_quant.cuh; dim % 32 == 0); a matvec.Activation with norm_ss receives the deferred
     form instead (residual * weight, each 32-element group's sum of squares of the residual in norm_ss: what
-    matvec.matvec_norm writes, its readers applying 1 / rms)."""
+    matvec.matvec_norm writes, its readers applying 1 / rms). skinny: (xa, weight type) to receive out as
+    skinny_gemm.convert writes it for that type (xa uint32 of skinny_gemm.activation_shape(rows, dim)), the same
+    bits, the padding tokens' slots untouched."""
     dim = residual.shape[-1]
     rows = residual.numel // dim if dim else 0
     for name, t in (("out", out), ("residual", residual), ("weight", weight)) + ((("x", x),) if x is not None else ()):
@@ -95,13 +98,21 @@ def add_rms_norm(
         matvec.check_activation(quantized, rows, dim)
     xq, xs = (quantized[0].ptr, quantized[1].ptr) if quantized is not None else (0, 0)
     defer = ", true" if norm_ss is not None else ""
+    xa, xa_type, xa_tiles = 0, 0, 0
+    if skinny is not None:
+        layout, xa_type = skinny
+        fits = xa_type in skinny_gemm.TYPES and dim % skinny_gemm.SUPERBLOCK.get(xa_type, 1) == 0
+        fits = fits and rows <= skinny_gemm.MAX_TOKENS
+        _require(fits and layout.dtype == np.uint32 and layout.shape == skinny_gemm.activation_shape(rows, dim),
+                 lambda: f"skinny: no layout of type {xa_type} for {rows} rows of {dim} in {layout.shape}")  # fmt: skip
+        xa, xa_tiles = layout.ptr, skinny_gemm.tiles(rows)
     fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, {_b(add)}, {_b(quantized is not None)}{defer}>")
     args = (out.ptr, residual.ptr, x.ptr if add else 0, weight.ptr, dim, eps, xq, xs, rows,
-            norm_ss.ptr if norm_ss is not None else 0)  # fmt: skip
+            norm_ss.ptr if norm_ss is not None else 0, xa, xa_type, xa_tiles)  # fmt: skip
     driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 
-_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I, _P)
+_NORM_ARGS = (_P, _P, _P, _P, _I, _F, _P, _P, _I, _P, _P, _I, _I)
 
 
 def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float, stream: driver.Stream) -> None:
@@ -124,7 +135,7 @@ def rms_norm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: floa
     else:
         # The row-per-block kernel without the add only reads its `residual` argument.
         fn = _kernel(f"add_rms_norm<{_norm_vpt(dim)}, false, false>")
-        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows, 0)
+        args = (out.ptr, x.ptr, 0, weight.ptr, dim, eps, 0, 0, rows, 0, 0, 0, 0)
         driver.launch(fn, (rows,), (256,), args, _NORM_ARGS, stream, pdl=True)
 
 

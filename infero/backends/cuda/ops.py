@@ -305,13 +305,36 @@ class CudaOps:
         return out
 
     def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float):
+        return self._add_rms_norm(x, residual, weight, eps, ())
+
+    def _add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float,
+                      readers) -> tuple[DeviceTensor, DeviceTensor]:  # fmt: skip
+        """add_rms_norm, its output also written in the form its readers take: the first skinny-GEMM reader's fp16
+        layout (its readers of that type then convert nothing), and the mat-vec's quantized activation unless every
+        reader takes the skinny GEMM (what follows a norm is a linear layer: quantize for it on the way)."""
         out = self.ws.empty(x.shape, np.float32)
-        quantized = self._quantize_into(out)  # what follows a norm is a linear layer: quantize for it on the way
-        if residual is None:  # the first layer: the residual stream starts as x itself
-            elementwise.add_rms_norm(out, x, None, weight, eps, self.stream, quantized)
-            return out, x
-        elementwise.add_rms_norm(out, residual, x, weight, eps, self.stream, quantized)
-        return out, residual
+        skinny = self._skinny_output(out, readers)
+        all_skinny = skinny is not None and all(self._takes_skinny(out, w) for w in readers)
+        quantized = None if all_skinny else self._quantize_into(out)
+        stream, added = (x, None) if residual is None else (residual, x)  # the first layer's stream starts as x
+        elementwise.add_rms_norm(out, stream, added, weight, eps, self.stream, quantized, skinny)
+        if skinny is not None:
+            self._skinny_keys[skinny[1]] = self._key(out)
+        return out, stream
+
+    def _skinny_output(self, out: DeviceTensor, readers) -> tuple[DeviceTensor, int] | None:
+        """(the skinny-GEMM input buffer viewed for out, its type) of the first reader the skinny GEMM takes at
+        out's width, or None. With SKINNY_GEMV only until the norm's layout has run on a GPU (its test compares it
+        with convert's); the default mode's skinny steps would then also drop a conversion a norm."""
+        n, cols = out.shape if len(out.shape) == 2 else (0, 0)
+        if not SKINNY_GEMV or not 0 < n <= skinny_gemm.MAX_TOKENS:
+            return None
+        for w in readers:
+            if w.cols == cols and self._takes_skinny(out, w):
+                buffer = self._skinny[w.ggml_type]
+                xa = DeviceTensor(buffer.ptr, skinny_gemm.activation_shape(n, cols), np.dtype(np.uint32), buffer)
+                return xa, w.ggml_type
+        return None
 
     @property
     def invariant(self) -> bool:
@@ -375,7 +398,7 @@ class CudaOps:
         fused launch's widths add_rms_norm writes the deferred form."""
         n = x.shape[0]
         if not self._defers_norm(x, weight, residual, readers):
-            return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps)
+            return self._add_rms_norm(self.linear(x, weight), residual, norm_weight, eps, readers)
         h = self.ws.empty((n, weight.rows), np.float32)  # its readers take the quantized form
         if not (self._quantizable(x) and matvec.norm_fits(weight, n)):
             y = self.linear(x, weight)

@@ -25,6 +25,7 @@
 #include "act_quant.cuh"
 #include "pdl.cuh"
 #include "rope.cuh"
+#include "skinny_layout.cuh"
 
 namespace ew {
 
@@ -87,12 +88,15 @@ __device__ __forceinline__ float4 scale_mul(float4 r, float s, float4 w) {
 // the add, and each 32-element group's sum of squares of r in norm_ss [n, dim / 32], summed as that kernel sums it
 // (an xor butterfly over the group's 32 elements, offsets 16 ... 1); the readers apply 1 / rms. So a layer whose
 // norm the decode step folds into its projection reads the same activation, bit for bit, at every token count
-// (docs/kernels.md, batch invariance).
+// (docs/kernels.md, batch invariance). xa (or null): out also in the skinny GEMM's fp16 layout for weights of
+// xa_type (skinny_layout.cuh, xa_tiles tiles), so its readers there convert nothing; padding tokens' slots are left
+// as they are (a B column only reaches its own outputs, which are not stored).
 template <int VPT, bool ADD, bool QUANT, bool DEFER = false>
 __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, float* __restrict__ residual,
                                                    const float* __restrict__ x, const float* __restrict__ weight,
                                                    int dim, float eps, int8_t* __restrict__ xq,
-                                                   ActScale* __restrict__ xs, int n, float* __restrict__ norm_ss) {
+                                                   ActScale* __restrict__ xs, int n, float* __restrict__ norm_ss,
+                                                   uint32_t* __restrict__ xa, int xa_type, int xa_tiles) {
     static_assert(QUANT || !DEFER, "a deferred norm is a quantized output");
     __shared__ float scratch[9];
     const int vecs = dim / 4;
@@ -132,6 +136,7 @@ __global__ void __launch_bounds__(256) add_rms_norm(float* __restrict__ out, flo
         const bool live = v < vecs;
         float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (live) out4[v] = o = ew::scale_mul(r[j], inv, w[j]);
+        if (live && xa != nullptr) skl::store4(xa, xa_type, 4 * v, (int)row, xa_tiles, o);
         if (QUANT && j * 256 < vecs) {  // warp-uniform: a warp's 32 float4 are 4 whole groups or past the row
             if constexpr (DEFER) {
                 const float q[4] = {__fmul_rn(r[j].x, w[j].x), __fmul_rn(r[j].y, w[j].y), __fmul_rn(r[j].z, w[j].z),
