@@ -118,34 +118,37 @@ def test_skinny_gemv_gives_skinny_gemms_bits(gpu, qtype, shape, tiled):
 
 @pytest.mark.parametrize("qtype, shape", [(Q.Q4_K, (1000, 4096)), (Q.Q6_K, (300, 14336)), (Q.Q8_0, (896, 896))],
                          ids=lambda v: getattr(v, "name", None) or "x".join(map(str, v)))  # fmt: skip
-def test_skinny_gemv_runs_a_pair_of_matrices_as_each_alone(gpu, qtype, shape):
-    """gate and up in one skinny_gemv launch: each output bitwise its matrix's own skinny_gemm (Q6_K 300 x 14336:
-    through skinny_reduce, each matrix's partial sums in its own part of the scratch)."""
+def test_skinny_gemv_runs_several_matrices_each_as_alone(gpu, qtype, shape):
+    """q/k/v or gate and up in one skinny_gemv launch (skinny_gemv_many: segments of different rows, so of
+    different splits and block shapes, with and without bias): each output bitwise its matrix's own skinny_gemm
+    (Q6_K 300 x 14336: through skinny_reduce)."""
     from infero.backends.cuda import runtime, skinny_gemm
     from infero.backends.cuda.tensor import Workspace, empty, from_host
 
     rows, cols = shape
-    first, _ = weight_case(qtype, rows, cols)
-    second = _other_weight(qtype, rows, cols)
-    stream, ws = runtime.stream(), Workspace(2 * skinny_gemm.MAX_SPLITS * 8 * rows * 4 + (1 << 20))
+    weights = [weight_case(qtype, rows, cols)[0], _other_weight(qtype, rows, cols), _other_weight(qtype, 64, cols)]
+    rng = np.random.default_rng(rows)
+    biases = [None, rng.normal(0, 0.5, size=rows).astype(np.float32), None]
+    stream, ws = runtime.stream(), Workspace(3 * skinny_gemm.MAX_SPLITS * 8 * rows * 4 + (1 << 20))
     for n in (1, 8):
-        x = np.random.default_rng(n).normal(0, 1, size=(n, cols)).astype(np.float32)
+        x = rng.normal(0, 1, size=(n, cols)).astype(np.float32)
         xa = empty(skinny_gemm.activation_shape(n, cols), np.uint32)
         skinny_gemm.convert(xa, from_host(x), int(qtype), stream)
-        a, b = empty((n, rows), np.float32), empty((n, rows), np.float32)
-        skinny_gemm.skinny_gemv(a, first, xa, None, stream, ws, pair=(b, second))
-        got = (a.to_host(stream), b.to_host(stream))
-        for out, weight in zip(got, (first, second), strict=True):
-            assert np.array_equal(out.view(np.uint32), run_skinny(weight, x, None).view(np.uint32)), f"n={n}"
+        for count in (2, 3):
+            outs = [empty((n, w.rows), np.float32) for w in weights[:count]]
+            bias_d = [from_host(b) if b is not None else None for b in biases[:count]]
+            skinny_gemm.skinny_gemv_many(outs, weights[:count], xa, bias_d, stream, ws)
+            for out, weight, bias in zip(outs, weights, biases, strict=False):
+                want = run_skinny(weight, x, bias).view(np.uint32)
+                assert np.array_equal(out.to_host(stream).view(np.uint32), want), f"n={n}, {count} matrices"
 
 
 def _other_weight(qtype, rows: int, cols: int):
-    """A second weight of the shape: weight_case's rows in another order."""
+    """Another weight of `rows` rows: weight_case's rows (of at least 1000) in another order."""
     from infero.backends.cuda.tensor import QuantWeight, from_host
 
-    raw = weight_case(qtype, rows, cols)[0].data.to_host()
-    rng = np.random.default_rng(7)
-    other = raw[rng.permutation(rows)]  # the same blocks in another row order: another matrix
+    raw = weight_case(qtype, max(rows, 1000), cols)[0].data.to_host()
+    other = raw[np.random.default_rng(7).permutation(raw.shape[0])[:rows]]  # the same blocks in another order
     return QuantWeight(from_host(np.ascontiguousarray(other)), int(qtype), rows, cols)
 
 

@@ -428,19 +428,28 @@ class CudaOps:
 
     def linears(self, x: DeviceTensor, weights, biases=None) -> list[DeviceTensor]:
         """[linear(x, w, b) for each weight], with the matrices of one block format and width in one mat-vec launch
-        (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many). Float
-        weights, and matrices the skinny GEMM or (batch-invariant mode) linear_mma takes at this width, run one
-        linear call each."""
+        (q/k/v, gate/up): bitwise what separate launches give, in fewer graph nodes (matvec.matvec_many; with
+        SKINNY_GEMV, skinny_gemm.skinny_gemv_many). Float weights, and matrices the skinny GEMM or (batch-invariant
+        mode) linear_mma takes at this width, run one linear call each."""
         biases = (None,) * len(weights) if biases is None else tuple(biases)
         if x.shape[0] > MATVEC_MAX_TOKENS:
             return [self.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         outs: list = [None] * len(weights)
-        shared = []
+        shared, gemv = [], []
+        few = SKINNY_GEMV and x.shape[0] <= skinny_gemm.GEMV_MAX_TOKENS
         for i, w in enumerate(weights):
-            if w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w) or self._takes_linear_mma(w, x.shape[0]):
+            if few and self._takes_skinny(x, w):
+                gemv.append(i)
+            elif w.ggml_type in matvec.FLOAT_TYPES or self._takes_skinny(x, w) or self._takes_linear_mma(w, x.shape[0]):
                 outs[i] = self.linear(x, w, biases[i])
             else:
                 shared.append(i)
+        for group in _launch_groups(weights, gemv):  # SKINNY_GEMV: a type's matrices in one skinny_gemv launch
+            for i in group:
+                outs[i] = self.ws.empty((x.shape[0], weights[i].rows), np.float32)
+            skinny_gemm.skinny_gemv_many([outs[i] for i in group], [weights[i] for i in group],
+                                         self._skinny_input(x, weights[group[0]].ggml_type),
+                                         [biases[i] for i in group], self.stream, self.ws)  # fmt: skip
         for group in _launch_groups(weights, shared):
             for i in group:
                 outs[i] = self.ws.empty((x.shape[0], weights[i].rows), np.float32)
@@ -458,8 +467,8 @@ class CudaOps:
         n = x.shape[0]
         if self._gemv_glu_fits(x, gate, up, reader):
             g, u, out = (self.ws.empty((n, gate.rows), np.float32) for _ in range(3))
-            skinny_gemm.skinny_gemv(g, gate, self._skinny_input(x, gate.ggml_type), None, self.stream, self.ws,
-                                    pair=(u, up))  # fmt: skip
+            skinny_gemm.skinny_gemv_many([g, u], [gate, up], self._skinny_input(x, gate.ggml_type), [None, None],
+                                         self.stream, self.ws)  # fmt: skip
             t = reader.ggml_type
             xa = DeviceTensor(self._skinny[t].ptr, skinny_gemm.activation_shape(n, gate.rows), np.dtype(np.uint32),
                               self._skinny[t])  # fmt: skip

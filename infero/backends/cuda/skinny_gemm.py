@@ -30,6 +30,7 @@ WARPS = 8
 MAX_SPLITS = 16
 _THREADS = 256
 GEMV_MAX_TOKENS = 8  # one 8-token MMA tile
+GEMV_SEGMENTS = 3  # matrices a skinny_gemv launch takes (sk::GEMV_SEGMENTS)
 _GEMV_WARPS = 8  # warps a block aims at: row tiles x splits
 _GEMV_MAX_WARPS = {int(GGMLType.Q4_K): 16, int(GGMLType.Q6_K): 8, int(GGMLType.Q8_0): 16}  # Gemv<T>::MAX_WARPS
 
@@ -45,7 +46,7 @@ _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _SWIGLU_ARG_TYPES = (_P, _P, _P, _I, _I, _I, _P)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
-_GEMV_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P)
+_GEMV_ARG_TYPES = (None, _P, _I, _I)  # None: GemvSegments by value
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
@@ -181,38 +182,62 @@ def skinny_gemv(
     bias: DeviceTensor | None,
     stream: driver.Stream,
     workspace: Workspace,
-    pair: tuple[DeviceTensor, QuantWeight] | None = None,
 ) -> None:
-    """skinny_gemm's out, bitwise, for up to GEMV_MAX_TOKENS tokens: x as `convert` wrote it for weight's type.
-    pair: (out_b, weight_b), a second matrix of weight's type, shape and layout on the same x (up beside gate),
-    without bias, in the same launch."""
-    n, rows, cols = out.shape[0], weight.rows, weight.cols
+    """skinny_gemm's out, bitwise, for up to GEMV_MAX_TOKENS tokens: x as `convert` wrote it for weight's type."""
+    skinny_gemv_many([out], [weight], xa, [bias], stream, workspace)
+
+
+class GemvSegments(ctypes.Structure):
+    """skinny_gemm.cu's sk::GemvSegments, passed by value to skinny_gemv (unused segments: blocks 0)."""
+
+    _fields_ = [(name, _P * GEMV_SEGMENTS) for name in ("weight", "out", "bias", "part")] + [
+        (name, _I * GEMV_SEGMENTS)
+        for name in ("rows", "row_bytes", "splits", "tiles_per_block", "splits_per_block", "tiled", "blocks")
+    ]
+
+
+def skinny_gemv_many(
+    outs: list[DeviceTensor],
+    weights: list[QuantWeight],
+    xa: DeviceTensor,
+    biases: list[DeviceTensor | None],
+    stream: driver.Stream,
+    workspace: Workspace,
+) -> None:
+    """skinny_gemv of 1 to GEMV_SEGMENTS matrices of one type and width on the same x (q/k/v, gate and up) in one
+    launch, each matrix split and summed as alone (and bitwise skinny_gemm's)."""
+    if not 0 < len(weights) <= GEMV_SEGMENTS or len(outs) != len(weights) or len(biases) != len(weights):
+        raise ValueError(f"skinny_gemv: 1 to {GEMV_SEGMENTS} matrices with an out and a bias each, got {len(weights)}")
+    ggml_type, cols, n = weights[0].ggml_type, weights[0].cols, outs[0].shape[0]
     if n > GEMV_MAX_TOKENS:
         raise ValueError(f"skinny_gemv: {n} tokens; it takes 1 to {GEMV_MAX_TOKENS}")
-    _check(out, weight, xa, bias)
-    if pair is not None:
-        out_b, weight_b = pair
-        _check(out_b, weight_b, xa, None)
-        if (weight_b.ggml_type, weight_b.rows, weight_b.data.shape, weight_b.tiled) != (
-                weight.ggml_type, rows, weight.data.shape, weight.tiled):  # fmt: skip
-            raise ValueError("skinny_gemv: a pair of matrices of one type, shape and layout")
-    s = splits(weight.ggml_type, rows, cols, _sms())
-    blocks, per_block, splits_per_block = gemv_blocks(weight.ggml_type, rows, s)
-    matrices = 1 if pair is None else 2
-    bias_ptr = bias.ptr if bias is not None else 0
+    for out, weight, bias in zip(outs, weights, biases, strict=True):
+        if weight.ggml_type != ggml_type or weight.cols != cols or out.shape[0] != n:
+            raise ValueError("skinny_gemv: one launch takes matrices of one type and width, for one activation")
+        _check(out, weight, xa, bias)
+    seg, blocks, warps, reduced = GemvSegments(), 0, 1, []
     mark = workspace.offset
-    part = workspace.empty((matrices * s, n, rows), np.float32) if splits_per_block < s else out
-    args = (out.ptr, part.ptr, weight.data.ptr, xa.ptr, bias_ptr, n, rows, cols, weight.data.shape[1], s,
-            per_block, splits_per_block, int(weight.tiled), pair[1].data.ptr if pair else 0,
-            pair[0].ptr if pair else 0)  # fmt: skip
-    fn = runtime.kernel(SOURCE, f"skinny_gemv<{weight.ggml_type}>")
-    driver.launch(fn, (blocks, matrices), (32 * per_block * splits_per_block,), args, _GEMV_ARG_TYPES, stream,
-                  pdl=True)  # fmt: skip
-    if splits_per_block < s:
-        reduce = runtime.kernel(SOURCE, "skinny_reduce")
-        for m, (o, b) in enumerate([(out, bias_ptr)] + ([(pair[0], 0)] if pair else [])):
-            args = (o.ptr, part.ptr + m * s * n * rows * 4, b, n, rows, s)
-            driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), args, _REDUCE_ARG_TYPES, stream, pdl=True)
+    for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+        s = splits(ggml_type, weight.rows, cols, _sms())
+        count, per_block, splits_per_block = gemv_blocks(ggml_type, weight.rows, s)
+        seg.weight[i], seg.out[i], seg.rows[i], seg.row_bytes[i] = (weight.data.ptr, out.ptr, weight.rows,
+                                                                    weight.data.shape[1])  # fmt: skip
+        seg.splits[i], seg.tiles_per_block[i], seg.splits_per_block[i] = s, per_block, splits_per_block
+        seg.tiled[i], seg.blocks[i] = int(weight.tiled), count
+        if bias is not None:
+            seg.bias[i] = bias.ptr
+        if splits_per_block < s:
+            part = workspace.empty((s, n, weight.rows), np.float32)
+            seg.part[i] = part.ptr
+            reduced.append((out, part, bias, weight.rows, s))
+        blocks += count
+        warps = max(warps, per_block * splits_per_block)
+    fn = runtime.kernel(SOURCE, f"skinny_gemv<{ggml_type}>")
+    driver.launch(fn, (blocks,), (32 * warps,), (seg, xa.ptr, n, cols), _GEMV_ARG_TYPES, stream, pdl=True)
+    reduce = runtime.kernel(SOURCE, "skinny_reduce")
+    for out, part, bias, rows, s in reduced:
+        args = (out.ptr, part.ptr, bias.ptr if bias is not None else 0, n, rows, s)
+        driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), args, _REDUCE_ARG_TYPES, stream, pdl=True)
     workspace.offset = mark
 
 

@@ -484,29 +484,44 @@ __device__ __forceinline__ uint4 ld_x(const uint4* p) {  // x: every warp of the
 }
 }  // namespace sk
 
-// grid (ceil(ceil(rows / 16) / G) * (S / SB), matrices) blocks of G * SB warps (warp w: row tile G * (block %
-// row_blocks) + w % G, split (block / row_blocks) * SB + w / G); xa: skinny_x_to_f16's layout with one tile (n <= 8).
-// A second matrix of the same type and shape on the same x (gate and up) runs as blockIdx.y 1: weight_b, out_b, no
-// bias, its partial sums after the first's in part.
+// Up to GEMV_SEGMENTS matrices of one type and width on the same x (q/k/v, gate and up), each as it would run alone:
+// segment m takes blocks[m] consecutive blocks, ceil(ceil(rows / 16) / G) * (S / SB) of G * SB warps each (warp w:
+// row tile G * (block % row_blocks) + w % G, split (block / row_blocks) * SB + w / G; a block's warps past G * SB of
+// its segment only wait at the barrier). xa: skinny_x_to_f16's layout with one tile (n <= 8).
+namespace sk {
+constexpr int GEMV_SEGMENTS = 3;
+struct GemvSegments {
+  const uint8_t* weight[GEMV_SEGMENTS];
+  float* out[GEMV_SEGMENTS];
+  const float* bias[GEMV_SEGMENTS];
+  float* part[GEMV_SEGMENTS];
+  int rows[GEMV_SEGMENTS], row_bytes[GEMV_SEGMENTS], splits[GEMV_SEGMENTS], tiles_per_block[GEMV_SEGMENTS];
+  int splits_per_block[GEMV_SEGMENTS], tiled[GEMV_SEGMENTS], blocks[GEMV_SEGMENTS];
+};
+template <class V>
+__device__ __forceinline__ V pick3(const V (&v)[GEMV_SEGMENTS], int m) {  // selects, not a local-memory index
+  return m == 0 ? v[0] : m == 1 ? v[1] : v[2];
+}
+}  // namespace sk
+
 template <int T>
 __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
-    skinny_gemv(float* __restrict__ out, float* __restrict__ part, const uint8_t* __restrict__ weight,
-                const uint4* __restrict__ xa, const float* __restrict__ bias, int n, int rows, int cols,
-                int row_bytes, int splits, int tiles_per_block, int splits_per_block, int tiled,
-                const uint8_t* __restrict__ weight_b, float* __restrict__ out_b) {
+    skinny_gemv(const __grid_constant__ sk::GemvSegments seg, const uint4* __restrict__ xa, int n, int cols) {
   using namespace sk;
-  if (blockIdx.y == 1) {
-    weight = weight_b, out = out_b, bias = nullptr;
-    part += (long long)splits * n * rows;
-  }
+  int block = (int)blockIdx.x, m = 0;
+  if (block >= seg.blocks[0]) block -= seg.blocks[0], m = 1;
+  if (m == 1 && block >= seg.blocks[1]) block -= seg.blocks[1], m = 2;
+  const uint8_t* const weight = pick3(seg.weight, m);
+  const int rows = pick3(seg.rows, m), row_bytes = pick3(seg.row_bytes, m), splits = pick3(seg.splits, m);
+  const int G = pick3(seg.tiles_per_block, m), SB = pick3(seg.splits_per_block, m), tiled = pick3(seg.tiled, m);
   using F = Fmt<T>;
   constexpr int RING = Gemv<T>::RING, MAX_WARPS = Gemv<T>::MAX_WARPS;
   __shared__ float partial[MAX_WARPS][8][16];  // [warp][token][row of the tile]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int G = tiles_per_block, SB = splits_per_block;
+  const bool working = warp < G * SB;
   const int row_tiles = (rows + 15) / 16, row_blocks = (row_tiles + G - 1) / G;
-  const int tile = (blockIdx.x % row_blocks) * G + warp % G;
-  const int split = (blockIdx.x / row_blocks) * SB + warp / G;
+  const int tile = (block % row_blocks) * G + warp % G;
+  const int split = min((block / row_blocks) * SB + warp / G, splits - 1);
   const int sbs = cols / F::SB;
   const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
 
@@ -546,23 +561,27 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
   };
 
   typename F::Raw ring[RING][2];
+  const int end = working ? sb1 : sb0;  // a spare warp multiplies nothing
   // Weights are immutable: the first superblocks' loads start before the previous kernel has finished.
 #pragma unroll
   for (int k = 0; k < RING - 1; ++k)
-    if (sb0 + k < sb1) fetch(ring[k], sb0 + k);
+    if (sb0 + k < end) fetch(ring[k], sb0 + k);
   pdl_enter();
-  for (int sb = sb0; sb < sb1; sb += RING) {
+  for (int sb = sb0; sb < end; sb += RING) {
 #pragma unroll
     for (int k = 0; k < RING; ++k) {
-      if (sb + k >= sb1) break;
-      if (sb + k + RING - 1 < sb1) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
+      if (sb + k >= end) break;
+      if (sb + k + RING - 1 < end) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
       compute(ring[k], sb + k);
     }
   }
 
   // Accumulator e: row g (+ 8 for e >= 2) of the tile, token 2 c + e % 2.
+  float* const out = pick3(seg.out, m);
+  const float* const bias = pick3(seg.bias, m);
   if (SB < splits) {
-    float* dst = part + (long long)split * n * rows;
+    if (!working) return;
+    float* dst = pick3(seg.part, m) + (long long)split * n * rows;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = tile * 16 + g + (e >= 2 ? 8 : 0), token = 2 * c + (e & 1);
@@ -575,7 +594,7 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
   __syncthreads();
   for (int i = threadIdx.x; i < G * n * 16; i += blockDim.x) {
     const int t = i / (n * 16), token = i / 16 % n, r = i % 16;  // consecutive threads: consecutive rows
-    const int row = ((blockIdx.x % row_blocks) * G + t) * 16 + r;
+    const int row = ((block % row_blocks) * G + t) * 16 + r;
     if (row >= rows) continue;
     float v = partial[t][token][r];
     if (splits == 1) {
