@@ -153,7 +153,8 @@ def test_dense_model_launches_with_skinny_gemv(tmp_path, qtype):
     shape = tiny_shape(arch="qwen3", hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
     gemv = ("skinny_gemm.cu", [f"skinny_gemv<{int(qtype)}>"])
     slices = ("skinny_gemm.cu", [f"skinny_gemm<{int(qtype)}, 8>"])  # the long prompt's 64-token slices
-    glu = ("skinny_gemm.cu", [f"skinny_swiglu_to_f16<{int(qtype)}>"])  # a decode step's SwiGLU into down's input
+    # a decode step's gate, up and SwiGLU into down's input: one launch, or (Q6_K's splits) two
+    glu = ("skinny_gemm.cu", [f"skinny_gemv<{int(qtype)}, true>", f"skinny_swiglu_to_f16<{int(qtype)}>"])
     assert_launches_packed(write_tiny_model(tmp_path / "m.gguf", qtype, shape),
                            flags={"infero.backends.cuda.ops:SKINNY_GEMV": 1}, expect=[gemv, slices, glu])  # fmt: skip
 

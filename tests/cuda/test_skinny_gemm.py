@@ -193,3 +193,35 @@ def test_add_rms_norm_writes_the_skinny_layout_as_convert_does(gpu, qtype):
         tokens = (np.arange(got.shape[0]) // 32 % tiles) * 8 + np.arange(got.shape[0]) % 32 // 4  # a slot's token
         real = tokens < n
         assert np.array_equal(got[real], ref[real]), f"n={n}: the norm's layout differs from convert's"
+
+
+@pytest.mark.parametrize("qtype, down_type", [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)],
+                         ids=["Q4_K", "Q4_K-Q6_K", "Q8_0"])  # fmt: skip
+def test_skinny_gemv_glu_is_the_unfused_swiglu_bitwise(gpu, qtype, down_type):
+    """skinny_gemv_glu (gate, up and SwiGLU in one launch) against skinny_gemm's gate and up, elementwise.swiglu
+    and convert: the float output and every real token's slot of down's fp16 input bitwise, at 1 / 3 / 8 tokens
+    (1024 rows: the gate's splits and the up's in one block)."""
+    from infero.backends.cuda import elementwise, runtime, skinny_gemm
+    from infero.backends.cuda.tensor import empty, from_host
+
+    rows, cols = 1024, 4096 if qtype != Q.Q8_0 else 896
+    gate, up = weight_case(qtype, rows, cols)[0], _other_weight(qtype, rows, cols)
+    assert skinny_gemm.gemv_glu_fits(gate, up, 8), "the case must be one the fused launch takes"
+    stream = runtime.stream()
+    for n in (1, 3, 8):
+        x = np.random.default_rng(n).normal(0, 1, size=(n, cols)).astype(np.float32)
+        xa = empty(skinny_gemm.activation_shape(n, cols), np.uint32)
+        skinny_gemm.convert(xa, from_host(x), int(qtype), stream)
+        out = empty((n, rows), np.float32)
+        down_xa = empty(skinny_gemm.activation_shape(n, rows), np.uint32)
+        skinny_gemm.skinny_gemv_glu(out, gate, up, xa, down_xa, int(down_type), stream)
+        g, u = from_host(run_skinny(gate, x, None)), from_host(run_skinny(up, x, None))
+        ref = empty((n, rows), np.float32)
+        elementwise.swiglu(ref, g, u, stream)
+        ref_xa = empty(skinny_gemm.activation_shape(n, rows), np.uint32)
+        skinny_gemm.convert(ref_xa, ref, int(down_type), stream)
+        assert np.array_equal(out.to_host(stream).view(np.uint32), ref.to_host(stream).view(np.uint32)), f"n={n}"
+        got, want = down_xa.to_host(stream), ref_xa.to_host(stream)
+        slot = np.arange(got.shape[0])
+        real = (slot // 32 % skinny_gemm.tiles(n)) * 8 + slot % 32 // 4 < n
+        assert np.array_equal(got[real], want[real]), f"n={n}: down's input"

@@ -461,18 +461,23 @@ class CudaOps:
         """swiglu(*linears(x, (w_gate, w_up))); a decode step of one or two tokens whose gate and up take
         matvec.matvec_glu runs it as one launch, which writes the down projection's quantized input too (no
         SwiGLU kernel between the mat-vecs). reader: the weight that reads the output (down), where known: with
-        SKINNY_GEMV a few tokens' gate and up take one skinny_gemv launch and the SwiGLU one more, which writes the
-        reader's fp16 input beside the float32 output (the reader converts nothing)."""
+        SKINNY_GEMV a few tokens' gate, up and SwiGLU take one skinny_gemv launch (where its block cannot hold both
+        matrices' splits, gate and up one and SwiGLU one more), which writes the reader's fp16 input beside the
+        float32 output (the reader converts nothing)."""
         gate, up = weights
         n = x.shape[0]
         if self._gemv_glu_fits(x, gate, up, reader):
-            g, u, out = (self.ws.empty((n, gate.rows), np.float32) for _ in range(3))
-            skinny_gemm.skinny_gemv_many([g, u], [gate, up], self._skinny_input(x, gate.ggml_type), [None, None],
-                                         self.stream, self.ws)  # fmt: skip
+            out = self.ws.empty((n, gate.rows), np.float32)
+            xa = self._skinny_input(x, gate.ggml_type)
             t = reader.ggml_type
-            xa = DeviceTensor(self._skinny[t].ptr, skinny_gemm.activation_shape(n, gate.rows), np.dtype(np.uint32),
-                              self._skinny[t])  # fmt: skip
-            skinny_gemm.convert(xa, g, t, self.stream, up=u, out=out)
+            down_xa = DeviceTensor(self._skinny[t].ptr, skinny_gemm.activation_shape(n, gate.rows),
+                                   np.dtype(np.uint32), self._skinny[t])  # fmt: skip
+            if skinny_gemm.gemv_glu_fits(gate, up, n):  # one launch: gate, up, SwiGLU, down's input
+                skinny_gemm.skinny_gemv_glu(out, gate, up, xa, down_xa, t, self.stream)
+            else:
+                g, u = (self.ws.empty((n, gate.rows), np.float32) for _ in range(2))
+                skinny_gemm.skinny_gemv_many([g, u], [gate, up], xa, [None, None], self.stream, self.ws)
+                skinny_gemm.convert(down_xa, g, t, self.stream, up=u, out=out)
             self._skinny_keys[t] = self._key(out)
             return out
         if not (self._quantizable(x) and matvec.glu_fits(gate, up, n) and not self._takes_skinny(x, gate)):

@@ -36,17 +36,18 @@ _GEMV_MAX_WARPS = {int(GGMLType.Q4_K): 16, int(GGMLType.Q6_K): 8, int(GGMLType.Q
 
 runtime.declare(SOURCE, ["skinny_reduce"])
 for _t in TYPES:
-    # skinny_gemv and the SwiGLU conversion with them (~0.5 s of the unit's compile): ops.SKINNY_GEMV switches to
-    # them between graph captures, and the MoE's fp16 experts convert with the latter.
-    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>", f"skinny_swiglu_to_f16<{_t}>", f"skinny_gemv<{_t}>"] +
-                    [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS], needs=(runtime.weight_type(_t),))  # fmt: skip
+    # skinny_gemv (and its GLU form) and the SwiGLU conversion with them (~0.8 s of the unit's compile):
+    # ops.SKINNY_GEMV switches to them between graph captures, and the MoE's fp16 experts convert with the latter.
+    runtime.declare(SOURCE, [f"skinny_x_to_f16<{_t}>", f"skinny_swiglu_to_f16<{_t}>", f"skinny_gemv<{_t}>",
+                             f"skinny_gemv<{_t}, true>"] + [f"skinny_gemm<{_t}, {ni}>" for ni in TILE_COUNTS],
+                    needs=(runtime.weight_type(_t),))  # fmt: skip
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _GEMM_ARG_TYPES = (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)
 _CONVERT_ARG_TYPES = (_P, _P, _I, _I, _I)
 _SWIGLU_ARG_TYPES = (_P, _P, _P, _I, _I, _I, _P)
 _REDUCE_ARG_TYPES = (_P, _P, _P, _I, _I, _I)
-_GEMV_ARG_TYPES = (None, _P, _I, _I)  # None: GemvSegments by value
+_GEMV_ARG_TYPES = (None, _P, _I, _I, _P, _I)  # None: GemvSegments by value
 _functions: dict[tuple[int, int], object] = {}  # (type, NI) -> CUfunction with its shared-memory limit raised
 runtime.on_reload(_functions.clear)
 _num_sms: list[int] = []
@@ -233,12 +234,50 @@ def skinny_gemv_many(
         blocks += count
         warps = max(warps, per_block * splits_per_block)
     fn = runtime.kernel(SOURCE, f"skinny_gemv<{ggml_type}>")
-    driver.launch(fn, (blocks,), (32 * warps,), (seg, xa.ptr, n, cols), _GEMV_ARG_TYPES, stream, pdl=True)
+    driver.launch(fn, (blocks,), (32 * warps,), (seg, xa.ptr, n, cols, 0, 0), _GEMV_ARG_TYPES, stream, pdl=True)
     reduce = runtime.kernel(SOURCE, "skinny_reduce")
     for out, part, bias, rows, s in reduced:
         args = (out.ptr, part.ptr, bias.ptr if bias is not None else 0, n, rows, s)
         driver.launch(reduce, (-(-n * rows // _THREADS),), (_THREADS,), args, _REDUCE_ARG_TYPES, stream, pdl=True)
     workspace.offset = mark
+
+
+def gemv_glu_fits(gate: QuantWeight, up: QuantWeight, n: int) -> bool:
+    """Whether skinny_gemv_glu takes gate and up at n tokens: one type, shape and layout, rows a multiple of 4, and
+    both matrices' warps of a block (every split of its row tiles) within the kernel's."""
+    if gate.ggml_type not in TYPES or not 0 < n <= GEMV_MAX_TOKENS or gate.rows % 4 or gate.cols % SUPERBLOCK[
+            gate.ggml_type]:  # fmt: skip
+        return False
+    if (up.ggml_type, up.rows, up.data.shape, up.tiled) != (gate.ggml_type, gate.rows, gate.data.shape, gate.tiled):
+        return False
+    s = splits(gate.ggml_type, gate.rows, gate.cols, _sms())
+    _, per_block, splits_per_block = gemv_blocks(gate.ggml_type, gate.rows, s)
+    return splits_per_block == s and 2 * per_block * s <= _GEMV_MAX_WARPS[gate.ggml_type]
+
+
+def skinny_gemv_glu(out: DeviceTensor, gate: QuantWeight, up: QuantWeight, xa: DeviceTensor, down_xa: DeviceTensor,
+                    down_type: int, stream: driver.Stream) -> None:  # fmt: skip
+    """out [n, rows] = silu(x gate^T) * (x up^T), with gate's and up's rows bitwise skinny_gemv's (and so
+    skinny_gemm's) and SwiGLU as elementwise.swiglu computes it, in one launch (gemv_glu_fits); down_xa receives out
+    as convert writes it for down_type (skinny_gemm.activation_shape(n, rows))."""
+    n, rows, cols = out.shape[0], gate.rows, gate.cols
+    if not gemv_glu_fits(gate, up, n):
+        raise ValueError(f"skinny_gemv_glu: no fused launch for type {gate.ggml_type} [{rows}, {cols}] at {n} tokens")
+    _check(out, gate, xa, None)
+    if down_type not in TYPES or rows % SUPERBLOCK[down_type] or down_xa.dtype != np.uint32 or (
+            down_xa.shape != activation_shape(n, rows)):  # fmt: skip
+        raise ValueError(f"skinny_gemv_glu: down's input {down_xa.shape} is no layout of type {down_type} for "
+                         f"{out.shape}")  # fmt: skip
+    s = splits(gate.ggml_type, rows, cols, _sms())
+    blocks, per_block, _ = gemv_blocks(gate.ggml_type, rows, s)
+    seg = GemvSegments()
+    for i, w in enumerate((gate, up)):
+        seg.weight[i], seg.out[i], seg.rows[i], seg.row_bytes[i] = w.data.ptr, out.ptr, rows, w.data.shape[1]
+        seg.splits[i], seg.tiles_per_block[i], seg.splits_per_block[i] = s, per_block, s
+        seg.tiled[i], seg.blocks[i] = int(w.tiled), blocks
+    fn = runtime.kernel(SOURCE, f"skinny_gemv<{gate.ggml_type}, true>")
+    args = (seg, xa.ptr, n, cols, down_xa.ptr, down_type)
+    driver.launch(fn, (blocks,), (64 * per_block * s,), args, _GEMV_ARG_TYPES, stream, pdl=True)
 
 
 def _check(out: DeviceTensor, weight: QuantWeight, xa: DeviceTensor, bias: DeviceTensor | None) -> None:

@@ -46,6 +46,7 @@
 
 #include "pdl.cuh"
 #include "quant.cuh"
+#include "skinny_layout.cuh"
 #include "tensor_core.cuh"
 
 namespace sk {
@@ -504,24 +505,32 @@ __device__ __forceinline__ V pick3(const V (&v)[GEMV_SEGMENTS], int m) {  // sel
 }
 }  // namespace sk
 
-template <int T>
+// GLU: segments 0 and 1 are gate and up of one shape and layout, a block their same row tiles (its first G * SB
+// warps gate's, the rest up's, every split in the block), and the epilogue writes silu(gate) * up (elementwise.cu's
+// swiglu expression on the sums skinny_reduce would form) to out[0] and, as skinny_x_to_f16 would from it, into
+// glu_xa, down's fp16 input for weights of glu_type (skinny_layout.cuh); rows % 4 == 0.
+template <int T, bool GLU = false>
 __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
-    skinny_gemv(const __grid_constant__ sk::GemvSegments seg, const uint4* __restrict__ xa, int n, int cols) {
+    skinny_gemv(const __grid_constant__ sk::GemvSegments seg, const uint4* __restrict__ xa, int n, int cols,
+                uint32_t* __restrict__ glu_xa, int glu_type) {
   using namespace sk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   int block = (int)blockIdx.x, m = 0;
-  if (block >= seg.blocks[0]) block -= seg.blocks[0], m = 1;
-  if (m == 1 && block >= seg.blocks[1]) block -= seg.blocks[1], m = 2;
+  if (!GLU && block >= seg.blocks[0]) block -= seg.blocks[0], m = 1;
+  if (!GLU && m == 1 && block >= seg.blocks[1]) block -= seg.blocks[1], m = 2;
+  const int per = GLU ? seg.tiles_per_block[0] * seg.splits_per_block[0] : 0;
+  if (GLU) m = warp >= per;  // gate's warps, then up's
+  const int lw = GLU ? warp - m * per : warp;  // the warp's place among its matrix's
   const uint8_t* const weight = pick3(seg.weight, m);
   const int rows = pick3(seg.rows, m), row_bytes = pick3(seg.row_bytes, m), splits = pick3(seg.splits, m);
   const int G = pick3(seg.tiles_per_block, m), SB = pick3(seg.splits_per_block, m), tiled = pick3(seg.tiled, m);
   using F = Fmt<T>;
   constexpr int RING = Gemv<T>::RING, MAX_WARPS = Gemv<T>::MAX_WARPS;
   __shared__ float partial[MAX_WARPS][8][16];  // [warp][token][row of the tile]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const bool working = warp < G * SB;
+  const bool working = lw < G * SB;
   const int row_tiles = (rows + 15) / 16, row_blocks = (row_tiles + G - 1) / G;
-  const int tile = (block % row_blocks) * G + warp % G;
-  const int split = min((block / row_blocks) * SB + warp / G, splits - 1);
+  const int tile = (block % row_blocks) * G + lw % G;
+  const int split = min((block / row_blocks) * SB + lw / G, splits - 1);
   const int sbs = cols / F::SB;
   const int sb0 = (int)((long long)split * sbs / splits), sb1 = (int)((long long)(split + 1) * sbs / splits);
 
@@ -592,6 +601,29 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
 #pragma unroll
   for (int e = 0; e < 4; ++e) partial[warp][2 * c + (e & 1)][g + (e >= 2 ? 8 : 0)] = acc[e];
   __syncthreads();
+  if constexpr (GLU) {
+    auto sum = [&](int first, int t, int token, int r) {  // skinny_gemm's epilogue, or skinny_reduce's order
+      float v = partial[first + t][token][r];
+      if (splits == 1) return v + 0.f;
+      for (int s = 1; s < splits; ++s) v += partial[first + s * G + t][token][r];
+      return v;
+    };
+    for (int i = threadIdx.x; i < G * n * 4; i += blockDim.x) {
+      const int t = i / (n * 4), token = i / 4 % n, q = i % 4;  // four consecutive rows a thread
+      const int row = ((block % row_blocks) * G + t) * 16 + 4 * q;
+      if (row >= rows) continue;
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float gate = sum(0, t, token, 4 * q + j), up = sum(per, t, token, 4 * q + j);
+        v[j] = gate / (1.0f + expf(-gate)) * up;
+      }
+      const float4 o = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(seg.out[0] + (long long)token * rows + row) = o;
+      skl::store4(glu_xa, glu_type, row, token, 1, o);
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < G * n * 16; i += blockDim.x) {
     const int t = i / (n * 16), token = i / 16 % n, r = i % 16;  // consecutive threads: consecutive rows
     const int row = ((block % row_blocks) * G + t) * 16 + r;
