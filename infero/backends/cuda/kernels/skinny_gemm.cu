@@ -622,20 +622,20 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
       *reinterpret_cast<float4*>(seg.out[0] + (long long)token * rows + row) = o;
       skl::store4(glu_xa, glu_type, row, token, 1, o);
     }
-    return;
-  }
-  for (int i = threadIdx.x; i < G * n * 16; i += blockDim.x) {
-    const int t = i / (n * 16), token = i / 16 % n, r = i % 16;  // consecutive threads: consecutive rows
-    const int row = ((block % row_blocks) * G + t) * 16 + r;
-    if (row >= rows) continue;
-    float v = partial[t][token][r];
-    if (splits == 1) {
-      v = v + (bias != nullptr ? bias[row] : 0.f);
-    } else {
-      for (int s = 1; s < splits; ++s) v += partial[s * G + t][token][r];
-      if (bias != nullptr) v += bias[row];
+  } else {
+    for (int i = threadIdx.x; i < G * n * 16; i += blockDim.x) {
+      const int t = i / (n * 16), token = i / 16 % n, r = i % 16;  // consecutive threads: consecutive rows
+      const int row = ((block % row_blocks) * G + t) * 16 + r;
+      if (row >= rows) continue;
+      float v = partial[t][token][r];
+      if (splits == 1) {
+        v = v + (bias != nullptr ? bias[row] : 0.f);
+      } else {
+        for (int s = 1; s < splits; ++s) v += partial[s * G + t][token][r];
+        if (bias != nullptr) v += bias[row];
+      }
+      out[(long long)token * rows + row] = v;
     }
-    out[(long long)token * rows + row] = v;
   }
 }
 
