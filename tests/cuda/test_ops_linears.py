@@ -241,7 +241,8 @@ def test_linear_add_rms_norm_folds_the_norm_where_the_linear_and_its_readers_tak
     ops, calls = recorded
     monkeypatch.setattr(matvec, "_num_sms", [132])
     monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
-    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
+    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps, readers=(): calls.append(
+        ("add_rms_norm",)))  # fmt: skip
     monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: True)
     monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
     monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: None)
@@ -270,14 +271,15 @@ def test_batch_invariant_mode_defers_a_norm_at_every_width_or_at_none(recorded, 
     monkeypatch.setattr(matvec, "_num_sms", [132])
     monkeypatch.setattr(linear_mma, "supports", lambda weight, m: weight.ggml_type != int(T.Q8_0))
     monkeypatch.setattr(matvec, "matvec_norm", lambda residual, weight, *rest: calls.append(("norm", weight.index)))
-    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps: calls.append(("add_rms_norm",)))
+    monkeypatch.setattr(CudaOps, "add_rms_norm", lambda self, x, residual, w, eps, readers=(): calls.append(
+        ("add_rms_norm",)))  # fmt: skip
     monkeypatch.setattr(CudaOps, "_quantizable", lambda self, x: x.shape[0] <= 16)
     monkeypatch.setattr(CudaOps, "_quantized", lambda self, x: None)
     monkeypatch.setattr(CudaOps, "_quantize_into", lambda self, x, keep=None, norm=None: ("buffer", norm))
     monkeypatch.setattr(CudaOps, "_workspace_activation", lambda self, x, norm=None: ("workspace", norm))
     monkeypatch.setattr(ops.ws, "empty", lambda shape, dtype: SimpleNamespace(shape=shape), raising=False)
-    monkeypatch.setattr(elementwise, "add_rms_norm", lambda out, residual, y, w, eps, stream, act: calls.append(
-        ("add_rms_norm", "deferred" if act[1] == eps else "plain", act[0])))  # fmt: skip
+    monkeypatch.setattr(elementwise, "add_rms_norm", lambda out, residual, y, w, eps, stream, act, *skinny:
+                        calls.append(("add_rms_norm", "deferred" if act[1] == eps else "plain", act[0])))  # fmt: skip
     weight = SimpleNamespace(index=9, ggml_type=int(T.Q4_K), rows=2048, cols=2048)
     readers = [SimpleNamespace(ggml_type=int(reader_type), rows=64, cols=2048)] * 2
     ops.linear_add_rms_norm(activations(n, 2048), weight, object(), None, 1e-5, readers)

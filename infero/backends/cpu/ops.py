@@ -71,9 +71,10 @@ class CpuOps:
         return (x / np.sqrt(variance + eps)) * weight
 
     def add_rms_norm(
-        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float
+        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float, readers=()
     ) -> tuple[np.ndarray, np.ndarray]:
-        """residual += x (residual starts as x), then return (rms_norm(residual), residual)."""
+        """residual += x (residual starts as x), then return (rms_norm(residual), residual). readers: the weights
+        that read the output, where known (the CUDA backend writes their input form on the way)."""
         residual = x if residual is None else residual + x
         return self.rms_norm(residual, weight, eps), residual
 

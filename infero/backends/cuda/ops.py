@@ -304,14 +304,12 @@ class CudaOps:
         elementwise.rms_norm(out, x, weight, eps, self.stream)
         return out
 
-    def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float):
-        return self._add_rms_norm(x, residual, weight, eps, ())
-
-    def _add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float,
-                      readers) -> tuple[DeviceTensor, DeviceTensor]:  # fmt: skip
-        """add_rms_norm, its output also written in the form its readers take: the first skinny-GEMM reader's fp16
-        layout (its readers of that type then convert nothing), and the mat-vec's quantized activation unless every
-        reader takes the skinny GEMM (what follows a norm is a linear layer: quantize for it on the way)."""
+    def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor | None, weight: DeviceTensor, eps: float,
+                     readers=()) -> tuple[DeviceTensor, DeviceTensor]:  # fmt: skip
+        """The output also in the form its readers (the weights that read it, where known) take: the first
+        skinny-GEMM reader's fp16 layout (its readers of that type then convert nothing), and the mat-vec's
+        quantized activation unless every reader takes the skinny GEMM (what follows a norm is a linear layer:
+        quantize for it on the way)."""
         out = self.ws.empty(x.shape, np.float32)
         skinny = self._skinny_output(out, readers)
         all_skinny = skinny is not None and all(self._takes_skinny(out, w) for w in readers)
@@ -398,7 +396,7 @@ class CudaOps:
         fused launch's widths add_rms_norm writes the deferred form."""
         n = x.shape[0]
         if not self._defers_norm(x, weight, residual, readers):
-            return self._add_rms_norm(self.linear(x, weight), residual, norm_weight, eps, readers)
+            return self.add_rms_norm(self.linear(x, weight), residual, norm_weight, eps, readers)
         h = self.ws.empty((n, weight.rows), np.float32)  # its readers take the quantized form
         if not (self._quantizable(x) and matvec.norm_fits(weight, n)):
             y = self.linear(x, weight)
