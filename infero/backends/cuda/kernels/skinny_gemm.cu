@@ -483,6 +483,57 @@ __device__ __forceinline__ uint4 ld_x(const uint4* p) {  // x: every warp of the
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+
+// A warp's 16-row MMA tile (its lane's rows g and g + 8 in rw) times one superblock into acc, skinny_gemm's chain:
+// per word, its low halves' MMA for every 8-token tile j, then its high halves'; b_at(i, j): word i's B fragment
+// of tile j (16 bytes). The gemv and expert kernels' inner loop.
+template <int T, int NI, class B>
+__device__ __forceinline__ void tile_superblock(float (&acc)[NI][4], const typename Fmt<T>::Raw (&rw)[2], int c,
+                                                B b_at) {
+  using F = Fmt<T>;
+  typename F::Scale s[2];
+  typename F::Bits bits[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    F::scales(s[r], rw[r], c);
+    F::bits(bits[r], rw[r]);
+  }
+#pragma unroll
+  for (int i = 0; i < F::WORDS; ++i) {
+    uint4 b[NI];
+#pragma unroll
+    for (int j = 0; j < NI; ++j) b[j] = b_at(i, j);
+    uint32_t a[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) F::word(a[r], bits[r], s[r], i, c);
+    const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
+#pragma unroll
+    for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], lo, b[j].x, b[j].y);
+#pragma unroll
+    for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], hi, b[j].z, b[j].w);
+  }
+}
+
+// Superblocks [sb0, sb1) through a ring of RING register buffers: fetch(raw, sb) issues a superblock's loads,
+// step(raw, sb) multiplies it, RING - 1 in flight while one is multiplied (the loop unrolled by the ring, so the
+// buffers do not move); started() runs once the first ones' loads are issued (pdl_enter where the weights may be
+// read before the previous kernel ends).
+template <int T, int RING, class Fetch, class Step, class Started>
+__device__ __forceinline__ void ring_walk(int sb0, int sb1, Fetch fetch, Step step, Started started) {
+  typename Fmt<T>::Raw ring[RING][2];
+#pragma unroll
+  for (int k = 0; k < RING - 1; ++k)
+    if (sb0 + k < sb1) fetch(ring[k], sb0 + k);
+  started();
+  for (int sb = sb0; sb < sb1; sb += RING) {
+#pragma unroll
+    for (int k = 0; k < RING; ++k) {
+      if (sb + k >= sb1) break;
+      if (sb + k + RING - 1 < sb1) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
+      step(ring[k], sb + k);
+    }
+  }
+}
 }  // namespace sk
 
 // Up to GEMV_SEGMENTS matrices of one type and width on the same x (q/k/v, gate and up), each as it would run alone:
@@ -547,43 +598,15 @@ __global__ void __launch_bounds__(sk::Gemv<T>::MAX_WARPS * 32, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) F::fetch(rw[r], rowp[r] + at, c);
   };
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
+  float acc_tile[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  float (&acc)[4] = acc_tile[0];
+  auto step = [&](const typename F::Raw (&rw)[2], int sb) {
     const uint4* xs = xa + (long long)sb * F::WORDS * 32 + lane;
-    typename F::Scale s[2];
-    typename F::Bits bits[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      F::scales(s[r], rw[r], c);
-      F::bits(bits[r], rw[r]);
-    }
-#pragma unroll
-    for (int i = 0; i < F::WORDS; ++i) {
-      const uint4 b = ld_x(xs + i * 32);
-      uint32_t a[2][4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) F::word(a[r], bits[r], s[r], i, c);
-      const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
-      tc::mma_16816(acc, lo, b.x, b.y);
-      tc::mma_16816(acc, hi, b.z, b.w);
-    }
+    tile_superblock<T, 1>(acc_tile, rw, c, [&](int i, int) { return ld_x(xs + i * 32); });
   };
-
-  typename F::Raw ring[RING][2];
-  const int end = working ? sb1 : sb0;  // a spare warp multiplies nothing
-  // Weights are immutable: the first superblocks' loads start before the previous kernel has finished.
-#pragma unroll
-  for (int k = 0; k < RING - 1; ++k)
-    if (sb0 + k < end) fetch(ring[k], sb0 + k);
-  pdl_enter();
-  for (int sb = sb0; sb < end; sb += RING) {
-#pragma unroll
-    for (int k = 0; k < RING; ++k) {
-      if (sb + k >= end) break;
-      if (sb + k + RING - 1 < end) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
-      compute(ring[k], sb + k);
-    }
-  }
+  // Weights are immutable: the first superblocks' loads start before the previous kernel has finished. A spare
+  // warp multiplies nothing.
+  ring_walk<T, RING>(sb0, working ? sb1 : sb0, fetch, step, [] { pdl_enter(); });
 
   // Accumulator e: row g (+ 8 for e >= 2) of the tile, token 2 c + e % 2.
   float* const out = pick3(seg.out, m);
@@ -710,44 +733,11 @@ __global__ void __launch_bounds__(sk::EXPERT_WARPS * 32)
   for (int j = 0; j < NI; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-  auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
-    typename F::Scale s[2];
-    typename F::Bits bits[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      F::scales(s[r], rw[r], c);
-      F::bits(bits[r], rw[r]);
-    }
-#pragma unroll
-    for (int i = 0; i < F::WORDS; ++i) {
-      const uint4* xw = xa + ((long long)sb * F::WORDS + i) * x_tiles * 32;
-      uint4 b[NI];
-#pragma unroll
-      for (int j = 0; j < NI; ++j) b[j] = ld_x(xw + slot[j]);
-      uint32_t a[2][4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) F::word(a[r], bits[r], s[r], i, c);
-      const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
-#pragma unroll
-      for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], lo, b[j].x, b[j].y);
-#pragma unroll
-      for (int j = 0; j < NI; ++j) tc::mma_16816(acc[j], hi, b[j].z, b[j].w);
-    }
+  auto step = [&](const typename F::Raw (&rw)[2], int sb) {
+    const uint4* xs = xa + (long long)sb * F::WORDS * x_tiles * 32;
+    tile_superblock<T, NI>(acc, rw, c, [&](int i, int j) { return ld_x(xs + i * x_tiles * 32 + slot[j]); });
   };
-
-  const int sbs = cols / F::SB;
-  typename F::Raw ring[RING][2];
-#pragma unroll
-  for (int k = 0; k < RING - 1; ++k)
-    if (k < sbs) fetch(ring[k], k);
-  for (int sb = 0; sb < sbs; sb += RING) {
-#pragma unroll
-    for (int k = 0; k < RING; ++k) {
-      if (sb + k >= sbs) break;
-      if (sb + k + RING - 1 < sbs) fetch(ring[(k + RING - 1) % RING], sb + k + RING - 1);
-      compute(ring[k], sb + k);
-    }
-  }
+  ring_walk<T, RING>(0, cols / F::SB, fetch, step, [] {});
 
   // Accumulator e of tile j: row g (+ 8 for e >= 2), the group's pair 8 j + 2 c + e % 2.
   float* const out = seg == 0 ? mats.out[0] : mats.out[1];
@@ -793,41 +783,15 @@ __global__ void __launch_bounds__(sk::WARPS * 32)
 #pragma unroll
       for (int h = 0; h < 2; ++h) F::fetch(rw[h], rowp[h] + (long long)sb * F::BYTES, c);
     };
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    auto compute = [&](const typename F::Raw (&rw)[2], int sb) {
-      typename F::Scale s[2];
-      typename F::Bits bits[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        F::scales(s[h], rw[h], c);
-        F::bits(bits[h], rw[h]);
-      }
-#pragma unroll
-      for (int i = 0; i < F::WORDS; ++i) {
-        const uint4 b = ld_x(xa + ((long long)sb * F::WORDS + i) * x_tiles * 32 + slot);
-        uint32_t a[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) F::word(a[h], bits[h], s[h], i, c);
-        const unsigned lo[4] = {a[0][0], a[1][0], a[0][1], a[1][1]}, hi[4] = {a[0][2], a[1][2], a[0][3], a[1][3]};
-        tc::mma_16816(acc, lo, b.x, b.y);
-        tc::mma_16816(acc, hi, b.z, b.w);
-      }
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    auto step = [&](const typename F::Raw (&rw)[2], int sb) {
+      const uint4* xs = xa + (long long)sb * F::WORDS * x_tiles * 32 + slot;
+      tile_superblock<T, 1>(acc, rw, c, [&](int i, int) { return ld_x(xs + i * x_tiles * 32); });
     };
-    typename F::Raw ring[RING][2];
-#pragma unroll
-    for (int j = 0; j < RING - 1; ++j)
-      if (j < sbs) fetch(ring[j], j);
-    for (int sb = 0; sb < sbs; sb += RING) {
-#pragma unroll
-      for (int j = 0; j < RING; ++j) {
-        if (sb + j >= sbs) break;
-        if (sb + j + RING - 1 < sbs) fetch(ring[(j + RING - 1) % RING], sb + j + RING - 1);
-        compute(ring[j], sb + j);
-      }
-    }
+    ring_walk<T, RING>(0, sbs, fetch, step, [] {});
     if (c == 0) {  // column 0: accumulators 0 (row g) and 2 (row g + 8)
-      y[r][g] = acc[0];
-      y[r][g + 8] = acc[2];
+      y[r][g] = acc[0][0];
+      y[r][g + 8] = acc[0][2];
     }
   }
   __syncthreads();
