@@ -697,7 +697,7 @@ def fp16_rows(mats, x: np.ndarray, per_token: int, ids: np.ndarray, run: int | N
     from infero.backends.cuda.tensor import empty, from_host
 
     stream, pairs = runtime.stream(), ids.size
-    xa = empty(moe.fp16_activation_shape(*x.shape), np.uint32)
+    xa = empty(skinny_gemm.activation_rows_shape(*x.shape), np.uint32)
     skinny_gemm.convert(xa, from_host(x), mats[0].ggml_type, stream, rows_layout=True)
     outs = [empty((pairs, m.rows), np.float32) for m in mats]
     for o in outs:

@@ -1,6 +1,6 @@
 """Launchers for a mixture-of-experts layer on the GPU: routing (kernels/moe.cu's moe_route), the chosen experts'
-mat-vecs (matvec.cu's matvec_experts, matvec_experts_grouped, matvec_experts_f; moe_mma.cu's matvec_experts_mma) and
-the weighted sum of their outputs (moe_combine).
+mat-vecs (matvec.cu's matvec_experts, matvec_experts_grouped, matvec_experts_f; moe_mma.cu's matvec_experts_mma;
+with FP16_EXPERTS skinny_gemm.cu's skinny_experts) and the weighted sum of their outputs (moe_combine).
 
 Every step stays on the device (a decode step is one CUDA graph): the router's logits come from the linear layer,
 moe_route turns each row into k expert ids and weights, and each (token, rank) pair p = t k + r runs the 1-token
@@ -364,17 +364,12 @@ def fp16_run(pairs: int, experts: int) -> int:
     return next((r for r in FP16_RUNS if r >= share), FP16_RUNS[-1])
 
 
-def fp16_activation_shape(rows: int, cols: int) -> tuple[int, int]:
-    """skinny_gemm.convert's layout of `rows` activation rows (any count: ceil(rows / 8) tiles)."""
-    return (cols // 32 * -(-rows // 8) * 32, 4)
-
-
 def fp16_experts(outs: list[DeviceTensor], mats: list[ExpertWeights], per_token: int, xa: DeviceTensor,
                  stream: driver.Stream, grouping: Grouping | None = None,
                  ids: DeviceTensor | None = None) -> None:  # fmt: skip
     """outs[i] [pairs, rows] float32: row p = activation row p // per_token @ dequant(expert of pair p)^T on
     skinny_experts, for one or two expert tensors of one type and shape (gate and up) in one launch. xa: the
-    activation rows as skinny_gemm.convert writes them (fp16_activation_shape). The pairs: grouped by sort (runs
+    activation rows as skinny_gemm.convert writes them (activation_rows_shape). The pairs: grouped by sort (runs
     of one of FP16_RUNS), or ids int32 [pairs] with each pair its own group (no sort). A pair's row is the same bits
     either way and in any run."""
     first = mats[0]
@@ -387,9 +382,10 @@ def fp16_experts(outs: list[DeviceTensor], mats: list[ExpertWeights], per_token:
         raise ValueError(f"fp16_experts: no kernel for type {t} with {cols} columns (or a tiled expert tensor)")
     pairs = (grouping.order if grouping is not None else ids).numel
     act_rows = -(-pairs // per_token) if per_token > 0 else -1
-    if per_token < 1 or pairs % per_token or xa.dtype != np.uint32 or xa.shape != fp16_activation_shape(act_rows, cols):
-        raise ValueError(f"fp16_experts: xa must be uint32 {fp16_activation_shape(act_rows, cols)} for {pairs} pairs "
-                         f"at {per_token} a row; got {xa.dtype} {xa.shape}")  # fmt: skip
+    want = skinny_gemm.activation_rows_shape(act_rows, cols)
+    if per_token < 1 or pairs % per_token or xa.dtype != np.uint32 or xa.shape != want:
+        raise ValueError(f"fp16_experts: xa must be uint32 {want} for {pairs} pairs at {per_token} a row; got "
+                         f"{xa.dtype} {xa.shape}")  # fmt: skip
     if any(o.dtype != np.float32 or o.shape != (pairs, rows) for o in outs):
         raise ValueError(f"fp16_experts: outs must be float32 [{pairs}, {rows}]")
     if grouping is not None and grouping.run not in FP16_RUNS:
@@ -426,8 +422,9 @@ def fp16_down_combine(out: DeviceTensor, down: ExpertWeights, ids: DeviceTensor,
                          f"{ids.shape} and {weights.shape}")  # fmt: skip
     if t not in skinny_gemm.TYPES or cols % skinny_gemm.SUPERBLOCK[t] or down.matrix.tiled or rows != down.rows:
         raise ValueError(f"fp16_down_combine: no kernel for type {t}, [{down.rows}, {cols}] into {out.shape}")
-    if out.dtype != np.float32 or weights.dtype != np.float32 or xa.shape != fp16_activation_shape(n * k, cols):
-        raise ValueError(f"fp16_down_combine: float32 out and weights, xa {fp16_activation_shape(n * k, cols)}")
+    want = skinny_gemm.activation_rows_shape(n * k, cols)
+    if out.dtype != np.float32 or weights.dtype != np.float32 or xa.shape != want:
+        raise ValueError(f"fp16_down_combine: float32 out and weights, xa {want}")
     if n == 0:
         return
     args = (out.ptr, down.matrix.data.ptr, ids.ptr, weights.ptr, k, xa.ptr, -(-n * k // 8), rows, cols,

@@ -621,10 +621,10 @@ class CudaOps:
         for outs, mats in launches:
             t = mats[0].ggml_type
             if t not in h_of:
-                h_of[t] = self.ws.empty(moe.fp16_activation_shape(*h.shape), np.uint32)
+                h_of[t] = self.ws.empty(skinny_gemm.activation_rows_shape(*h.shape), np.uint32)
                 skinny_gemm.convert(h_of[t], h, t, self.stream, rows_layout=True)
             moe.fp16_experts(outs, mats, k, h_of[t], self.stream, **route)
-        ya = self.ws.empty(moe.fp16_activation_shape(*gate.shape), np.uint32)
+        ya = self.ws.empty(skinny_gemm.activation_rows_shape(*gate.shape), np.uint32)
         skinny_gemm.convert(ya, gate, down_exps.ggml_type, self.stream, rows_layout=True, up=up)  # SwiGLU with it
         if "ids" in route and k <= moe.COMBINE_MAX_K:
             moe.fp16_down_combine(out, down_exps, pair_ids, weights, ya, self.stream)

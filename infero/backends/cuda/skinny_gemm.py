@@ -64,6 +64,12 @@ def tiles(n: int) -> int:
     return next(t for t in TILE_COUNTS if 8 * t >= n)
 
 
+def activation_rows_shape(rows: int, cols: int) -> tuple[int, int]:
+    """convert's rows_layout: any number of activation rows in ceil(rows / 8) tiles (the expert kernels', each
+    lane loading its own row's fragments)."""
+    return (cols // 32 * -(-rows // 8) * 32, 4)
+
+
 def activation_shape(n: int, cols: int) -> tuple[int, int]:
     """x for `n` tokens in the kernel's layout: uint32 [slots, 4], 16 bytes per (superblock, word, tile, lane); a
     word is 8 columns of each of 4 lanes, whatever the type."""
@@ -111,14 +117,14 @@ def _sms() -> int:
 def convert(xa: DeviceTensor, x: DeviceTensor, ggml_type: int, stream: driver.Stream, rows_layout: bool = False,
             up: DeviceTensor | None = None, out: DeviceTensor | None = None) -> None:  # fmt: skip
     """xa (activation_shape) = x float32 [n, cols] as fp16 in ggml_type's column order, padding tokens zero.
-    rows_layout: any n, in ceil(n / 8) tiles (the expert kernels' activation rows: moe.fp16_activation_shape).
+    rows_layout: any n, in ceil(n / 8) tiles (activation_rows_shape: the expert kernels' activation rows).
     up: x is SwiGLU's gate and up its up projection (float32 [n, cols]): xa holds silu(x) * up, and out (if
     given, float32 [n, cols]) the same in float32."""
     n, cols = x.shape
     count = -(-n // 8) if rows_layout else (tiles(n) if 0 < n <= MAX_TOKENS else 0)
     if ggml_type not in TYPES or cols % SUPERBLOCK[ggml_type] or not 0 < count < (1 << 16):
         raise ValueError(f"skinny_gemm.convert: no layout for type {ggml_type}, [{n}, {cols}]")
-    shape = (cols // 32 * count * 32, 4)
+    shape = activation_rows_shape(n, cols) if rows_layout else activation_shape(n, cols)
     if x.dtype != np.float32 or x.ptr % 16 or xa.shape != shape or xa.dtype != np.uint32:
         raise ValueError(f"skinny_gemm.convert: x {x.dtype} {x.shape} / xa {xa.dtype} {xa.shape} do not match")
     for name, t in (("up", up), ("out", out)):
