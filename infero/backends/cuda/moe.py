@@ -72,10 +72,14 @@ for _t in MMA_TYPES:
 
 # 1: expert tensors of skinny_gemm's types (Q4_K, Q6_K, Q8_0, whole superblocks a row) take skinny_experts at every
 # width: the skinny GEMM's fp16 numbers, each pair's row one chain over its columns, its weights read once per run of
-# up to 64 pairs on the fp16 tensor cores (where the int8 kernels' float work a 32-column unit bounds them at 16 and
-# more pairs an expert: docs/performance.md). A layer runs one kind at every width, so either keeps a pair's bits
-# independent of the batch. Off until measured on a GPU.
-FP16_EXPERTS = 0
+# up to 64 pairs on the fp16 tensor cores, where the int8 kernels' float work a 32-column unit bounds them at 16 and
+# more pairs an expert. A layer runs one kind at every width, so either keeps a pair's bits independent of the batch.
+# H200, 2026-12-05 (exp/next2 at 242a9fd, synthetic qwen3-30b-a3b Q4_K_M, on against off on one machine start): one
+# layer's experts 518 against 906 us at 512 tokens, 197 against 252 at 32, 30.4 against 25.3 at 1
+# (scripts/bench_moe_experts.py --fp16); prefill 14,704 against 10,320 tok/s, steps of 32 sequences 7.77 against
+# 8.67 ms, batch 1 312 against 377 tok/s (bench decode); bench serve at 32 clients 3,318 against 2,704 tok/s. Batch 1
+# pays the expert mat-vec's 5 us a layer and two launches (h's conversion, SwiGLU's) docs/performance.md plans away.
+FP16_EXPERTS = 1
 FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
 FP16_WARPS = 4  # skinny_experts' warps a block (sk::EXPERT_WARPS), 16 rows each
 for _t in skinny_gemm.TYPES:
