@@ -25,11 +25,13 @@ from infero.backends.cuda import compiler, runtime
 from infero.backends.cuda.ops import CudaOps  # noqa: F401  (importing the launchers declares their kernels)
 from infero.backends.cuda.sampler import CudaRowSampler  # noqa: F401
 
+DEFINES: list[str] = []  # -D NAME=VALUE of the build, as scripts/ab_step.py --define compiles its variants
+
 
 def report(filename: str, arch: str) -> list[tuple[str, str]]:
     source = (compiler.KERNEL_DIR / filename).read_text()
     names = runtime.declared().get(filename, [])
-    options = compiler.base_options(arch) + ["--ptxas-options=-v"]
+    options = compiler.base_options(arch) + ["--ptxas-options=-v"] + [f"-D{d}" for d in DEFINES]
     _, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])
     try:
         for expr in names:
@@ -65,7 +67,8 @@ def _cuda_binary(name: str) -> str:
 def hottest_loop(filename: str, expression: str, arch: str) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the largest loop body in the SASS of one instantiation."""
     source = (compiler.KERNEL_DIR / filename).read_text()
-    compiled = compiler.compile_source(source, filename, arch, None, [expression])
+    defines = dict(d.split("=", 1) if "=" in d else (d, 1) for d in DEFINES)
+    compiled = compiler.compile_source(source, filename, arch, defines or None, [expression])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.cubin)
@@ -90,7 +93,9 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--grep", default="")
     parser.add_argument("--sass", metavar="EXPRESSION", help="the hottest loop of this instantiation's SASS")
+    parser.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE for the build (repeat)")
     args = parser.parse_args()
+    DEFINES.extend(args.defines)
     if args.sass:
         count, ops = hottest_loop(args.file, args.sass, args.arch)
         print(f"{args.sass}: {count} instructions in its largest loop body")

@@ -78,7 +78,7 @@ for _t in MMA_TYPES:
 # layer's experts 518 against 906 us at 512 tokens, 197 against 252 at 32, 30.4 against 25.3 at 1
 # (scripts/bench_moe_experts.py --fp16); prefill 14,704 against 10,320 tok/s, steps of 32 sequences 7.77 against
 # 8.67 ms, batch 1 312 against 377 tok/s (bench decode); bench serve at 32 clients 3,318 against 2,704 tok/s. Batch 1
-# pays the expert mat-vec's 5 us a layer and two launches (h's conversion, SwiGLU's) docs/performance.md plans away.
+# pays ~11 us a layer; SwiGLU's conversion inside the gate + up launch measured slower (docs/performance.md).
 FP16_EXPERTS = 1
 FP16_RUNS = tuple(8 * ni for ni in skinny_gemm.TILE_COUNTS)  # skinny_experts' pairs a warp: 8 NI
 FP16_WARPS = 4  # skinny_experts' warps a block (sk::EXPERT_WARPS), 16 rows each
