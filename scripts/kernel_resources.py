@@ -25,13 +25,11 @@ from infero.backends.cuda import compiler, runtime
 from infero.backends.cuda.ops import CudaOps  # noqa: F401  (importing the launchers declares their kernels)
 from infero.backends.cuda.sampler import CudaRowSampler  # noqa: F401
 
-DEFINES: list[str] = []  # -D NAME=VALUE of the build, as scripts/ab_step.py --define compiles its variants
 
-
-def report(filename: str, arch: str) -> list[tuple[str, str]]:
+def report(filename: str, arch: str, defines: dict | None = None) -> list[tuple[str, str]]:
     source = (compiler.KERNEL_DIR / filename).read_text()
     names = runtime.declared().get(filename, [])
-    options = compiler.base_options(arch) + ["--ptxas-options=-v"] + [f"-D{d}" for d in DEFINES]
+    options = compiler.base_options(arch) + ["--ptxas-options=-v"] + [f"-D{k}={v}" for k, v in (defines or {}).items()]
     _, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])
     try:
         for expr in names:
@@ -64,10 +62,11 @@ def _cuda_binary(name: str) -> str:
     raise SystemExit(f"{name} not found: pip install -e '.[dev]'")
 
 
-def hottest_loop(filename: str, expression: str, arch: str) -> tuple[int, collections.Counter]:
+def hottest_loop(
+    filename: str, expression: str, arch: str, defines: dict | None = None
+) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the largest loop body in the SASS of one instantiation."""
     source = (compiler.KERNEL_DIR / filename).read_text()
-    defines = dict(d.split("=", 1) if "=" in d else (d, 1) for d in DEFINES)
     compiled = compiler.compile_source(source, filename, arch, defines or None, [expression])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -95,15 +94,15 @@ def main() -> None:
     parser.add_argument("--sass", metavar="EXPRESSION", help="the hottest loop of this instantiation's SASS")
     parser.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE for the build (repeat)")
     args = parser.parse_args()
-    DEFINES.extend(args.defines)
+    defines = dict(d.split("=", 1) if "=" in d else (d, 1) for d in args.defines)  # as ab_step.py --define builds
     if args.sass:
-        count, ops = hottest_loop(args.file, args.sass, args.arch)
+        count, ops = hottest_loop(args.file, args.sass, args.arch, defines)
         print(f"{args.sass}: {count} instructions in its largest loop body")
         for op, n in ops.most_common():
             print(f"{n:>5}  {op}")
         return
     merged: dict[str, list[str]] = {}
-    for name, info in report(args.file, args.arch):
+    for name, info in report(args.file, args.arch, defines):
         merged.setdefault(name, []).append(info)
     for name, infos in merged.items():
         if args.grep in name:
