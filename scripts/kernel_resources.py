@@ -29,7 +29,7 @@ from infero.backends.cuda.sampler import CudaRowSampler  # noqa: F401
 def report(filename: str, arch: str, defines: dict | None = None) -> list[tuple[str, str]]:
     source = (compiler.KERNEL_DIR / filename).read_text()
     names = runtime.declared().get(filename, [])
-    options = compiler.base_options(arch) + ["--ptxas-options=-v"] + [f"-D{k}={v}" for k, v in (defines or {}).items()]
+    options = compiler.base_options(arch) + compiler.define_options(defines) + ["--ptxas-options=-v"]
     _, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])
     try:
         for expr in names:
