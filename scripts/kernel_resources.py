@@ -67,7 +67,7 @@ def hottest_loop(
 ) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the largest loop body in the SASS of one instantiation."""
     source = (compiler.KERNEL_DIR / filename).read_text()
-    compiled = compiler.compile_source(source, filename, arch, defines or None, [expression])
+    compiled = compiler.compile_source(source, filename, arch, defines, [expression])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.cubin)
