@@ -18,6 +18,8 @@ from infero.errors import InferoError
 from infero.server.serve import BATCH_INVARIANT_ENV, batch_invariant
 
 EXIT_USER_ERROR = 2
+# `generate`'s sampling where neither a flag nor the model file says: llama.cpp CLI's, what users of a local CLI expect.
+CLI_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -66,14 +68,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="with --chat: a system message before PROMPT")
     g.add_argument("--chat-template", metavar="FILE", help="a jinja chat template to use instead of the model's")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="stop after N tokens")
-    # Sampling defaults follow llama.cpp's CLI, which users of a local CLI expect.
-    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling temperature")
-    g.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely tokens")
-    g.add_argument("--top-p", type=float, default=0.95, metavar="P", help="sample within probability mass P")
-    g.add_argument("--min-p", type=float, default=0.05, metavar="P",
-                   help="drop tokens less likely than P times the most likely")  # fmt: skip
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="divide the logits of tokens seen so far by R")  # fmt: skip
+    # A flag left out takes the model file's default (general.sampling.*), else llama.cpp CLI's, as llama.cpp does.
+    for name, kind, metavar, what in (
+        ("temperature", float, "T", "sampling temperature"),
+        ("top_k", int, "K", "sample among the K most likely tokens"),
+        ("top_p", float, "P", "sample within probability mass P"),
+        ("min_p", float, "P", "drop tokens less likely than P times the most likely"),
+        ("repetition_penalty", float, "R", "divide the logits of tokens seen so far by R"),
+    ):
+        fallback = CLI_SAMPLING.get(name, 1.0)
+        g.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
+                       help=f"{what} (default: the model file's, else {fallback})")  # fmt: skip
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="R",
                    help="subtract R from the logits of tokens generated so far")  # fmt: skip
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="R",
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args) -> int:
-    from infero import LLM, SamplingParams
+    from infero import LLM
+    from infero.engine import generation_defaults
 
     llm = LLM(args.model, device=args.device, chat_template=args.chat_template, show_progress=True,
               batch_invariant=batch_invariant(args))  # fmt: skip
@@ -158,7 +164,8 @@ def _generate(args) -> int:
         prompt = llm.encode_chat(messages)
     else:
         prompt = args.prompt
-    params = SamplingParams(
+    params = generation_defaults.sampling_params(
+        {**CLI_SAMPLING, **llm.generation_defaults},
         temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

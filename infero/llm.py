@@ -18,6 +18,7 @@ from pathlib import Path
 from infero.backends import select_backend
 from infero.checkpoint import load_checkpoint
 from infero.default_model import default_model_path
+from infero.engine import generation_defaults
 from infero.engine.engine import Engine, EngineConfig
 from infero.engine.request import RequestOutput, TokenLogprob
 from infero.engine.sampling import SamplingParams
@@ -49,11 +50,19 @@ class LLM:
         engine_config: EngineConfig | None = None,
         show_progress: bool = False,
         batch_invariant: bool = False,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
     ):
+        """generation_config: whose sampling defaults a request that leaves a parameter out gets, "auto" (the model
+        file's), "vllm" (none) or a generation_config.json's path; override_generation_config is laid over them
+        (infero.engine.generation_defaults)."""
         start = time.monotonic()
         self.path = Path(model) if model is not None else default_model_path()
         self.checkpoint = load_checkpoint(self.path)
         self.config = self.checkpoint.config
+        self.generation_defaults, self.generation_notes = generation_defaults.resolve(
+            generation_config, self.checkpoint.metadata, override_generation_config
+        )
         self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
         self.backend = select_backend(device, self.config.head_dim)
         if hasattr(self.backend, "batch_invariant"):  # the numpy backend is invariant as it is
@@ -150,9 +159,15 @@ class LLM:
             "least one generated token"
         )
 
+    def default_sampling_params(self, **values) -> SamplingParams:
+        """SamplingParams of `values` (None: not given), the model's generation defaults for the rest (as vLLM's
+        LLM.get_default_sampling_params); the defaults' max_new_tokens caps max_tokens."""
+        return generation_defaults.sampling_params(self.generation_defaults, **values)
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield each step's new tokens and text for one prompt (all n choices, told apart by `index`)."""
-        params = params or SamplingParams()
+        """Yield each step's new tokens and text for one prompt (all n choices, told apart by `index`); without
+        `params`, the model's generation defaults."""
+        params = params or self.default_sampling_params()
         request_id = uuid.uuid4().hex
         self.engine.add_request(request_id, self._ids(prompt), params)
         running = params.n
@@ -170,10 +185,11 @@ class LLM:
     def generate(
         self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Generate for every prompt in one batch; results prompt-major (each prompt's n choices in order)."""
+        """Generate for every prompt in one batch; results prompt-major (each prompt's n choices in order); without
+        `params`, the model's generation defaults."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         results: dict[tuple[str, int], Completion] = {}
         ids: list[str] = []
         try:

@@ -58,6 +58,18 @@ def test_generate_streams_text(capsys, tiny_model_path):
     assert code == 0 and out == expected.text + "\n"
 
 
+def test_generate_samples_with_the_model_files_defaults_where_no_flag_says(capsys, tmp_path):
+    """As llama.cpp's CLI: general.sampling.* (what the converter copies from generation_config.json) replace the
+    CLI's defaults; a flag replaces both."""
+    path = write_tiny_model(tmp_path / "m.gguf", sampling=dict(temp=0.0, top_k=3))
+    argv = ["generate", "--model", str(path), "--max-tokens", "10", "--ignore-eos", "--json", "--seed", "4", "hello"]
+    texts = [json.loads(run_cli(capsys, *argv, *flags)[1])["text"] for flags in ([], ["--greedy"])]
+    assert texts[0] == texts[1]  # the file's temperature 0
+    [sampled] = LLM(path).generate(["hello"], SamplingParams(temperature=1.5, top_k=3, top_p=0.95, min_p=0.05,
+                                                             seed=4, max_tokens=10, ignore_eos=True))  # fmt: skip
+    assert json.loads(run_cli(capsys, *argv, "--temperature", "1.5")[1])["text"] == sampled.text
+
+
 def test_tokenize_and_inspect(capsys, tiny_model_path):
     code, out, _ = run_cli(capsys, "tokenize", "--model", str(tiny_model_path), "hello<|im_end|>")
     assert code == 0
@@ -147,8 +159,10 @@ def test_version_prints_the_package_version(capsys):
 @pytest.mark.parametrize(
     "command, shown",
     [
-        (["generate"], ["--max-tokens N  stop after N tokens (default: 256)", "(default: 0.8)", "(default: 40)",
-                        "(default: 0.95)", "(default: 0.05)", "(default: 1.0)", "(default: 0.0)", "(default: auto)"]),
+        (["generate"], ["--max-tokens N  stop after N tokens (default: 256)", "(default: the model file's, else 0.8)",
+                        "(default: the model file's, else 40)", "(default: the model file's, else 0.95)",
+                        "(default: the model file's, else 0.05)", "(default: the model file's, else 1.0)",
+                        "(default: 0.0)", "(default: auto)"]),
         (["synth"], ["(default: Q4_K_M)", "(default: 0)"]),
         (["bench", "decode"], ["(default: 512)", "(default: 64)"]),
         (["serve"], ["(default: 8080)", "(default: 512)", "(default: 0.90)", "(default: auto)"]),

@@ -67,8 +67,11 @@ def write_tiny_model(
     split_max_tensors: int = 0,
     embed_type: Q | None = None,
     chat_template: str | None = CHATML,
+    sampling: dict | None = None,
 ) -> Path:
-    """Write a tiny model; matrices in qtype, norms and biases in F32. Returns the (first) file's path."""
+    """Write a tiny model; matrices in qtype, norms and biases in F32. Returns the (first) file's path. sampling: the
+    general.sampling.* keys llama.cpp's converter writes from a generation_config.json, by the gguf writer's
+    add_sampling_* name (temp, top_k, top_p, min_p, penalty_repeat, ...)."""
     rng = np.random.default_rng(seed)
     s = shape
     tokens, merges, types = byte_level_vocab(["hello", " world", " the", "ing", " and", "tion", "12"])
@@ -88,6 +91,8 @@ def write_tiny_model(
     add_byte_level_tokenizer(w, tokens, merges, types)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for name, value in (sampling or {}).items():
+        getattr(w, "add_sampling_" + name)(value)
 
     def matrix(name: str, rows: int, cols: int, qt: Q = qtype, std: float = 0.08) -> None:
         data, t = encode_weight(rng.normal(0, std, size=(rows, cols)).astype(np.float32), qt, rng)

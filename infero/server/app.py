@@ -296,6 +296,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
             req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.num_logprobs,
+            defaults=state.llm.generation_defaults,
         )  # fmt: skip
         params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
         await _validate(engine, prompt_ids, params, "messages")
@@ -329,7 +330,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = protocol.sampling_params(
             req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, defaults=state.llm.generation_defaults,
         )  # fmt: skip
         for ids in prompts:
             await _validate(engine, ids, params, "prompt")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from infero.engine import generation_defaults
 from infero.engine.request import TokenLogprob
 from infero.engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from infero.engine.structured import StructuredOutput, StructuredOutputError
@@ -245,8 +246,11 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    defaults: dict | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for a request; a 400 naming the field when one is out of range."""
+    """The engine's parameters for a request; a 400 naming the field when one is out of range. `defaults`: the
+    model's generation defaults (infero.engine.generation_defaults) for what the request leaves out; their
+    max_new_tokens caps max_tokens."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     for token_id in req.stop_token_ids or []:
         if not 0 <= token_id < vocab_size:
@@ -262,9 +266,12 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
     )
+    cap = (defaults or {}).get("max_new_tokens")
+    max_tokens = max_tokens if cap is None else min(max_tokens, cap)
     try:
-        params = SamplingParams(
-            **{name: value for name, value in values.items() if value is not None},
+        params = generation_defaults.sampling_params(
+            defaults or {},
+            **values,
             logit_bias=_logit_bias(req.logit_bias, vocab_size),
             seed=req.seed,
             n=req.n,

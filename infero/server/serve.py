@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -60,6 +61,16 @@ def _one_gpu(text: str) -> int:
     if text.strip() != "1":
         raise argparse.ArgumentTypeError(f"{text!r}: infero runs a model on one GPU (tensor parallelism is not built)")
     return 1
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -128,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               "template)")  # fmt: skip
     flag("--seed", type=int, metavar="N", help="the sampling seed of requests that bring none (default: a fresh one "
          "each)")  # fmt: skip
+    flag("--generation-config", "auto", metavar="auto|vllm|PATH",
+         help="the sampling defaults of requests that leave a parameter out: auto, the model file's (what its "
+              "creators recommend, general.sampling.*, as llama.cpp applies them); vllm, none (temperature 1.0, "
+              "every filter off); or a generation_config.json (or its folder) (default: auto)")  # fmt: skip
+    flag("--override-generation-config", type=_json_object, metavar="JSON",
+         help='laid over those defaults, e.g. \'{"temperature": 0.5, "max_new_tokens": 1024}\' (temperature, top_k, '
+              "top_p, min_p, repetition_penalty; max_new_tokens caps every request's output)")  # fmt: skip
     # vllm serve flags a command line carries over whose only value here is what infero does anyway: taken, and any
     # other value refused in one line (weights stay in their GGUF encoding; one GPU).
     flag("--dtype", "auto", choices=("auto",), help="taken as vllm serve takes it; infero computes in its kernels' "
@@ -170,6 +188,23 @@ def notes(args: argparse.Namespace) -> list[str]:
     if args.tokenizer:
         return [f"--tokenizer {args.tokenizer} is not used: infero reads the tokenizer the GGUF file holds"]
     return []
+
+
+def generation_notes(llm, args: argparse.Namespace) -> list[str]:
+    """What the sampling defaults are and where they come from (vLLM logs the same), and what of the model file's
+    was not used."""
+    from infero.engine.generation_defaults import describe
+
+    notes = list(llm.generation_notes)
+    if llm.generation_defaults:
+        choice = args.generation_config
+        source = {"auto": "the model file", "vllm": "--override-generation-config"}.get(choice, choice)
+        if choice != "vllm" and args.override_generation_config:
+            source += " and --override-generation-config"
+        turn_off = "; --generation-config vllm turns the file's off" if choice == "auto" else ""
+        notes.append(f"a request that leaves a sampling parameter out gets its default from {source}: "
+                     f"{describe(llm.generation_defaults)}{turn_off}")  # fmt: skip
+    return notes
 
 
 def served_name(path: Path) -> str:
@@ -219,9 +254,12 @@ def main(args: argparse.Namespace) -> int:
 
     def load():
         return LLM(path, device=args.device, chat_template=args.chat_template, engine_config=config,
-                   show_progress=True, batch_invariant=invariant)  # fmt: skip
+                   show_progress=True, batch_invariant=invariant, generation_config=args.generation_config,
+                   override_generation_config=args.override_generation_config)  # fmt: skip
 
     def on_ready(llm) -> None:
+        for note in generation_notes(llm, args):
+            print(f"infero: note: {note}", file=sys.stderr)
         print(llm.summary(), file=sys.stderr)
         print(f"serving {name!r} at {url}/v1 (OpenAI API); {url}/health, {url}/metrics", file=sys.stderr, flush=True)
 

@@ -8,11 +8,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from infero.server.serve import add_arguments, engine_config, notes, parse_bytes, served_name
+from infero.server.serve import add_arguments, engine_config, generation_notes, notes, parse_bytes, served_name
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +73,34 @@ def test_vllm_serve_flags_for_tools_reasoning_and_the_seed():
     assert args.disable_log_requests and notes(args) == [
         "--tokenizer Qwen/Qwen2.5-7B-Instruct is not used: infero reads the tokenizer the GGUF file holds"
     ]
+
+
+def test_generation_config_flags_and_what_the_server_says_of_the_defaults():
+    args = parse([])
+    assert (args.generation_config, args.override_generation_config) == ("auto", None)
+    args = parse(["--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}'])
+    assert (args.generation_config, args.override_generation_config) == ("vllm", {"temperature": 0.5})
+    for bad in ("{", "[1]", "0.5"):
+        with pytest.raises(SystemExit):
+            parse(["--override-generation-config", bad])
+    llm = SimpleNamespace(generation_defaults={"temperature": 0.6, "top_k": 20}, generation_notes=["a note"])
+    assert generation_notes(llm, parse([])) == [
+        "a note",
+        "a request that leaves a sampling parameter out gets its "
+        "default from the model file: temperature 0.6, top_k 20; --generation-config vllm turns the file's off",
+    ]
+    said = generation_notes(llm, parse(["--generation-config", "/g", "--override-generation-config", '{"top_k": 20}']))
+    assert "from /g and --override-generation-config: temperature 0.6" in said[1]
+    llm.generation_defaults = {}
+    assert generation_notes(llm, parse(["--generation-config", "vllm"])) == ["a note"]
+
+
+def test_a_generation_config_that_cannot_be_read_is_one_line_and_status_2(tmp_path, tiny_model_path):
+    r = subprocess.run([sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--port", str(free_port()),
+                        "--generation-config", str(tmp_path / "nowhere.json")],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "infero: error: --generation-config" in r.stderr and "cannot read" in r.stderr
 
 
 def test_sizes_and_served_names():
