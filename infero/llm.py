@@ -52,10 +52,11 @@ class LLM:
         batch_invariant: bool = False,
         generation_config: str = "auto",
         override_generation_config: dict | None = None,
+        enforce_eager: bool = False,
     ):
         """generation_config: whose sampling defaults a request that leaves a parameter out gets, "auto" (the model
         file's), "vllm" (none) or a generation_config.json's path; override_generation_config is laid over them
-        (infero.engine.generation_defaults)."""
+        (infero.engine.generation_defaults). enforce_eager: no CUDA graphs (vLLM's flag)."""
         start = time.monotonic()
         self.path = Path(model) if model is not None else default_model_path()
         self.checkpoint = load_checkpoint(self.path)
@@ -67,6 +68,8 @@ class LLM:
         self.backend = select_backend(device, self.config.head_dim)
         if hasattr(self.backend, "batch_invariant"):  # the numpy backend is invariant as it is
             self.backend.batch_invariant = batch_invariant
+        if enforce_eager and hasattr(self.backend, "use_graphs"):  # the GPU backend's decode-step graphs
+            self.backend.use_graphs = False
         compile_kernels = getattr(self.backend, "compile_kernels", None)  # the GPU backend's, before the long load
         if compile_kernels is not None:
             compile_kernels(self.checkpoint)

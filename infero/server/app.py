@@ -29,12 +29,13 @@ from typing import Any, TypeVar
 
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 import infero
 from infero.engine.async_engine import AsyncEngine
-from infero.engine.sampling import SamplingParams
+from infero.engine.sampling import MAX_LOGPROBS, SamplingParams
 from infero.engine.structured import StructuredOutputError
 from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
 from infero.server import metrics as metrics_module
@@ -70,6 +71,16 @@ POST_ERRORS = (400, 401, 404, 413, 503)
 
 
 @dataclass
+class CorsSettings:
+    """Which browser pages may call the API (vllm serve's --allowed-origins ...; its defaults: any)."""
+
+    allow_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
@@ -78,6 +89,9 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # None: the format the chat template teaches, if any
     reasoning_parser: str | None = None  # None: from the chat template
+    max_logprobs: int = MAX_LOGPROBS  # the most alternatives a request may ask for a token (--max-logprobs)
+    cors: CorsSettings = dataclasses.field(default_factory=CorsSettings)
+    docs: bool = True  # /docs and /openapi.json (--disable-fastapi-docs turns them off)
 
 
 class ServerState:
@@ -171,11 +185,16 @@ def create_app(
             if state.engine is not None:
                 await state.engine.shutdown(settings.shutdown_timeout)
 
-    app = FastAPI(title="infero", version=infero.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
-                  openapi_url="/openapi.json", description="OpenAI's API, with vLLM's extensions")  # fmt: skip
+    app = FastAPI(title="infero", version=infero.__version__, lifespan=lifespan, redoc_url=None,
+                  docs_url="/docs" if settings.docs else None,
+                  openapi_url="/openapi.json" if settings.docs else None,
+                  description="OpenAI's API, with vLLM's extensions")  # fmt: skip
     openapi.install(app, REQUEST_MODELS)
     app.state.infero = state
     install_error_handlers(app)
+    cors = settings.cors  # outermost, so that every answer (an error's too) carries the CORS headers
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=cors.allow_methods,
+                       allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials)  # fmt: skip
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state), dependencies=[Depends(_auth_guard(state))])
     return app
@@ -287,6 +306,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         state.require_ready()
         req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
         protocol.check_model(req.model, settings.served_model_name)
+        _check_logprobs(settings, req.num_logprobs, "top_logprobs")
         engine = state.require_ready()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [m.to_template() for m in req.messages]
@@ -318,6 +338,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         state.require_ready()
         req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
         protocol.check_model(req.model, settings.served_model_name)
+        _check_logprobs(settings, req.logprobs, "logprobs")
         engine = state.require_ready()
         prompts = _prompt_list(req.prompt)
         state.check_admissible(len(prompts))  # before the work of encoding them
@@ -487,6 +508,12 @@ def _encode_prompts(engine: AsyncEngine, prompts: list) -> tuple[list[list[int]]
 
 def _vocab_size(engine: AsyncEngine) -> int:
     return min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+
+
+def _check_logprobs(settings: ServerSettings, count: int | None, param: str) -> None:
+    if count is not None and count > settings.max_logprobs:
+        raise bad_request(f"{param}: requested {count} logprobs a token, more than this server's --max-logprobs "
+                          f"{settings.max_logprobs}", param)  # fmt: skip
 
 
 def _check_token_ids(engine: AsyncEngine, ids: list[int], param: str) -> None:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from infero.backends import DEVICES
+from infero.engine.sampling import MAX_LOGPROBS
 from infero.server.reasoning import REASONING_PARSERS
 from infero.server.tool_parsers import TOOL_PARSERS
 
@@ -57,10 +58,54 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
-def _one_gpu(text: str) -> int:
-    if text.strip() != "1":
-        raise argparse.ArgumentTypeError(f"{text!r}: infero runs a model on one GPU (tensor parallelism is not built)")
-    return 1
+def context_length(text: str) -> int:
+    """--max-model-len as vLLM reads it: a number of tokens, or one with a suffix, k / m / g decimal (25.6k is
+    25,600), K / M / G binary (1K is 1,024; whole numbers only)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgKMG]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length; write e.g. 32768, 32k (32,000) or 32K (32,768)")
+    number, suffix = match.groups()
+    if "." in number and not suffix.islower():
+        whole = f"; did you mean {number}{suffix.lower()}?" if suffix else ""
+        raise argparse.ArgumentTypeError(f"{text!r}: only k, m and g take a fraction{whole}")
+    if suffix.islower():
+        value = int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
+    else:
+        value = int(number) * 1024 ** ("KMG".index(suffix) + 1 if suffix else 0)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (must be >= 2)")
+    return value
+
+
+def _one_gpu(kind: str):
+    def parse(text: str) -> int:
+        if text.strip() != "1":
+            raise argparse.ArgumentTypeError(f"{text!r}: infero runs a model on one GPU ({kind} is not built)")
+        return 1
+
+    return parse
+
+
+def _only(accepted: tuple[str, ...], why: str):
+    """A vllm serve flag's value infero takes only as what it does anyway; any other is refused, saying why."""
+
+    def parse(text: str) -> str:
+        if text.strip().lower() not in accepted:
+            raise argparse.ArgumentTypeError(f"{text!r}: {why}")
+        return text.strip().lower()
+
+    return parse
+
+
+def _json_list(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        example = '["http://localhost:3000"]'
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); write e.g. '{example}'") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -86,11 +131,11 @@ def _fraction(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `infero serve`, each defaulting to its INFERO_* environment variable."""
 
-    def flag(name: str, default=None, **kwargs) -> None:
+    def flag(name: str, default=None, aliases: tuple[str, ...] = (), **kwargs) -> None:
         env = "INFERO_" + name.lstrip("-").upper().replace("-", "_")
         kwargs["help"] = f"{kwargs.get('help', '')} [env {env}]".strip()
         # argparse runs `type` on a string default, so a bad environment value fails like a bad flag
-        parser.add_argument(name, default=os.environ.get(env, default), **kwargs)
+        parser.add_argument(name, *aliases, default=os.environ.get(env, default), **kwargs)
 
     parser.add_argument("model_file", nargs="?", metavar="MODEL",
                         help="the GGUF file as `vllm serve MODEL` takes it; wins over --model")  # fmt: skip
@@ -99,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--port", "8080", type=_int_at_least(0, 65535), help="port to listen on (default: 8080)")
     flag("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API route")
     flag("--served-model-name", metavar="NAME", help="the model's name in the API (default: the GGUF file's stem)")
-    flag("--max-model-len", type=_int_at_least(2), metavar="N", help="context length (default: the model's)")
+    flag("--max-model-len", type=context_length, metavar="N",
+         help="context length, e.g. 32768, 32k (32,000) or 32K (32,768) (default: the model's)")  # fmt: skip
     flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N",
          help="sequences per batch, and a hybrid model's recurrent-state slots, taken from the KV cache's memory "
               "(default: 64)")  # fmt: skip
@@ -110,12 +156,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="requests allowed to wait for their first token before new ones get 503 (default: 512)")  # fmt: skip
     flag("--gpu-memory-utilization", "0.90", type=_fraction, metavar="F",
          help="share of GPU memory for weights, workspace and KV cache (default: 0.90)")  # fmt: skip
-    flag("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
-         help='KV cache budget, e.g. "2GiB" (default: 1GiB on the CPU; on a GPU what '
-              "--gpu-memory-utilization leaves)")  # fmt: skip
-    flag("--async-scheduling", "auto", choices=("auto", "on", "off"),
+    flag("--kv-cache-memory", type=parse_bytes, metavar="BYTES", aliases=("--kv-cache-memory-bytes",),
+         help='KV cache budget, e.g. "2GiB" or vLLM\'s --kv-cache-memory-bytes 2147483648 (default: 1GiB on the '
+              "CPU; on a GPU what --gpu-memory-utilization leaves)")  # fmt: skip
+    flag("--async-scheduling", "auto", choices=("auto", "on", "off"), nargs="?", const="on",
          help="queue each step before the host has read the last one's tokens, so the GPU never waits on the host "
-              "between steps (default: auto, on with a GPU)")  # fmt: skip
+              "between steps; the bare flag (as vLLM's) is on, --no-async-scheduling off (default: auto, on with a "
+              "GPU)")  # fmt: skip
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const="off",
+                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="as vllm serve's: no CUDA graphs, every decode step's kernels launched one by one "
+                             "(slower; for debugging)")  # fmt: skip
     # A switch: the flag gives a bool, the environment a string that engine_config reads (on/off, 1/0, ...).
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=os.environ.get(PREFIX_CACHING_ENV),
@@ -150,8 +202,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # other value refused in one line (weights stay in their GGUF encoding; one GPU).
     flag("--dtype", "auto", choices=("auto",), help="taken as vllm serve takes it; infero computes in its kernels' "
          "precision from the weights' own encoding")  # fmt: skip
-    flag("--tensor-parallel-size", "1", type=_one_gpu, metavar="1",
+    flag("--tensor-parallel-size", "1", type=_one_gpu("tensor parallelism"), metavar="1", aliases=("-tp",),
          help="taken as vllm serve takes it; infero runs a model on one GPU")  # fmt: skip
+    flag("--pipeline-parallel-size", "1", type=_one_gpu("pipeline parallelism"), metavar="1", aliases=("-pp",),
+         help="taken as vllm serve takes it; infero runs a model on one GPU")  # fmt: skip
+    flag("--kv-cache-dtype", "auto", type=_only(("auto",), "infero's KV cache is fp16 (an fp8 KV cache is not built)"),
+         metavar="auto", help="taken as vllm serve takes it: the KV cache in the model's precision, fp16")  # fmt: skip
+    flag("--quantization", aliases=("-q",), metavar="gguf",
+         type=_only(("gguf",), "infero serves GGUF files, whose tensors keep the types they were written in"),
+         help="taken as vllm serve takes it for GGUF files: each tensor keeps its own type")  # fmt: skip
+    flag("--load-format", "auto", type=_only(("auto", "gguf"), "infero reads GGUF files"), metavar="auto|gguf",
+         help="taken as vllm serve takes it: a GGUF file")  # fmt: skip
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        help="taken as vllm serve takes it: prompts are always prefilled in chunks of "
+                             "--max-num-batched-tokens beside the running streams (--no-enable-chunked-prefill is "
+                             "refused)")  # fmt: skip
+    flag("--swap-space", type=float, metavar="GIB",
+         help="taken as vllm serve takes it, and not used: a preempted sequence's KV cache is computed again, "
+              "not swapped to host memory")  # fmt: skip
+    flag("--max-logprobs", "20", type=_int_at_least(0, MAX_LOGPROBS), metavar="N",
+         help=f"the most alternatives a request may ask for a token (logprobs, top_logprobs, prompt_logprobs), "
+              f"at most {MAX_LOGPROBS} (default: 20)")  # fmt: skip
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="taken as vllm serve takes it: usage.prompt_tokens_details.cached_tokens is always "
+                             "reported")  # fmt: skip
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="taken as vllm serve takes it: infero's uvicorn keeps no access log")  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="taken as vllm serve takes it; a GGUF file holds no code")  # fmt: skip
     parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
@@ -160,6 +236,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "the tokenizer the GGUF file holds (a note says so at start)")  # fmt: skip
     flag("--uvicorn-log-level", "info", choices=("critical", "error", "warning", "info", "debug", "trace"),
          help="uvicorn's log level (default: info)")  # fmt: skip
+    # The HTTP surface as vllm serve's flags set it.
+    flag("--allowed-origins", '["*"]', type=_json_list, metavar="JSON",
+         help="CORS: the origins whose browser pages may call the API, a JSON list (default: any)")  # fmt: skip
+    flag("--allowed-methods", '["*"]', type=_json_list, metavar="JSON", help="CORS: the methods allowed (default: any)")
+    flag("--allowed-headers", '["*"]', type=_json_list, metavar="JSON", help="CORS: the headers allowed (default: any)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    flag("--root-path", "", metavar="PATH",
+         help="the path prefix a proxy serves the app under, as FastAPI's root_path (default: none)")  # fmt: skip
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no /docs page and no /openapi.json")  # fmt: skip
+    flag("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key (and --ssl-certfile)")
+    flag("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate chain (and --ssl-keyfile)")
+    flag("--ssl-ca-certs", metavar="FILE", help="CA certificates that client certificates are checked against")
     flag("--device", "auto", choices=DEVICES, help="where to run; auto takes the GPU when there is one")
     flag("--cpu-threads", type=_int_at_least(1), metavar="N",
          help="BLAS threads of the CPU backend (default: 1; more spin against other busy processes)")  # fmt: skip
@@ -184,10 +273,24 @@ def batch_invariant(args: argparse.Namespace) -> bool:
 
 
 def notes(args: argparse.Namespace) -> list[str]:
-    """What a flag taken from a vllm serve command line does not do here, one line each."""
+    """What a flag taken from a vllm serve command line does not do here, one line each; an InferoError for one
+    that asks what infero never does."""
+    from infero.errors import InferoError
+
+    if args.enable_chunked_prefill is False:
+        raise InferoError(
+            "--no-enable-chunked-prefill: infero always prefills prompts in chunks of --max-num-batched-tokens, so "
+            "that running streams keep decoding; leave it out"
+        )
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise InferoError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    said = []
     if args.tokenizer:
-        return [f"--tokenizer {args.tokenizer} is not used: infero reads the tokenizer the GGUF file holds"]
-    return []
+        said.append(f"--tokenizer {args.tokenizer} is not used: infero reads the tokenizer the GGUF file holds")
+    if args.swap_space is not None:
+        said.append(f"--swap-space {args.swap_space:g} is not used: infero computes a preempted sequence's KV cache "
+                    "again rather than swapping it to host memory")  # fmt: skip
+    return said
 
 
 def generation_notes(llm, args: argparse.Namespace) -> list[str]:
@@ -237,25 +340,30 @@ def main(args: argparse.Namespace) -> int:
     from infero.default_model import default_model_path
     from infero.errors import ModelFileError
     from infero.llm import LLM
-    from infero.server.app import ServerSettings, create_app
+    from infero.server.app import CorsSettings, ServerSettings, create_app
 
     model = args.model_file or args.model
     path = Path(model) if model else default_model_path()
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass --model FILE.gguf (or set INFERO_MODEL)")
+    said = notes(args)
     name = args.served_model_name or served_name(path)
     config = engine_config(args)
     invariant = batch_invariant(args)
+    cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
-                              reasoning_parser=args.reasoning_parser)  # fmt: skip
-    url = f"http://{_url_host(args.host)}:{args.port}"
+                              reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs, cors=cors,
+                              docs=not args.disable_fastapi_docs)  # fmt: skip
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0
 
     def load():
         return LLM(path, device=args.device, chat_template=args.chat_template, engine_config=config,
                    show_progress=True, batch_invariant=invariant, generation_config=args.generation_config,
-                   override_generation_config=args.override_generation_config)  # fmt: skip
+                   override_generation_config=args.override_generation_config,
+                   enforce_eager=args.enforce_eager)  # fmt: skip
 
     def on_ready(llm) -> None:
         for note in generation_notes(llm, args):
@@ -272,10 +380,12 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
     app = create_app(load, settings, on_ready=on_ready, on_load_error=on_load_error)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
-                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on")  # fmt: skip
+                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on", root_path=args.root_path,
+                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                               ssl_ca_certs=args.ssl_ca_certs)  # fmt: skip
     server = graceful_server(uv_config, app.state.infero)
     sock = listen_socket(args.host, args.port)
-    for note in notes(args):
+    for note in said:
         print(f"infero: note: {note}", file=sys.stderr)
     print(f"infero: listening on {url}, loading {path.name} ...", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -121,11 +121,10 @@ def test_graph_replay_is_bit_identical_to_eager(gpu, models):
     prompts = [[3 + i, 50 + 7 * i, 100 + i, 200 - i, 17] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     graphs = LLM(path, device="cuda")
-    eager = LLM(path, device="cuda")
-    eager.backend.use_graphs = False
+    eager = LLM(path, device="cuda", enforce_eager=True)
     a = [o.completion_ids for o in graphs.generate(prompts, params)]
     b = [o.completion_ids for o in eager.generate(prompts, params)]
-    assert graphs.backend._graphs, "no graph was captured"
+    assert graphs.backend._graphs and not eager.backend._graphs, "graphs captured where asked, and only there"
     assert a == b
 
 

@@ -2,6 +2,7 @@
 
 import re
 
+from infero.server.app import CorsSettings
 from infero.server.metrics import Histogram
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -81,3 +82,32 @@ def test_histogram_buckets_are_cumulative_in_the_text():
     for value in (0.05, 0.5, 0.7, 5.0):
         hist.observe(value)
     assert hist.counts == [1, 2] and hist.count == 4 and hist.sum == 6.25
+
+
+def test_cors_answers_a_browsers_preflight_as_vllm_does(server, fresh_server):
+    """vllm serve lets any origin's pages call the API unless --allowed-origins says otherwise."""
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    r = server.http().options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = server.http().get("/v1/models", headers={"Origin": "http://localhost:3000"})
+    assert r.headers["access-control-allow-origin"] == "*"
+    only = fresh_server(cors=CorsSettings(["http://app.example"], ["POST"], ["content-type"], True))
+    r = only.http().options("/v1/completions", headers={**preflight, "Origin": "http://app.example",
+                                                        "Access-Control-Request-Headers": "content-type"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    assert r.headers["access-control-allow-credentials"] == "true"
+    r = only.http().options("/v1/completions", headers=preflight)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_docs_can_be_turned_off_and_logprobs_capped(fresh_server):
+    live = fresh_server(docs=False, max_logprobs=2)
+    http = live.http()
+    assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2, "logprobs": True}
+    assert http.post("/v1/chat/completions", json={**body, "top_logprobs": 2}).status_code == 200
+    r = http.post("/v1/chat/completions", json={**body, "top_logprobs": 3})
+    assert r.status_code == 400 and "--max-logprobs 2" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -13,7 +13,16 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from infero.server.serve import add_arguments, engine_config, generation_notes, notes, parse_bytes, served_name
+from infero.errors import InferoError
+from infero.server.serve import (
+    add_arguments,
+    context_length,
+    engine_config,
+    generation_notes,
+    notes,
+    parse_bytes,
+    served_name,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +82,51 @@ def test_vllm_serve_flags_for_tools_reasoning_and_the_seed():
     assert args.disable_log_requests and notes(args) == [
         "--tokenizer Qwen/Qwen2.5-7B-Instruct is not used: infero reads the tokenizer the GGUF file holds"
     ]
+
+
+def test_max_model_len_as_vllm_reads_it():
+    assert [context_length(t) for t in ("4096", "32k", "32K", "25.6k", "1m", "2M", " 8k ")] == [
+        4096, 32_000, 32_768, 25_600, 1_000_000, 2 << 20, 8_000]  # fmt: skip
+    for bad in ("1.5K", "4096.5", "lots", "-1", "1", "32kb", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            context_length(bad)
+    assert engine_config(parse(["--max-model-len", "2K"])).max_model_len == 2048
+
+
+def test_a_vllm_serve_command_line_of_a_gguf_deployment_is_taken():
+    """The flags vllm serve deployments carry: each is what infero does anyway, or does what vLLM's does; any other
+    value is refused in one line, saying why."""
+    args = parse(["--enforce-eager", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--quantization", "gguf",
+                  "--load-format", "gguf", "-tp", "1", "-pp", "1", "--kv-cache-memory-bytes", "1073741824",
+                  "--async-scheduling", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+                  "--max-logprobs", "5", "--swap-space", "4"])  # fmt: skip
+    assert args.enforce_eager and args.kv_cache_memory == 1 << 30 and args.max_logprobs == 5
+    assert (args.kv_cache_dtype, args.quantization, args.load_format) == ("auto", "gguf", "gguf")
+    assert engine_config(args).async_scheduling is True
+    assert engine_config(parse(["--no-async-scheduling"])).async_scheduling is False
+    assert engine_config(parse(["--async-scheduling", "off"])).async_scheduling is False
+    assert notes(args) == ["--swap-space 4 is not used: infero computes a preempted sequence's KV cache again "
+                           "rather than swapping it to host memory"]  # fmt: skip
+    for bad in (["--kv-cache-dtype", "fp8"], ["-q", "awq"], ["--load-format", "safetensors"], ["-tp", "2"],
+                ["--pipeline-parallel-size", "4"], ["--max-logprobs", "21"], ["--max-logprobs", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse(bad)
+    with pytest.raises(InferoError, match="always prefills prompts in chunks"):
+        notes(parse(["--no-enable-chunked-prefill"]))
+
+
+def test_the_http_surfaces_flags():
+    args = parse([])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers) == (["*"], ["*"], ["*"])
+    assert not args.allow_credentials and not args.disable_fastapi_docs and args.root_path == ""
+    args = parse(["--allowed-origins", '["http://localhost:3000"]', "--allow-credentials", "--root-path", "/llm",
+                  "--disable-fastapi-docs"])  # fmt: skip
+    assert args.allowed_origins == ["http://localhost:3000"] and args.allow_credentials and args.root_path == "/llm"
+    for bad in ('["*"', '"*"', "[1]"):
+        with pytest.raises(SystemExit):
+            parse(["--allowed-origins", bad])
+    with pytest.raises(InferoError, match="needs both"):
+        notes(parse(["--ssl-keyfile", "key.pem"]))
 
 
 def test_generation_config_flags_and_what_the_server_says_of_the_defaults():
