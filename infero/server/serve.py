@@ -383,6 +383,8 @@ def main(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on", root_path=args.root_path,
                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                ssl_ca_certs=args.ssl_ca_certs)  # fmt: skip
+    if args.ssl_certfile:
+        _load_ssl(uv_config, args)
     server = graceful_server(uv_config, app.state.infero)
     sock = listen_socket(args.host, args.port)
     for note in said:
@@ -390,6 +392,22 @@ def main(args: argparse.Namespace) -> int:
     print(f"infero: listening on {url}, loading {path.name} ...", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return exit_code
+
+
+def _load_ssl(uv_config, args: argparse.Namespace) -> None:
+    """Build uvicorn's SSL context now, so that a missing or wrong key or certificate is one line, not a traceback
+    from inside the server."""
+    import ssl
+
+    from infero.errors import InferoError
+
+    try:
+        uv_config.load()
+    except (OSError, ssl.SSLError) as e:
+        raise InferoError(
+            f"cannot serve HTTPS with --ssl-certfile {args.ssl_certfile} and --ssl-keyfile {args.ssl_keyfile}"
+            f"{' and --ssl-ca-certs ' + args.ssl_ca_certs if args.ssl_ca_certs else ''}: {e.strerror or e}"
+        ) from e
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

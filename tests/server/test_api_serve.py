@@ -4,6 +4,7 @@ import argparse
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from infero.server.serve import (
     parse_bytes,
     served_name,
 )
+
+TLS = Path(__file__).parent.parent / "fixtures" / "tls"
 
 
 @pytest.fixture(autouse=True)
@@ -196,15 +199,7 @@ def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, url)
         headers = {"Authorization": "Bearer key"}
         [model] = httpx.get(url + "/v1/models", headers=headers).json()["data"]
         assert model["id"] == "tiny-llama"  # the file's stem
@@ -220,6 +215,49 @@ def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
     assert "ready: " in stderr and f"serving 'tiny-llama' at http://127.0.0.1:{port}/v1" in stderr
     assert "infero: note: --tokenizer org/tiny is not used" in stderr
     assert "Started server process" not in stderr  # uvicorn's info lines, below --uvicorn-log-level warning
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, **client) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline
+        try:
+            if httpx.get(url + "/health", **client).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+
+
+def test_https_with_a_certificate_and_one_line_without_a_usable_one(tiny_model_path, tmp_path):
+    port = free_port()
+    cert, key = TLS / "localhost.pem", TLS / "localhost-key.pem"
+    command = [sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu", "--port", str(port),
+               "--kv-cache-memory", "16MiB", "--uvicorn-log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen([*command, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        url, trust = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(cert))
+        wait_healthy(proc, url, verify=trust)
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3}
+        assert httpx.post(url + "/v1/completions", json=body, verify=trust).json()["usage"]["completion_tokens"]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health")  # plain HTTP is not served beside it
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"serving 'tiny-llama' at https://127.0.0.1:{port}/v1" in proc.stderr.read()
+    for files in ((tmp_path / "none.pem", key), (key, key)):
+        r = subprocess.run([*command, "--ssl-certfile", str(files[0]), "--ssl-keyfile", str(files[1])],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert (
+            r.returncode == 2
+            and r.stderr.startswith("infero: error: cannot serve HTTPS")
+            and "Traceback" not in r.stderr
+        )
 
 
 def test_the_listening_socket_makes_connections_without_nagle_delays():
