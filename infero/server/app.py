@@ -92,6 +92,12 @@ class ServerSettings:
     max_logprobs: int = MAX_LOGPROBS  # the most alternatives a request may ask for a token (--max-logprobs)
     cors: CorsSettings = dataclasses.field(default_factory=CorsSettings)
     docs: bool = True  # /docs and /openapi.json (--disable-fastapi-docs turns them off)
+    aliases: tuple[str, ...] = ()  # more names requests may use (vllm serve's --served-model-name A B ...)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to; answers name it by the first."""
+        return (self.served_model_name, *self.aliases)
 
 
 class ServerState:
@@ -285,27 +291,27 @@ def _api_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
     settings = state.settings
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         engine = state.require_ready()
-        return {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "infero",
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "infero",
                 "root": settings.served_model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
 
     @router.get("/v1/models", **openapi.route_docs(None, openapi.ModelList, (401, 503)))
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in settings.model_names]})
 
     @router.get("/v1/models/{model_id:path}", **openapi.route_docs(None, openapi.ModelCard, (401, 404, 503)))
     async def model(model_id: str) -> JSONResponse:
-        card = model_card()
-        protocol.check_model(model_id, settings.served_model_name)
-        return JSONResponse(card)
+        state.require_ready()
+        protocol.check_model(model_id, settings.model_names)
+        return JSONResponse(model_card(model_id))
 
     @router.post("/v1/chat/completions", **openapi.route_docs(protocol.ChatCompletionRequest,
                  openapi.ChatCompletionResponse, POST_ERRORS, stream=True))  # fmt: skip
     async def chat_completions(request: Request) -> Response:
         state.require_ready()
         req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
-        protocol.check_model(req.model, settings.served_model_name)
+        protocol.check_model(req.model, settings.model_names)
         _check_logprobs(settings, req.num_logprobs, "top_logprobs")
         engine = state.require_ready()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -337,7 +343,7 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         state.require_ready()
         req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
-        protocol.check_model(req.model, settings.served_model_name)
+        protocol.check_model(req.model, settings.model_names)
         _check_logprobs(settings, req.logprobs, "logprobs")
         engine = state.require_ready()
         prompts = _prompt_list(req.prompt)
@@ -372,7 +378,7 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def tokenize(request: Request) -> JSONResponse:
         state.require_ready()
         req = await _parse(request, protocol.TokenizeRequest, settings.max_body_bytes)
-        protocol.check_model(req.model, settings.served_model_name)
+        protocol.check_model(req.model, settings.model_names)
         engine = state.require_ready()
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -392,7 +398,7 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def detokenize(request: Request) -> JSONResponse:
         state.require_ready()
         req = await _parse(request, protocol.DetokenizeRequest, settings.max_body_bytes)
-        protocol.check_model(req.model, settings.served_model_name)
+        protocol.check_model(req.model, settings.model_names)
         engine = state.require_ready()
         _check_token_ids(engine, req.tokens, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})

@@ -385,8 +385,9 @@ def _finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """404 unless the request names the served model (or none)."""
-    if requested is not None and requested != served:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
+def check_model(requested: str | None, served: tuple[str, ...]) -> None:
+    """404 unless the request names the served model (by any of its names) or none."""
+    if requested is not None and requested not in served:
+        names = " or ".join(repr(name) for name in served)
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {names}",
                        param="model", code="model_not_found")  # fmt: skip

@@ -143,7 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--host", "127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     flag("--port", "8080", type=_int_at_least(0, 65535), help="port to listen on (default: 8080)")
     flag("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API route")
-    flag("--served-model-name", metavar="NAME", help="the model's name in the API (default: the GGUF file's stem)")
+    flag("--served-model-name", metavar="NAME", nargs="+",
+         help="the model's name in the API, and more names requests may use, as vllm serve's (default: the GGUF "
+              "file's stem)")  # fmt: skip
     flag("--max-model-len", type=context_length, metavar="N",
          help="context length, e.g. 32768, 32k (32,000) or 32K (32,768) (default: the model's)")  # fmt: skip
     flag("--max-num-seqs", "64", type=_int_at_least(1), metavar="N",
@@ -347,14 +349,16 @@ def main(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass --model FILE.gguf (or set INFERO_MODEL)")
     said = notes(args)
-    name = args.served_model_name or served_name(path)
+    names = args.served_model_name or [served_name(path)]
+    names = names.split() if isinstance(names, str) else names  # INFERO_SERVED_MODEL_NAME="a b"
+    name = names[0]
     config = engine_config(args)
     invariant = batch_invariant(args)
     cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs, cors=cors,
-                              docs=not args.disable_fastapi_docs)  # fmt: skip
+                              docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]))  # fmt: skip
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0

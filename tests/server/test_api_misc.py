@@ -111,3 +111,14 @@ def test_docs_can_be_turned_off_and_logprobs_capped(fresh_server):
     assert r.status_code == 400 and "--max-logprobs 2" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_a_model_served_under_several_names_answers_to_each_and_names_itself_by_the_first(fresh_server):
+    live = fresh_server(name="qwen3", aliases=("gpt-4o", "default"))
+    client = live.client()
+    assert [m.id for m in client.models.list().data] == ["qwen3", "gpt-4o", "default"]
+    assert client.models.retrieve("gpt-4o").id == "gpt-4o"
+    answer = client.chat.completions.create(model="default", messages=HELLO, max_tokens=2)
+    assert answer.model == "qwen3"
+    r = live.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and "'qwen3' or 'gpt-4o' or 'default'" in r.json()["error"]["message"]

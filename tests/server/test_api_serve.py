@@ -49,6 +49,7 @@ def test_every_flag_defaults_to_its_environment_variable_and_the_command_line_wi
     args = parse([])
     assert (args.port, args.api_key, args.kv_cache_memory, args.max_waiting_requests) == (9001, "k", 2 << 30, 7)
     assert args.served_model_name == "m" and args.host == "127.0.0.1" and args.gpu_memory_utilization == 0.9
+    assert parse(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert parse(["--port", "8000"]).port == 8000
     monkeypatch.setenv("INFERO_PORT", "eighty")
     with pytest.raises(SystemExit):
