@@ -325,7 +325,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             defaults=state.llm.generation_defaults,
         )  # fmt: skip
         params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
-        await _validate(engine, prompt_ids, params, "messages")
+        await _validate(engine, prompt_ids, params, "messages", req.constraint_field)
         ctx = ChatStreamContext(
             protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, parsers,
@@ -360,7 +360,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             prompt_logprobs=prompt_logprobs, defaults=state.llm.generation_defaults,
         )  # fmt: skip
         for ids in prompts:
-            await _validate(engine, ids, params, "prompt")
+            await _validate(engine, ids, params, "prompt", req.constraint_field)
         ctx = CompletionStreamContext(
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs is not None, req.include_usage, texts if req.echo else None, score_only,
@@ -548,8 +548,10 @@ def _max_tokens(engine: AsyncEngine, prompt_ids: list[int], requested: int | Non
     return context - prompt if requested is None else requested
 
 
-async def _validate(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
-    """The engine's own checks, as 400s; a grammar (response_format) compiles here, off the event loop."""
+async def _validate(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str,
+                    constraint: str = "response_format") -> None:  # fmt: skip
+    """The engine's own checks, as 400s; a grammar (the request's `constraint` field) compiles here, off the event
+    loop."""
     try:
         if params.structured is None:
             engine.validate(prompt_ids, params)
@@ -558,7 +560,7 @@ async def _validate(engine: AsyncEngine, prompt_ids: list[int], params: Sampling
     except PromptTooLongError as e:
         raise bad_request(str(e), param, "context_length_exceeded") from e
     except StructuredOutputError as e:
-        raise bad_request(str(e), "response_format") from e
+        raise bad_request(str(e), constraint) from e
     except InferoError as e:
         raise bad_request(str(e)) from e
 
@@ -581,7 +583,8 @@ def _forced_tool_calls(req: protocol.ChatCompletionRequest, params: SamplingPara
         tool = next(t for t in req.tools if t.function.name == name)
         spec, parser = forced.named_call_schema(tool.function.parameters), forced.NamedToolParser(name)
     if params.structured is not None:
-        raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
+        field = req.constraint_field
+        raise bad_request(f"{field} cannot be combined with a forced tool_choice", field)
     return dataclasses.replace(params, structured=spec), OutputParsers(None, parser, False)
 
 

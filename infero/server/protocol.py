@@ -124,6 +124,18 @@ class ResponseFormat(_Model):
         return self
 
 
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: one constraint on the output (its options that reshape a JSON schema are not
+    taken: an unknown key is a 400)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(_Model):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM's; accepted, not implemented
@@ -152,6 +164,14 @@ class _SamplingFields(_Model):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    # vLLM's constraints on the output (one at most, response_format included): structured_outputs, and the
+    # guided_* fields it took before it
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; llguidance compiles every constraint
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
@@ -160,6 +180,39 @@ class _SamplingFields(_Model):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _constraints_set(self) -> list[tuple[str, Any, Any]]:
+        """(field, value, StructuredOutput maker) of every constraint on the output the request sets."""
+        so = self.structured_outputs or StructuredOutputs()
+        fields = [("structured_outputs.json", so.json_, StructuredOutput.json_schema),
+                  ("structured_outputs.regex", so.regex, StructuredOutput.regex),
+                  ("structured_outputs.choice", so.choice, StructuredOutput.choice),
+                  ("structured_outputs.grammar", so.grammar, StructuredOutput.grammar),
+                  ("structured_outputs.json_object", so.json_object or None, lambda _: StructuredOutput.json_object()),
+                  ("guided_json", self.guided_json, StructuredOutput.json_schema),
+                  ("guided_regex", self.guided_regex, StructuredOutput.regex),
+                  ("guided_choice", self.guided_choice, StructuredOutput.choice),
+                  ("guided_grammar", self.guided_grammar, StructuredOutput.grammar)]  # fmt: skip
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.insert(0, ("response_format", self.response_format.model_dump(by_alias=True, exclude_none=True),
+                              StructuredOutput.from_response_format))  # fmt: skip
+        return [field for field in fields if field[1] is not None]
+
+    @property
+    def constraint_field(self) -> str:
+        """The top-level field that constrains the output (what a grammar that fails to compile is reported as)."""
+        return next((name.split(".")[0] for name, _, _ in self._constraints_set()), "response_format")
+
+    def constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """(field, constraint) of every constraint on the output the request sets; a 400 naming the field when one
+        is malformed."""
+        found = []
+        for name, value, make in self._constraints_set():
+            try:
+                found.append((name, make(value)))
+            except StructuredOutputError as e:
+                raise bad_request(f"{name}: {e}", name.split(".")[0]) from e
+        return found
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -287,7 +340,7 @@ def sampling_params(
     except SamplingError as e:
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=name if name in type(req).model_fields else None) from e
-    return with_structured_output(params, req.response_format)
+    return with_structured_output(params, req)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -307,15 +360,14 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return result
 
 
-def with_structured_output(params: SamplingParams, response_format: ResponseFormat | None) -> SamplingParams:
-    """Constrain decoding to `response_format`: any JSON object, or JSON matching a schema."""
-    if response_format is None or response_format.type == "text":
-        return params
-    try:
-        spec = StructuredOutput.from_response_format(response_format.model_dump(by_alias=True, exclude_none=True))
-    except StructuredOutputError as e:
-        raise bad_request(str(e), "response_format") from e
-    return dataclasses.replace(params, structured=spec)
+def with_structured_output(params: SamplingParams, req: _SamplingFields) -> SamplingParams:
+    """Constrain decoding as the request asks: response_format (any JSON object, or JSON matching a schema), or
+    vLLM's structured_outputs / guided_* (a schema, regex, choice or grammar); at most one of them."""
+    found = req.constraints()
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise bad_request(f"the output can follow one constraint; the request sets {names}", found[1][0].split(".")[0])
+    return dataclasses.replace(params, structured=found[0][1]) if found else params
 
 
 # ---- responses --------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions through the official OpenAI SDK, against the tiny model served live."""
 
 import json
+import re
 
 import httpx
 import openai
@@ -221,3 +222,47 @@ def test_response_format_json_schema_constrains_the_answer(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=HELLO, response_format=bad)
     assert e.value.param == "response_format"
+
+
+def test_vllms_structured_outputs_and_guided_fields_constrain_the_answer(server):
+    """vLLM's request fields for constrained output: structured_outputs {json, regex, choice, grammar, json_object}
+    and the guided_* fields it took before (tiny random model: only the constraint makes these answers)."""
+    http = server.http()
+
+    def answer(route: str = "/v1/chat/completions", **extra) -> str:
+        body = {"model": "tiny", "max_tokens": 30, "seed": 3, **extra}
+        body.update({"messages": HELLO} if "chat" in route else {"prompt": "hello"})
+        r = http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if "chat" in route else choice["text"]
+
+    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
+        assert answer(**extra) in ("yes", "no") and answer("/v1/completions", **extra) in ("yes", "no")
+    for extra in ({"structured_outputs": {"regex": "[0-9]{3}-[a-c]"}}, {"guided_regex": "[0-9]{3}-[a-c]"}):
+        assert re.fullmatch("[0-9]{3}-[a-c]", answer(**extra))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)}):
+        assert isinstance(json.loads(answer(max_tokens=60, **extra))["n"], int)
+    assert isinstance(json.loads(answer(max_tokens=60, structured_outputs={"json_object": True})), dict)
+    grammar = 'start: "ab" | "cd"'
+    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+        assert answer(**extra, guided_decoding_backend="guidance") in ("ab", "cd")
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"regex": ""}}, "structured_outputs"),
+     ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}},
+      "structured_outputs.disable_any_whitespace"),
+     ({"guided_regex": "(("}, "guided_regex"), ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+     ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+      "guided_choice")],
+)  # fmt: skip
+def test_a_constraint_that_cannot_be_followed_is_a_400_naming_its_field(server, extra, param):
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2, **extra}
+    r = server.http().post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
