@@ -470,6 +470,21 @@ CASES = [
         {},
     ),
     ("date-string", [ASK], None, True, {"date_string": "01 Jan 2025"}),
+    # vLLM's continue_final_message: the text stops where the last message's content does
+    (
+        "continue-final-message",
+        [ASK, {"role": "assistant", "content": "The capital of France is"}],
+        None,
+        False,
+        {"continue_final_message": True},
+    ),
+    (
+        "continue-final-message-trailing-space",
+        [SYSTEM, ASK, {"role": "assistant", "content": [{"type": "text", "text": "It is \n"}]}],
+        None,
+        False,
+        {"continue_final_message": True},
+    ),
     ("roles-not-alternating", [ASK, {"role": "user", "content": "Hello?"}], None, True, {}),
 ]
 

@@ -61,7 +61,8 @@ MAX_BODY_BYTES = 32 << 20
 # A body over the limit is still read (and dropped) up to this size, so the client gets its 413 instead of a reset
 # connection; beyond it we answer at once and close.
 MAX_DRAIN_BYTES = 128 << 20
-RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "max_chars"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "max_chars",
+                            "continue_final_message"}  # fmt: skip
 
 RequestModel = TypeVar("RequestModel", bound=pydantic.BaseModel)
 REQUEST_MODELS = [protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
@@ -317,8 +318,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [m.to_template() for m in req.messages]
         prompt_ids, prompt_text = await asyncio.to_thread(
-            _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, True, False
-        )
+            _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, req.generation_prompt, False,
+            req.continue_final_message,
+        )  # fmt: skip
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
             req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.num_logprobs,
@@ -384,8 +386,9 @@ def _api_routes(state: ServerState) -> APIRouter:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = [m.to_template() for m in req.messages]
             special = bool(req.add_special_tokens)
-            ids, _ = await asyncio.to_thread(_encode_chat, state, messages, tools, req.chat_template_kwargs or {},
-                                             req.add_generation_prompt, special)  # fmt: skip
+            kwargs = req.chat_template_kwargs or {}
+            ids, _ = await asyncio.to_thread(_encode_chat, state, messages, tools, kwargs, req.generation_prompt,
+                                             special, req.continue_final_message)  # fmt: skip
         else:
             special = req.add_special_tokens is not False
             ids = await asyncio.to_thread(_encode_text, engine, req.prompt, special, "prompt")
@@ -451,7 +454,8 @@ def _too_large(limit: int) -> APIError:
 # ---- prompts --------------------------------------------------------------------------------------------------
 
 
-def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_generation_prompt, special):
+def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_generation_prompt, special,
+                 continue_final_message=False):  # fmt: skip
     """The conversation rendered with the model's chat template, as (token ids, text); the template writes BOS."""
     template = state.llm.chat_template
     if template is None:
@@ -468,7 +472,7 @@ def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_gener
     max_chars = None if max_bytes is None else engine.max_model_len * max_bytes
     try:
         text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, max_chars=max_chars,
-                               **template_kwargs)  # fmt: skip
+                               continue_final_message=continue_final_message, **template_kwargs)  # fmt: skip
     except PromptTooLongError:
         raise _too_long(engine, engine.max_model_len + 1, False, "messages") from None
     return _encode_text(engine, text, special, "messages"), text

@@ -215,7 +215,22 @@ class _SamplingFields(_Model):
         return found
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatPromptFields(_Model):
+    """vLLM's fields for how a conversation ends its prompt."""
+
+    add_generation_prompt: bool = True  # the template's assistant header after the messages
+    continue_final_message: bool = False  # the model goes on with the last message (no generation prompt)
+
+    @property
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt as the template gets it: off where continue_final_message is on and the request
+        left it out (an explicit true beside it is refused by the template)."""
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            return False
+        return self.add_generation_prompt
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatPromptFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -265,12 +280,11 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_ChatPromptFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
-    add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool = False

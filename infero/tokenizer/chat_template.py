@@ -181,14 +181,20 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         max_chars: int | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Return the prompt text for `messages` (OpenAI-style dicts), with the assistant header appended when
         `add_generation_prompt`; `tools` are JSON schemas and `template_kwargs` become template variables.
+        `continue_final_message`: the text ends where the last message's content does (whatever the template
+        writes after it, an end-of-turn token, is cut), so the model goes on with that message, as transformers'
+        apply_chat_template(continue_final_message=True).
         Raise ChatTemplateError with one line when the template rejects the conversation or fails, and
         PromptTooLongError as soon as the text passes `max_chars` characters (before it is joined)."""
         if not messages:
             raise ChatTemplateError("cannot apply the chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
         if tools is not None and not all(isinstance(tool, dict) for tool in tools):
             raise ChatTemplateError("tools must be a list of JSON schema objects")
         for i, tool in enumerate(tools or []):
@@ -208,13 +214,14 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-            return _join_at_most(pieces, max_chars)
+            text = _join_at_most(pieces, max_chars)
         except PromptTooLongError:
             raise
         except _RaisedByTemplate as e:
             raise ChatTemplateError(_one_line(e.message or "the chat template rejected the conversation")) from e
         except Exception as e:  # anything the template's code can raise is the template's or the conversation's fault
             raise ChatTemplateError(f"chat template failed: {_one_line(e)}") from e
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
 
 def schema_problem(schema: Any) -> str | None:
@@ -233,6 +240,23 @@ def schema_problem(schema: Any) -> str | None:
     except RecursionError:
         return "it is nested too deeply"
     return None
+
+
+def _cut_after_final_message(text: str, message: dict) -> str:
+    """`text` up to the end of the last occurrence of `message`'s content (its last text part's), keeping the
+    content's trailing whitespace only where the template kept it."""
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = parts[-1] if parts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the last message's text")
+    kept = content.lstrip()
+    end = at + len(kept) if text.startswith(kept, at) else at + len(content.strip())
+    return text[:end]
 
 
 def _join_at_most(pieces: Iterable[str], max_chars: int | None) -> str:

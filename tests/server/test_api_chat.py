@@ -266,3 +266,25 @@ def test_a_constraint_that_cannot_be_followed_is_a_400_naming_its_field(server, 
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 2, **extra}
     r = server.http().post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continue_final_message_and_add_generation_prompt_shape_the_prompt_as_vllms(server, tiny_llm):
+    """The model goes on with a last assistant message (its end-of-turn cut) or starts no new turn at all; the
+    prompt's length in usage is the rendered text's."""
+    http = server.http()
+    partial = [*HELLO, {"role": "assistant", "content": "hello wor"}]
+    expected = {
+        "continue": tiny_llm.encode_chat(partial, add_generation_prompt=False, continue_final_message=True),
+        "no header": tiny_llm.encode_chat(HELLO, add_generation_prompt=False),
+    }
+    assert tiny_llm.render_chat(partial, add_generation_prompt=False, continue_final_message=True).endswith("hello wor")
+    bodies = {"continue": {"messages": partial, "continue_final_message": True},
+              "no header": {"messages": HELLO, "add_generation_prompt": False}}  # fmt: skip
+    for name, body in bodies.items():
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(expected[name]), (name, r.text)
+        assert http.post("/tokenize", json=body).json()["tokens"] == expected[name]
+    both = {"model": "tiny", "max_tokens": 2, "messages": partial, "continue_final_message": True,
+            "add_generation_prompt": True}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=both)
+    assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"]
