@@ -273,7 +273,7 @@ class Engine:
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=req.prompt_ids
         )
         matcher = self.grammars.compile(p.structured) if p.structured is not None else None
-        self._seqs[req.key] = _Sequence(req, detok, StopChecker(p.stop), matcher)
+        self._seqs[req.key] = _Sequence(req, detok, StopChecker(p.stop, p.include_stop_str_in_output), matcher)
 
     def _sequence_step(self, chunk: ScheduledChunk) -> SequenceStep:
         req = chunk.request

@@ -95,6 +95,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
     n: int = 1
     structured: StructuredOutput | None = None  # constrain the output to a JSON schema, regex, choice or grammar
 

@@ -11,8 +11,10 @@ class StopChecker:
     everything from the stop string on is dropped.
     """
 
-    def __init__(self, stop: list[str] | None):
+    def __init__(self, stop: list[str] | None, include_stop: bool = False):
+        """include_stop: the stop string itself is released too (vLLM's include_stop_str_in_output)."""
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
         self.stopped = False
@@ -23,10 +25,11 @@ class StopChecker:
         if not self.stop:
             return delta
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.pending.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            at, minus_length = min(hits)  # the earliest stop string, the longest of those starting there
+            out, self.pending = self.pending[: at - minus_length * self.include_stop], ""
             return out
         cut = max(0, len(self.pending) - self.holdback)
         out, self.pending = self.pending[:cut], self.pending[cut:]

@@ -319,7 +319,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         messages = [m.to_template() for m in req.messages]
         prompt_ids, prompt_text = await asyncio.to_thread(
             _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, req.generation_prompt, False,
-            req.continue_final_message,
+            req.continue_final_message, req.documents,
         )  # fmt: skip
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
@@ -455,7 +455,7 @@ def _too_large(limit: int) -> APIError:
 
 
 def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_generation_prompt, special,
-                 continue_final_message=False):  # fmt: skip
+                 continue_final_message=False, documents=None):  # fmt: skip
     """The conversation rendered with the model's chat template, as (token ids, text); the template writes BOS."""
     template = state.llm.chat_template
     if template is None:
@@ -472,7 +472,8 @@ def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_gener
     max_chars = None if max_bytes is None else engine.max_model_len * max_bytes
     try:
         text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, max_chars=max_chars,
-                               continue_final_message=continue_final_message, **template_kwargs)  # fmt: skip
+                               continue_final_message=continue_final_message, documents=documents,
+                               **template_kwargs)  # fmt: skip
     except PromptTooLongError:
         raise _too_long(engine, engine.max_model_len + 1, False, "messages") from None
     return _encode_text(engine, text, special, "messages"), text

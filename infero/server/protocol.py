@@ -163,6 +163,7 @@ class _SamplingFields(_Model):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     # vLLM's constraints on the output (one at most, response_format included): structured_outputs, and the
     # guided_* fields it took before it
@@ -176,6 +177,29 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
+
+    # vLLM's fields for what infero does not do: refused, so that no request gets an answer it did not ask for
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _nothing_unbuilt(self) -> _SamplingFields:
+        unbuilt = {
+            "use_beam_search": "beam search is not built; infero samples",
+            "allowed_token_ids": "restrict the output with structured_outputs (a regex, choice or grammar) instead",
+            "bad_words": "word bans are not built",
+            "logits_processors": "infero runs no custom logits processors",
+            "prompt_logprobs": "the prompt's logprobs come from /v1/completions with echo: true and logprobs",
+            "truncate_prompt_tokens": "prompts are not truncated; send at most the context's length",
+        }
+        for name, why in unbuilt.items():
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{name} is not supported: {why}")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -240,9 +264,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatPromptFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; the tool parser decides how many calls it finds
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents (RAG)
+    echo: bool = False  # vLLM's chat echo: refused (not built)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported on chat completions; /v1/completions echoes its prompts")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and self.tool_choice != "auto":
@@ -350,6 +378,7 @@ def sampling_params(
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except SamplingError as e:
         name = str(e).split(" ", 1)[0]

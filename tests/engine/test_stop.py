@@ -1,8 +1,8 @@
 from infero.engine.stop import StopChecker
 
 
-def feed_all(stop, deltas):
-    c = StopChecker(stop)
+def feed_all(stop, deltas, include_stop=False):
+    c = StopChecker(stop, include_stop)
     out = "".join(c.feed(d) for d in deltas)
     return out + ("" if c.stopped else c.flush()), c.stopped
 
@@ -28,3 +28,10 @@ def test_without_stop_strings_text_passes_straight_through():
 
 def test_flush_releases_held_text_when_no_stop_came():
     assert feed_all(["###"], ["one #", "#"]) == ("one ##", False)
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_earliest_longest_stop_string():
+    assert feed_all(["</answer>"], ["The answer", " is 4</", "ans", "wer> and more"], True) == (
+        "The answer is 4</answer>", True)  # fmt: skip
+    assert feed_all(["xyz", "b"], ["a", "bxyz"], True) == ("ab", True)
+    assert feed_all(["ab", "abc"], ["xabcd"], True) == ("xabc", True)

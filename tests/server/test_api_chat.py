@@ -6,6 +6,9 @@ import re
 import httpx
 import openai
 import pytest
+from live_server import TINY_ENGINE
+
+from infero.llm import LLM
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -288,3 +291,37 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt_as_vl
             "add_generation_prompt": True}  # fmt: skip
     r = http.post("/v1/chat/completions", json=both)
     assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "route, extra, param",
+    [("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+     ("/v1/chat/completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
+     ("/v1/completions", {"bad_words": ["hello"]}, "bad_words"),
+     ("/v1/chat/completions", {"logits_processors": ["x.Y"]}, "logits_processors"),
+     ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+     ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+     ("/v1/chat/completions", {"echo": True}, "echo")],
+)  # fmt: skip
+def test_vllms_fields_for_what_infero_does_not_do_are_refused_not_ignored(server, route, extra, param):
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"messages": HELLO} if "chat" in route else {"prompt": "hello"})
+    r = server.http().post(route, json=body)
+    assert r.status_code == 400 and f"{param} is not supported" in r.json()["error"]["message"], r.text
+    off = {k: False if isinstance(v, bool) else None for k, v in extra.items()}  # what vLLM's defaults are
+    assert server.http().post(route, json={**body, **off}).status_code == 200
+
+
+def test_documents_reach_a_template_that_cites_them(fresh_server, tmp_path, tiny_model_path):
+    """vLLM's `documents` (RAG templates): handed to the template as `documents`."""
+    template = tmp_path / "rag.jinja"
+    template.write_text("{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")  # fmt: skip
+    live = fresh_server(
+        load=lambda: LLM(tiny_model_path, device="cpu", engine_config=TINY_ENGINE, chat_template=template)
+    )
+    body = {"model": "tiny", "max_tokens": 2, "messages": HELLO,
+            "documents": [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]}  # fmt: skip
+    with_docs = live.http().post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    r = live.http().post("/tokenize", json={"prompt": "[a: one][b: two]hello", "add_special_tokens": False})
+    assert with_docs == r.json()["count"]

@@ -120,3 +120,15 @@ def test_an_unknown_model_is_404_in_the_sdk(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client().completions.create(model="gpt-4", prompt="hello", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_as_vllm_does(server):
+    http = server.http()
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[3:5]
+    assert len(stop) == 2 and text.find(stop) == 3, text
+    cut = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    kept = http.post("/v1/completions", json={**body, "stop": [stop], "include_stop_str_in_output": True}).json()
+    assert cut["text"] == text[:3] and cut["finish_reason"] == "stop"
+    assert kept["choices"][0]["text"] == text[:5] and kept["choices"][0]["finish_reason"] == "stop"
