@@ -357,16 +357,17 @@ class Engine:
             req.output_ids.append(token)
         self.generation_tokens_total += 1
         p = req.params
-        reason = None
+        reason = stop_reason = None
         is_eog = token in self.tokenizer.eog_token_ids and not p.ignore_eos
         if is_eog or token in p.stop_token_ids:
             reason, text = "stop", seq.final_text()  # the stop token itself is not text
+            stop_reason = None if is_eog else token
         else:
             text = seq.stop.feed(seq.detok.add(token))
             if seq.matcher is not None:
                 seq.matcher.accept(token)
             if seq.stop.stopped:
-                reason = "stop"
+                reason, stop_reason = "stop", seq.stop.matched
             elif seq.matcher is not None and seq.matcher.is_finished():
                 reason = "stop"  # the grammar is complete: no step is spent sampling the end token
                 text += seq.final_text()
@@ -393,6 +394,7 @@ class Engine:
             prompt_logprobs=req.prompt_logprobs if first else None,
             num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens or 0,
+            stop_reason=stop_reason,
         )
 
     def _fail(self, req: Request, error: InferoError) -> RequestOutput:

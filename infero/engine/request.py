@@ -78,3 +78,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     error: InferoError | None = None  # finish_reason "error": why this choice failed (the others go on)
     num_cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
+    stop_reason: str | int | None = None  # finish_reason "stop": the stop string or stop token id (None: end of text)

@@ -18,6 +18,7 @@ class StopChecker:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text
 
     def feed(self, delta: str) -> str:
         if self.stopped:
@@ -29,6 +30,7 @@ class StopChecker:
         if hits:
             self.stopped = True
             at, minus_length = min(hits)  # the earliest stop string, the longest of those starting there
+            self.matched = self.pending[at : at - minus_length]
             out, self.pending = self.pending[: at - minus_length * self.include_stop], ""
             return out
         cut = max(0, len(self.pending) - self.holdback)

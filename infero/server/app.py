@@ -633,18 +633,20 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
+    stop_reasons: list[str | int | None] = [None] * n
     async with aclosing(gen.outputs()) as outputs:
         async for index, _, out in outputs:
             texts[index].append(out.new_text)
             logprobs[index] += out.logprobs or []
             if out.finished:
-                finish[index] = out.finish_reason
+                finish[index], stop_reasons[index] = out.finish_reason, out.stop_reason
     choices = []
     for i in range(n):
         text = "".join(texts[i])
         message = {"role": "assistant", **(ctx.parsers.message(text) if ctx.parsers else {"content": text})}
         choice = {"index": i, "message": message, "logprobs": None,
-                  "finish_reason": "tool_calls" if message.get("tool_calls") else finish[i]}  # fmt: skip
+                  "finish_reason": "tool_calls" if message.get("tool_calls") else finish[i],
+                  "stop_reason": stop_reasons[i]}  # fmt: skip
         if ctx.logprobs:
             choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i])}
         choices.append(choice)
@@ -665,8 +667,10 @@ async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> 
         if ctx.logprobs:
             logprobs = {key: [v for piece in pieces[i] for v in piece["logprobs"][key]]
                         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
-        choices.append({"index": i, "text": "".join(piece["text"] for piece in pieces[i]), "logprobs": logprobs,
-                        "finish_reason": pieces[i][-1]["finish_reason"] if pieces[i] else None})  # fmt: skip
+        last = pieces[i][-1] if pieces[i] else {}
+        text = "".join(piece["text"] for piece in pieces[i])
+        choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": last.get("finish_reason"),
+                        "stop_reason": last.get("stop_reason")})  # fmt: skip
     completion_tokens = 0 if ctx.score_only else gen.num_generated
     return {"id": ctx.response_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": ctx.fingerprint, "choices": choices,

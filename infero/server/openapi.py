@@ -90,6 +90,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -109,6 +110,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class CompletionResponse(BaseModel):

@@ -294,7 +294,7 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
     try:
         for i in range(gen.num_choices):
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})  # fmt: skip
+                         "finish_reason": None, "stop_reason": None})  # fmt: skip
         async with aclosing(gen.outputs()) as outputs:
             async for index, _, out in outputs:
                 for choice in _chat_choice_deltas(index, out, ctx):
@@ -322,11 +322,13 @@ def _chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) 
         logprobs = {"content": protocol.chat_logprobs(ctx.tokenizer, out.logprobs)}
     if not deltas and (logprobs is not None or out.finished):
         deltas = [{}]
-    choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
+               for d in deltas]  # fmt: skip
     if choices:
         choices[0]["logprobs"] = logprobs
         if out.finished:
             choices[-1]["finish_reason"] = "tool_calls" if called_tools else out.finish_reason
+            choices[-1]["stop_reason"] = out.stop_reason
     return choices
 
 
@@ -384,7 +386,8 @@ def completion_piece(
     finish = None
     if out.finished:
         finish = "length" if ctx.score_only else out.finish_reason
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": out.stop_reason if out.finished else None}  # fmt: skip
 
 
 def _pad(entries: list[TokenLogprob | None], token_ids: list[int]) -> list[TokenLogprob | None]:

@@ -1,5 +1,7 @@
 """POST /v1/completions through the official OpenAI SDK, against the tiny model served live."""
 
+import json
+
 import openai
 import pytest
 from live_server import TEST_DEVICE
@@ -132,3 +134,27 @@ def test_include_stop_str_in_output_keeps_the_stop_string_as_vllm_does(server):
     kept = http.post("/v1/completions", json={**body, "stop": [stop], "include_stop_str_in_output": True}).json()
     assert cut["text"] == text[:3] and cut["finish_reason"] == "stop"
     assert kept["choices"][0]["text"] == text[:5] and kept["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice_as_vllm_does(server, tiny_llm):
+    http = server.http()
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    [greedy] = tiny_llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    token = greedy.completion_ids[2]
+    assert token not in greedy.completion_ids[:2]
+    stop = text[3:5]
+    choice = http.post("/v1/completions", json={**body, "stop": ["zzz", stop]}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["stop_reason"] is None  # length
+    choice = http.post("/v1/completions", json={**body, "stop_token_ids": [token]}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", token)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    said = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    stopped = http.post("/v1/chat/completions", json={**chat, "stop": [said[2:4]]}).json()["choices"][0]
+    assert stopped["stop_reason"] == said[2:4] and stopped["finish_reason"] == "stop"
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stop": [said[2:4]], "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["stop_reason"] == said[2:4]
+    assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
