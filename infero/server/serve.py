@@ -142,7 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--model", metavar="FILE", help="GGUF file (the first part of a split model); default: SmolLM2-135M-Instruct")
     flag("--host", "127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     flag("--port", "8080", type=_int_at_least(0, 65535), help="port to listen on (default: 8080)")
-    flag("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API route")
+    flag("--api-key", metavar="KEY", default=os.environ.get("VLLM_API_KEY"),
+         help="require 'Authorization: Bearer KEY' on every API route (default: INFERO_API_KEY, else vLLM's "
+              "VLLM_API_KEY, so that a vLLM deployment's key keeps protecting it, else none)")  # fmt: skip
     flag("--served-model-name", metavar="NAME", nargs="+",
          help="the model's name in the API, and more names requests may use, as vllm serve's (default: the GGUF "
               "file's stem)")  # fmt: skip

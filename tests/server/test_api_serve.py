@@ -30,7 +30,7 @@ TLS = Path(__file__).parent.parent / "fixtures" / "tls"
 
 @pytest.fixture(autouse=True)
 def no_infero_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("INFERO_")]:
+    for name in [n for n in os.environ if n.startswith("INFERO_") or n == "VLLM_API_KEY"]:
         monkeypatch.delenv(name)
 
 
@@ -50,6 +50,10 @@ def test_every_flag_defaults_to_its_environment_variable_and_the_command_line_wi
     assert (args.port, args.api_key, args.kv_cache_memory, args.max_waiting_requests) == (9001, "k", 2 << 30, 7)
     assert args.served_model_name == "m" and args.host == "127.0.0.1" and args.gpu_memory_utilization == 0.9
     assert parse(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # a vLLM deployment's key keeps protecting the server
+    assert parse([]).api_key == "k" and parse(["--api-key", "x"]).api_key == "x"
+    monkeypatch.delenv("INFERO_API_KEY")
+    assert parse([]).api_key == "from-vllm"
     assert parse(["--port", "8000"]).port == 8000
     monkeypatch.setenv("INFERO_PORT", "eighty")
     with pytest.raises(SystemExit):
@@ -290,3 +294,14 @@ def test_the_listening_socket_makes_connections_without_nagle_delays():
         taken.listen()
         with pytest.raises(InferoError, match="cannot listen"):
             listen_socket("127.0.0.1", taken.getsockname()[1])
+
+
+def test_help_never_shows_an_api_key_taken_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("INFERO_API_KEY", "sekrit-1")
+    monkeypatch.setenv("VLLM_API_KEY", "sekrit-2")
+    from infero.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = capsys.readouterr().out
+    assert "--api-key" in shown and "sekrit" not in shown
