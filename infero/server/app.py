@@ -319,7 +319,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         messages = [m.to_template() for m in req.messages]
         prompt_ids, prompt_text = await asyncio.to_thread(
             _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, req.generation_prompt, False,
-            req.continue_final_message, req.documents,
+            req.continue_final_message, req.documents, _prompt_tokens_kept(engine, req.truncate_prompt_tokens),
         )  # fmt: skip
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
@@ -350,7 +350,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         engine = state.require_ready()
         prompts = _prompt_list(req.prompt)
         state.check_admissible(len(prompts))  # before the work of encoding them
-        prompts, texts = await asyncio.to_thread(_encode_prompts, engine, prompts)
+        keep = _prompt_tokens_kept(engine, req.truncate_prompt_tokens)
+        prompts, texts = await asyncio.to_thread(_encode_prompts, engine, prompts, keep)
         # Only a max_tokens the client gave must fit; OpenAI's default of 16 may run to the context's end.
         requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
         rooms = [_max_tokens(engine, ids, requested or None, "prompt") for ids in prompts]
@@ -455,7 +456,7 @@ def _too_large(limit: int) -> APIError:
 
 
 def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_generation_prompt, special,
-                 continue_final_message=False, documents=None):  # fmt: skip
+                 continue_final_message=False, documents=None, keep=None):  # fmt: skip
     """The conversation rendered with the model's chat template, as (token ids, text); the template writes BOS."""
     template = state.llm.chat_template
     if template is None:
@@ -469,18 +470,21 @@ def _encode_chat(state: ServerState, messages, tools, template_kwargs, add_gener
     engine = state.engine
     # The rendered prompt is refused once it is longer than any text of max_model_len tokens can be.
     max_bytes = engine.tokenizer.max_token_bytes
-    max_chars = None if max_bytes is None else engine.max_model_len * max_bytes
+    max_chars = None if max_bytes is None or keep is not None else engine.max_model_len * max_bytes
     try:
         text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, max_chars=max_chars,
                                continue_final_message=continue_final_message, documents=documents,
                                **template_kwargs)  # fmt: skip
     except PromptTooLongError:
         raise _too_long(engine, engine.max_model_len + 1, False, "messages") from None
-    return _encode_text(engine, text, special, "messages"), text
+    return _encode_text(engine, text, special, "messages", keep), text
 
 
-def _encode_text(engine: AsyncEngine, text: str, special: bool, param: str) -> list[int]:
-    """The token ids of a prompt, or a 400 as soon as it is known to be longer than the context."""
+def _encode_text(engine: AsyncEngine, text: str, special: bool, param: str, keep: int | None = None) -> list[int]:
+    """The token ids of a prompt, or a 400 as soon as it is known to be longer than the context; `keep`: only its
+    last `keep` tokens (vLLM's truncate_prompt_tokens), the whole text encoded first."""
+    if keep is not None:
+        return engine.tokenizer.encode(text, special)[-keep:]
     try:
         return engine.tokenizer.encode_bounded(text, engine.max_model_len, special)
     except TooManyTokensError as e:
@@ -500,21 +504,31 @@ def _prompt_list(prompt) -> list:
     return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
 
 
-def _encode_prompts(engine: AsyncEngine, prompts: list) -> tuple[list[list[int]], list[str]]:
-    """A completion's prompts as token ids, with the text that `echo` repeats."""
+def _encode_prompts(engine: AsyncEngine, prompts: list, keep: int | None = None) -> tuple[list[list[int]], list[str]]:
+    """A completion's prompts as token ids, with the text that `echo` repeats; `keep`: only each one's last `keep`
+    tokens."""
     ids, texts = [], []
     for i, p in enumerate(prompts):
         param = f"prompt.{i}" if len(prompts) > 1 else "prompt"
         if isinstance(p, str):
-            ids.append(_encode_text(engine, p, True, param))
-            texts.append(p)
-        elif len(p) > engine.max_model_len:  # refused before its text is decoded for echo
+            ids.append(_encode_text(engine, p, True, param, keep))
+            texts.append(p if keep is None else engine.tokenizer.decode(ids[-1]))
+            continue
+        p = p if keep is None else p[-keep:]
+        if len(p) > engine.max_model_len:  # refused before its text is decoded for echo
             raise _too_long(engine, len(p), True, param)
-        else:
-            _check_token_ids(engine, p, param)
-            ids.append(list(p))
-            texts.append(engine.tokenizer.decode(p))
+        _check_token_ids(engine, p, param)
+        ids.append(list(p))
+        texts.append(engine.tokenizer.decode(p))
     return ids, texts
+
+
+def _prompt_tokens_kept(engine: AsyncEngine, truncate: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens as the tokens a prompt keeps (-1: the context's length); None: all."""
+    if truncate is not None and truncate > engine.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens {truncate} is more than the context's {engine.max_model_len} "
+                          "tokens", "truncate_prompt_tokens")  # fmt: skip
+    return engine.max_model_len if truncate == -1 else truncate
 
 
 def _vocab_size(engine: AsyncEngine) -> int:

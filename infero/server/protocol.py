@@ -184,7 +184,8 @@ class _SamplingFields(_Model):
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @model_validator(mode="after")
     def _nothing_unbuilt(self) -> _SamplingFields:
@@ -194,7 +195,6 @@ class _SamplingFields(_Model):
             "bad_words": "word bans are not built",
             "logits_processors": "infero runs no custom logits processors",
             "prompt_logprobs": "the prompt's logprobs come from /v1/completions with echo: true and logprobs",
-            "truncate_prompt_tokens": "prompts are not truncated; send at most the context's length",
         }
         for name, why in unbuilt.items():
             if getattr(self, name) not in (None, False):

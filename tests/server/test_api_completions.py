@@ -158,3 +158,30 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice_as_vllm_
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["stop_reason"] == said[2:4]
     assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm_does(server):
+    http = server.http()
+    ids = [(7 * i) % 250 + 3 for i in range(40)]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    kept = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": 9}).json()
+    tail = http.post("/v1/completions", json={**body, "prompt": ids[-9:]}).json()
+    assert kept["usage"]["prompt_tokens"] == 9 and kept["choices"][0]["text"] == tail["choices"][0]["text"]
+    text = "hello world the ing and tion 12 " * 40  # ~280 tokens, past the tiny model's 256
+    assert http.post("/v1/completions", json={**body, "prompt": text}).status_code == 400
+    r = http.post("/v1/completions", json={**body, "prompt": text, "truncate_prompt_tokens": 20})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20, r.text
+    # -1 keeps as many as the context holds, which leaves no room for an answer (as in vLLM); a short prompt is whole
+    r = http.post("/v1/completions", json={**body, "prompt": text, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": -1})
+    assert r.json()["usage"]["prompt_tokens"] == 40
+    chat = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}],
+        "truncate_prompt_tokens": 30,
+    }
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 30
+    r = http.post("/v1/completions", json={**body, "prompt": "hi", "truncate_prompt_tokens": 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
