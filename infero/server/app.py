@@ -330,7 +330,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         await _validate(engine, prompt_ids, params, "messages", req.constraint_field)
         ctx = ChatStreamContext(
             protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
-            engine.tokenizer, req.logprobs, req.include_usage, parsers,
+            engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt)
         if req.stream:
@@ -366,7 +366,8 @@ def _api_routes(state: ServerState) -> APIRouter:
             await _validate(engine, ids, params, "prompt", req.constraint_field)
         ctx = CompletionStreamContext(
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
-            engine.tokenizer, req.logprobs is not None, req.include_usage, texts if req.echo else None, score_only,
+            engine.tokenizer, req.logprobs is not None, req.include_usage, req.continuous_usage,
+            texts if req.echo else None, score_only,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
                          req.cache_salt)  # fmt: skip

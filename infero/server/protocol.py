@@ -138,7 +138,7 @@ class StructuredOutputs(_Model):
 
 class StreamOptions(_Model):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's; accepted, not implemented
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 # ---- requests -----------------------------------------------------------------------------------------------------
@@ -204,6 +204,10 @@ class _SamplingFields(_Model):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _constraints_set(self) -> list[tuple[str, Any, Any]]:
         """(field, value, StructuredOutput maker) of every constraint on the output the request sets."""

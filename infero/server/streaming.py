@@ -273,6 +273,7 @@ class StreamContext:
     tokenizer: Tokenizer
     logprobs: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's continuous_usage_stats: every chunk carries the usage so far
 
 
 @dataclass
@@ -288,7 +289,7 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
     def chunk(choice: dict) -> bytes:
         data = {**base, "choices": [choice]}
         if ctx.include_usage:
-            data["usage"] = None
+            data["usage"] = gen.usage(gen.num_generated) if ctx.continuous_usage else None
         return sse(data)
 
     try:
@@ -350,7 +351,8 @@ async def completion_stream(gen: Generation, ctx: CompletionStreamContext) -> As
             async for index, p, out in outputs:
                 data = {**base, "choices": [completion_piece(index, p, out, gen, ctx)]}
                 if ctx.include_usage:
-                    data["usage"] = None
+                    so_far = 0 if ctx.score_only else gen.num_generated
+                    data["usage"] = gen.usage(so_far) if ctx.continuous_usage else None
                 yield sse(data)
         if ctx.include_usage:
             completion_tokens = 0 if ctx.score_only else gen.num_generated

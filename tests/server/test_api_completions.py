@@ -185,3 +185,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm_does(serve
     assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 30
     r = http.post("/v1/completions", json={**body, "prompt": "hi", "truncate_prompt_tokens": 257})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, route):
+    body = {"model": "tiny", "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body.update({"messages": [{"role": "user", "content": "hello"}]} if "chat" in route else {"prompt": "hello"})
+    with server.http().stream("POST", route, json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events)
+    assert counts == sorted(counts) and counts[-1] == 5 and events[-1]["choices"] == []
+    plain = {**body, "stream_options": {"include_usage": True}}
+    with server.http().stream("POST", route, json=plain) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 5
