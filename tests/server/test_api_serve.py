@@ -8,6 +8,8 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -201,8 +203,7 @@ def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
     env = {**os.environ, "INFERO_PORT": str(port), "INFERO_KV_CACHE_MEMORY": "16MiB", "INFERO_API_KEY": "key"}
     command = [sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu",
                "--tokenizer", "org/tiny", "--uvicorn-log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    try:
+    with serving(command, env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url)
         headers = {"Authorization": "Bearer key"}
@@ -210,16 +211,24 @@ def test_infero_serve_answers_and_stops_cleanly_on_sigterm(tiny_model_path):
         assert model["id"] == "tiny-llama"  # the file's stem
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3}
         assert httpx.post(url + "/v1/completions", json=body, headers=headers).json()["usage"]["completion_tokens"]
+    stderr = proc.stderr.read()
+    assert "ready: " in stderr and f"serving 'tiny-llama' at http://127.0.0.1:{port}/v1" in stderr
+    assert "infero: note: --tokenizer org/tiny is not used" in stderr
+    assert "Started server process" not in stderr  # uvicorn's info lines, below --uvicorn-log-level warning
+
+
+@contextmanager
+def serving(command: list[str], **popen) -> Iterator[subprocess.Popen]:
+    """`infero serve` as a process for the block; SIGTERM at its end must stop it with status 0."""
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        yield proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stderr = proc.stderr.read()
-    assert "ready: " in stderr and f"serving 'tiny-llama' at http://127.0.0.1:{port}/v1" in stderr
-    assert "infero: note: --tokenizer org/tiny is not used" in stderr
-    assert "Started server process" not in stderr  # uvicorn's info lines, below --uvicorn-log-level warning
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, **client) -> None:
@@ -239,21 +248,13 @@ def test_https_with_a_certificate_and_one_line_without_a_usable_one(tiny_model_p
     cert, key = TLS / "localhost.pem", TLS / "localhost-key.pem"
     command = [sys.executable, "-m", "infero", "serve", str(tiny_model_path), "--device", "cpu", "--port", str(port),
                "--kv-cache-memory", "16MiB", "--uvicorn-log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen([*command, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
+    with serving([*command, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) as proc:
         url, trust = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(cert))
         wait_healthy(proc, url, verify=trust)
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3}
         assert httpx.post(url + "/v1/completions", json=body, verify=trust).json()["usage"]["completion_tokens"]
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/health")  # plain HTTP is not served beside it
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert f"serving 'tiny-llama' at https://127.0.0.1:{port}/v1" in proc.stderr.read()
     for files in ((tmp_path / "none.pem", key), (key, key)):
         r = subprocess.run([*command, "--ssl-certfile", str(files[0]), "--ssl-keyfile", str(files[1])],
