@@ -526,9 +526,9 @@ def _encode_prompts(engine: AsyncEngine, prompts: list, keep: int | None = None)
 
 def _prompt_tokens_kept(engine: AsyncEngine, truncate: int | None) -> int | None:
     """vLLM's truncate_prompt_tokens as the tokens a prompt keeps (-1: the context's length); None: all."""
-    if truncate is not None and truncate > engine.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens {truncate} is more than the context's {engine.max_model_len} "
-                          "tokens", "truncate_prompt_tokens")  # fmt: skip
+    if truncate == 0 or (truncate is not None and truncate > engine.max_model_len):
+        raise bad_request(f"truncate_prompt_tokens must be -1 or from 1 to the context's {engine.max_model_len} "
+                          f"tokens; got {truncate}", "truncate_prompt_tokens")  # fmt: skip
     return engine.max_model_len if truncate == -1 else truncate
 
 

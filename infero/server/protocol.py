@@ -197,7 +197,8 @@ class _SamplingFields(_Model):
             "prompt_logprobs": "the prompt's logprobs come from /v1/completions with echo: true and logprobs",
         }
         for name, why in unbuilt.items():
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and value is not False:  # 0 asks for something (prompt_logprobs 0: the tokens')
                 raise ValueError(f"{name} is not supported: {why}")
         return self
 

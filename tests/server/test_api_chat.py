@@ -300,6 +300,7 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt_as_vl
      ("/v1/completions", {"bad_words": ["hello"]}, "bad_words"),
      ("/v1/chat/completions", {"logits_processors": ["x.Y"]}, "logits_processors"),
      ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+     ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
      ("/v1/chat/completions", {"echo": True}, "echo")],
 )  # fmt: skip
 def test_vllms_fields_for_what_infero_does_not_do_are_refused_not_ignored(server, route, extra, param):

@@ -183,8 +183,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm_does(serve
         "truncate_prompt_tokens": 30,
     }
     assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 30
-    r = http.post("/v1/completions", json={**body, "prompt": "hi", "truncate_prompt_tokens": 257})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    for bad in (257, 0, -2):
+        r = http.post("/v1/completions", json={**body, "prompt": "hi", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
