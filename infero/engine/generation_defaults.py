@@ -41,7 +41,6 @@ GGUF_KEYS = {
     "min_p": "general.sampling.min_p",
     "repetition_penalty": "general.sampling.penalty_repeat",
 }
-CHOICES = ("auto", "vllm")
 
 
 class GenerationConfigError(InferoError):
