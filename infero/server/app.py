@@ -94,6 +94,7 @@ class ServerSettings:
     cors: CorsSettings = dataclasses.field(default_factory=CorsSettings)
     docs: bool = True  # /docs and /openapi.json (--disable-fastapi-docs turns them off)
     aliases: tuple[str, ...] = ()  # more names requests may use (vllm serve's --served-model-name A B ...)
+    log_requests: bool = False  # a log line as each request arrives and ends (--enable-log-requests)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -332,7 +333,8 @@ def _api_routes(state: ServerState) -> APIRouter:
             protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers,
         )  # fmt: skip
-        gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt)
+        gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
+                         settings.log_requests)  # fmt: skip
         if req.stream:
             return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
         try:
@@ -370,7 +372,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             texts if req.echo else None, score_only,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
-                         req.cache_salt)  # fmt: skip
+                         req.cache_salt, settings.log_requests)  # fmt: skip
         if req.stream:
             return SSEResponse(completion_stream(gen, ctx), on_close=gen.close)
         try:

@@ -235,7 +235,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="taken as vllm serve takes it; a GGUF file holds no code")  # fmt: skip
     parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
-                        help="taken as vllm serve takes them; infero logs neither requests nor stats")  # fmt: skip
+                        help="taken as vllm serve takes them; infero logs neither requests (unless "
+                             "--enable-log-requests) nor stats")  # fmt: skip
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="as vllm serve's: a log line as each request arrives (its prompts' lengths and "
+                             "parameters, never its text) and as it ends")  # fmt: skip
     flag("--tokenizer", metavar="NAME", help="taken as vllm serve takes it for GGUF files, and not used: infero reads "
          "the tokenizer the GGUF file holds (a note says so at start)")  # fmt: skip
     flag("--uvicorn-log-level", "info", choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -360,7 +364,8 @@ def main(args: argparse.Namespace) -> int:
     settings = ServerSettings(name, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs, cors=cors,
-                              docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]))  # fmt: skip
+                              docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]),
+                              log_requests=args.enable_log_requests)  # fmt: skip
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0

@@ -81,9 +81,13 @@ class Generation:
     """
 
     def __init__(self, engine, metrics: Metrics, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 release: Callable[[], None], cache_salt: str | None = None):  # fmt: skip
+                 release: Callable[[], None], cache_salt: str | None = None, log_requests: bool = False):  # fmt: skip
+        """log_requests: a log line when the request arrives and one when it ends (--enable-log-requests)."""
         self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
-        self.release, self.cache_salt = release, cache_salt
+        self.release, self.cache_salt, self.log_requests = release, cache_salt, log_requests
+        if log_requests:
+            lengths = ", ".join(str(len(p)) for p in prompts)
+            log.info("received request %s: prompt tokens %s, %s", request_id, lengths, _describe(params))
         self.num_generated = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache, counted at each prompt's first output
         self._timers = [metrics.track() for _ in prompts]
@@ -130,10 +134,24 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self.log_requests:
+            log.info("finished request %s: %d tokens generated", self.request_id, self.num_generated)
         for p, timer in enumerate(self._timers):
             timer.close(self.params.n)
             if not self._started[p]:
                 self.release()
+
+
+def _describe(params: SamplingParams) -> str:
+    """A request's parameters for its log line: those that differ from SamplingParams' defaults."""
+    default = SamplingParams()
+    shown = {name: getattr(params, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "stop",
+             "stop_token_ids", "logprobs", "ignore_eos")}  # fmt: skip
+    text = ", ".join(f"{name}={value!r}" for name, value in shown.items() if value != getattr(default, name))
+    if params.structured is not None:
+        text += f", structured output {params.structured.kind}"
+    return f"params ({text})"
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

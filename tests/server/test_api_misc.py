@@ -122,3 +122,16 @@ def test_a_model_served_under_several_names_answers_to_each_and_names_itself_by_
     assert answer.model == "qwen3"
     r = live.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 404 and "'qwen3' or 'gpt-4o' or 'default'" in r.json()["error"]["message"]
+
+
+def test_enable_log_requests_logs_each_request_as_it_arrives_and_ends_without_its_text(fresh_server, caplog):
+    live = fresh_server(log_requests=True)
+    with caplog.at_level("INFO", logger="infero.server"):
+        r = live.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello secret", "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True})  # fmt: skip
+        live.wait_idle()
+    rid = r.json()["id"]
+    lines = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
+    assert lines[0].startswith(f"received request {rid}: prompt tokens ") and "temperature=0" in lines[0]
+    assert lines[1] == f"finished request {rid}: 3 tokens generated"
+    assert not any("secret" in rec.getMessage() for rec in caplog.records)
