@@ -39,7 +39,7 @@ from infero.engine.sampling import MAX_LOGPROBS, SamplingParams
 from infero.engine.structured import StructuredOutputError
 from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
 from infero.server import metrics as metrics_module
-from infero.server import openapi, protocol
+from infero.server import openapi, protocol, responses
 from infero.server.errors import APIError, bad_request, from_validation_error, install_error_handlers, unavailable
 from infero.server.reasoning import choose_reasoning_parser, get_reasoning_parser
 from infero.server.streaming import (
@@ -66,7 +66,7 @@ RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_pr
 
 RequestModel = TypeVar("RequestModel", bound=pydantic.BaseModel)
 REQUEST_MODELS = [protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
-                  protocol.DetokenizeRequest]  # fmt: skip
+                  protocol.DetokenizeRequest, responses.ResponsesRequest]  # fmt: skip
 # The error statuses of the API's routes: a bad body, no API key, an unknown model, too large, not ready.
 POST_ERRORS = (400, 401, 404, 413, 503)
 
@@ -313,6 +313,35 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         state.require_ready()
         req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
+        gen, ctx = await start_chat(req, protocol.new_id("chatcmpl"))
+        if req.stream:
+            return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
+        try:
+            return JSONResponse(await _until_disconnect(request, _collect_chat(gen, ctx)))
+        finally:
+            gen.close()
+
+    @router.post("/v1/responses", **openapi.route_docs(responses.ResponsesRequest, openapi.ResponseObject, POST_ERRORS,
+                 stream=True))  # fmt: skip
+    async def responses_route(request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (infero/server/responses.py)."""
+        state.require_ready()
+        req = await _parse(request, responses.ResponsesRequest, settings.max_body_bytes)
+        try:
+            chat = protocol.ChatCompletionRequest.model_validate(responses.to_chat(req))
+        except pydantic.ValidationError as e:
+            raise from_validation_error(e) from None
+        gen, ctx = await start_chat(chat, protocol.new_id("resp"))
+        if req.stream:
+            return SSEResponse(responses.stream(req, gen, ctx), on_close=gen.close)
+        try:
+            answer = await _until_disconnect(request, _collect_chat(gen, ctx))
+        finally:
+            gen.close()
+        return JSONResponse(responses.from_chat(req, answer, ctx.response_id))
+
+    async def start_chat(req: protocol.ChatCompletionRequest, response_id: str):
+        """A chat request's generation, started, and the context its answer is written with."""
         protocol.check_model(req.model, settings.model_names)
         _check_logprobs(settings, req.num_logprobs, "top_logprobs")
         engine = state.require_ready()
@@ -330,17 +359,12 @@ def _api_routes(state: ServerState) -> APIRouter:
         params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
         await _validate(engine, prompt_ids, params, "messages", req.constraint_field)
         ctx = ChatStreamContext(
-            protocol.new_id("chatcmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
+            response_id, protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
                          settings.log_requests)  # fmt: skip
-        if req.stream:
-            return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
-        try:
-            return JSONResponse(await _until_disconnect(request, _collect_chat(gen, ctx)))
-        finally:
-            gen.close()
+        return gen, ctx
 
     @router.post("/v1/completions", **openapi.route_docs(protocol.CompletionRequest, openapi.CompletionResponse,
                  POST_ERRORS, stream=True))  # fmt: skip

@@ -105,6 +105,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response of the Responses API; with "stream": true, its events (response.created, ...output_text.delta,
+    ..., response.completed) as server-sent events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]  # message, reasoning and function_call items, in OpenAI's shapes
+    incomplete_details: dict[str, str] | None
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    usage: ResponseUsage | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str

@@ -196,6 +196,11 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 def error_event(e: BaseException) -> bytes:
     """What a stream sends when it fails after its 200: an OpenAI error object as one more event."""
+    return sse({"error": error_object(e)})
+
+
+def error_object(e: BaseException) -> dict[str, Any]:
+    """OpenAI's error object for what went wrong in a stream (an unexpected error is logged, its text not sent)."""
     if isinstance(e, NonFiniteLogitsError):  # the model's fault, as a non-streamed request's 500 says
         e = from_infero_error(e)
     if isinstance(e, APIError):
@@ -206,7 +211,7 @@ def error_event(e: BaseException) -> bytes:
         log.error("internal error in a stream", exc_info=e)
         status, message, code = 500, "internal server error; the server logged the details", None
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return {"message": message, "type": kind, "param": None, "code": code}
 
 
 # ---- chat -----------------------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
                          "finish_reason": None, "stop_reason": None})  # fmt: skip
         async with aclosing(gen.outputs()) as outputs:
             async for index, _, out in outputs:
-                for choice in _chat_choice_deltas(index, out, ctx):
+                for choice in chat_choice_deltas(index, out, ctx):
                     yield chunk(choice)
         if ctx.include_usage:
             yield sse({**base, "choices": [], "usage": gen.usage(gen.num_generated)})
@@ -327,7 +332,7 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
     yield DONE
 
 
-def _chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) -> list[dict]:
+def chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) -> list[dict]:
     """The chunks' choices for one output: its deltas (logprobs on the first), the finish reason on the last."""
     if ctx.parsers is None:
         deltas = [{"content": out.new_text}] if out.new_text else []

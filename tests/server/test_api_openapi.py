@@ -14,6 +14,7 @@ ROUTES = {
     ("post", "/v1/completions"): ("CompletionRequest", "CompletionResponse", {"400", "401", "404", "413", "503"}),
     ("post", "/tokenize"): ("TokenizeRequest", "TokenizeResponse", {"400", "401", "404", "413", "503"}),
     ("post", "/detokenize"): ("DetokenizeRequest", "DetokenizeResponse", {"400", "401", "404", "413", "503"}),
+    ("post", "/v1/responses"): ("ResponsesRequest", "ResponseObject", {"400", "401", "404", "413", "503"}),
 }  # fmt: skip
 
 
@@ -74,6 +75,7 @@ def test_real_answers_and_errors_match_their_declared_schemas(server, spec):
                                                                  "echo": True}),
         "TokenizeResponse": http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True}),
         "DetokenizeResponse": http.post("/detokenize", json={"tokens": [5, 6]}),
+        "ResponseObject": http.post("/v1/responses", json={"input": "hello", "max_output_tokens": 3}),
     }  # fmt: skip
     for name, r in answers.items():
         assert r.status_code == 200, (name, r.text)
