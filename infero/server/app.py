@@ -335,10 +335,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         if req.stream:
             return SSEResponse(responses.stream(req, gen, ctx), on_close=gen.close)
         try:
-            answer = await _until_disconnect(request, _collect_chat(gen, ctx))
+            return JSONResponse(await _until_disconnect(request, responses.collect(req, gen, ctx)))
         finally:
             gen.close()
-        return JSONResponse(responses.from_chat(req, answer, ctx.response_id))
 
     async def start_chat(req: protocol.ChatCompletionRequest, response_id: str):
         """A chat request's generation, started, and the context its answer is written with."""

@@ -176,26 +176,13 @@ def response(req: ResponsesRequest, response_id: str, created: int, model: str, 
     }  # fmt: skip
 
 
-def usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
+def usage(chat_usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
     """A chat completion's usage in the Responses shape."""
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}  # fmt: skip
-
-
-def output_items(message: dict[str, Any], response_id: str, status: str = "completed") -> list[dict[str, Any]]:
-    """A chat completion's message as output items: its reasoning, its text, its function calls, in that order."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(_reasoning_item(f"rs_{response_id}", message["reasoning_content"], status))
-    if message.get("content"):
-        items.append(_message_item(f"msg_{response_id}", message["content"], status))
-    for i, call in enumerate(message.get("tool_calls") or []):
-        function = call["function"]
-        items.append(_call_item(f"fc_{response_id}_{i}", call["id"], function["name"], function["arguments"], status))
-    return items
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -213,14 +200,6 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
-def from_chat(req: ResponsesRequest, chat: dict[str, Any], response_id: str) -> dict[str, Any]:
-    """The Response of a collected chat completion (one choice)."""
-    [choice] = chat["choices"]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    output = output_items(choice["message"], response_id, status)
-    return response(req, response_id, chat["created"], chat["model"], output, status, usage(chat["usage"]))
-
-
 # ---- streaming ----------------------------------------------------------------------------------------------------
 
 
@@ -232,6 +211,7 @@ class _Events:
         self.req, self.response_id, self.created, self.model = req, response_id, created, model
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items closed so far
+        self.final: dict[str, Any] | None = None  # the response, once complete
         self.open: dict[str, Any] | None = None  # the item deltas go to: its kind, id and text so far
 
     def emit(self, type_: str, **fields) -> bytes:
@@ -300,7 +280,8 @@ class _Events:
             item["content"] = []
         return item
 
-    def close(self) -> list[bytes]:
+    def close(self, status: str = "completed") -> list[bytes]:
+        """Close the open item; `status` incomplete where the output stopped at its length limit inside it."""
         if self.open is None:
             return []
         o, index = self.open, len(self.output)
@@ -313,31 +294,52 @@ class _Events:
             events = [self.emit(done, item_id=o["id"], output_index=index, content_index=0, text=o["text"], **extra),
                       self.emit("response.content_part.done", item_id=o["id"], output_index=index, content_index=0,
                                 part=self._part(o["text"]))]  # fmt: skip
-        item = self._item("completed")
+        item = self._item(status)
         events.append(self.emit("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
         self.open = None
         return events
 
 
+async def _events(req: ResponsesRequest, gen: Generation, ctx: ChatStreamContext, events: _Events):
+    """The Responses events of one chat generation (one choice); `events.final` is the response after the last.
+    Reasoning tokens: where the output reasons, those generated before its answer (text or a call) begins (the
+    output that begins it counts as answer)."""
+    for event in events.start():
+        yield event
+    finish, before_answer, reasoned, answering = None, 0, False, False
+    async with aclosing(gen.outputs()) as outputs:
+        async for index, _, out in outputs:
+            choices = chat_choice_deltas(index, out, ctx)
+            deltas = [choice["delta"] for choice in choices]
+            reasoned = reasoned or any(d.get("reasoning_content") for d in deltas)
+            answering = answering or any(d.get("content") or d.get("tool_calls") for d in deltas)
+            before_answer += 0 if answering else len(out.new_token_ids)
+            for choice in choices:
+                for event in events.delta(choice["delta"]):
+                    yield event
+                finish = choice["finish_reason"] or finish
+    status = "incomplete" if finish == "length" else "completed"
+    for event in events.close(status):
+        yield event
+    events.final = events.snapshot(status, usage(gen.usage(gen.num_generated), before_answer if reasoned else 0))
+    yield events.emit(f"response.{status}", response=events.final)
+
+
 async def stream(req: ResponsesRequest, gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[bytes]:
-    """The Responses events of one streamed chat generation (one choice)."""
+    """The Responses events of one streamed chat generation; an error after the first is one more event."""
     events = _Events(req, ctx.response_id, ctx.created, ctx.model)
     try:
-        for event in events.start():
+        async for event in _events(req, gen, ctx, events):
             yield event
-        finish = None
-        async with aclosing(gen.outputs()) as outputs:
-            async for index, _, out in outputs:
-                for choice in chat_choice_deltas(index, out, ctx):
-                    for event in events.delta(choice["delta"]):
-                        yield event
-                    finish = choice["finish_reason"] or finish
-        for event in events.close():
-            yield event
-        status = "incomplete" if finish == "length" else "completed"
-        final = events.snapshot(status, usage(gen.usage(gen.num_generated)))
-        yield events.emit(f"response.{status}", response=final)
     except Exception as e:  # noqa: BLE001 (the stream has begun: the error is an event, as OpenAI sends it)
         error = error_object(e)
         yield events.emit("error", code=error["code"] or error["type"], message=error["message"], param=None)
+
+
+async def collect(req: ResponsesRequest, gen: Generation, ctx: ChatStreamContext) -> dict[str, Any]:
+    """The Response of one chat generation, not streamed (an error raises, for its own HTTP status)."""
+    events = _Events(req, ctx.response_id, ctx.created, ctx.model)
+    async for _ in _events(req, gen, ctx, events):
+        pass
+    return events.final

@@ -22,6 +22,7 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(server):
     assert r.object == "response" and r.output_text == chat.choices[0].message.content
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 7
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
     assert [item.type for item in r.output] == ["message"] and r.output[0].status == "incomplete"
 
 
@@ -121,7 +122,12 @@ def test_reasoning_is_an_output_item_of_its_own_whole_and_streamed(fresh_server,
                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     [item] = r.output
     assert item.type == "reasoning" and item.content[0].text == chat.choices[0].message.reasoning_content
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 6  # all of it reasoning
     events = list(client.responses.create(stream=True, **kwargs))
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == item.content[0].text and events[-1].type == "response.incomplete"
     assert events[-1].response.output[0].content[0].text == deltas
+    assert (
+        events[-1].response.usage.output_tokens_details.reasoning_tokens
+        == r.usage.output_tokens_details.reasoning_tokens
+    )
