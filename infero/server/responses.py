@@ -60,6 +60,10 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
                           "conversation in input", "previous_response_id")  # fmt: skip
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _messages(req.input)
+    # instructions and the developer messages before the first turn as one system message: templates take one
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead > 1:
+        messages[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}]
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": False}
     chat.update({name: getattr(req, name) for name in PASSED_ON if getattr(req, name) is not None})
     if req.max_output_tokens is not None:

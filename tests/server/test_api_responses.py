@@ -37,8 +37,7 @@ def test_instructions_and_input_items_become_the_chat_messages(server):
         {"type": "function_call_output", "call_id": "call_1", "output": "picked a"},
     ]  # fmt: skip
     messages = [
-        {"role": "system", "content": "you are tiny"},
-        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "you are tiny\n\nbe brief"},  # the instructions and leading developer text
         {"role": "user", "content": "pick\none"},
         {"role": "assistant", "content": None,
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "pick", "arguments": '{"c": "a"}'}}]},
