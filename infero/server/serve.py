@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="taken as vllm serve takes it, and not used: a preempted sequence's KV cache is computed again, "
               "not swapped to host memory")  # fmt: skip
     flag("--max-logprobs", "20", type=_int_at_least(0, MAX_LOGPROBS), metavar="N",
-         help=f"the most alternatives a request may ask for a token (logprobs, top_logprobs, prompt_logprobs), "
+         help=f"the most alternatives a request may ask for a token (logprobs, top_logprobs), "
               f"at most {MAX_LOGPROBS} (default: 20)")  # fmt: skip
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="taken as vllm serve takes it: usage.prompt_tokens_details.cached_tokens is always "
