@@ -637,7 +637,8 @@ def _output_parsers(state: ServerState, req: protocol.ChatCompletionRequest, pro
     """The parsers a chat choice's text goes through: reasoning when the model thinks in tags, tool calls when the
     request offers tools (and does not say tool_choice "none") and the template teaches a format we read."""
     reasoning = state.reasoning_parser
-    tools = state.tool_parser if req.tools and req.tool_choice != "none" else None
+    offered = req.tools and req.tool_choice != "none" and state.tool_parser is not None
+    tools = state.tool_parser.for_tools([t.model_dump(exclude_none=True) for t in req.tools]) if offered else None
     if reasoning is None and tools is None:
         return None
     starts = reasoning is not None and reasoning.prompt_opens_reasoning(prompt)

@@ -29,8 +29,9 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 ASK = [{"role": "user", "content": "1 + 2?"}]
 
 
-def scripted_server(tiny_model_path, directory, template_text: str, **settings):
-    """A live server of the tiny model whose sampler writes SCRIPT, under the given chat template and settings."""
+def scripted_server(tiny_model_path, directory, template_text: str, script_text: str = SCRIPT, **settings):
+    """A live server of the tiny model whose sampler writes `script_text`, under the given chat template and
+    settings."""
     from live_server import start_server
 
     from infero.server.app import ServerSettings
@@ -40,7 +41,7 @@ def scripted_server(tiny_model_path, directory, template_text: str, **settings):
 
     def load() -> LLM:
         llm = LLM(tiny_model_path, device=TEST_DEVICE, chat_template=template, engine_config=TINY_ENGINE)
-        script = llm.tokenizer.encode(SCRIPT, add_special_tokens=False)
+        script = llm.tokenizer.encode(script_text, add_special_tokens=False)
         eos = llm.tokenizer.eos_token_id
 
         signature = inspect.signature(llm.engine.sampler.sample)
@@ -118,3 +119,40 @@ def test_the_parser_flags_give_a_template_that_teaches_none_its_parsers(tiny_mod
         assert choice.message.model_extra["reasoning_content"] == "I should add."
     else:  # no parser: the text as the model wrote it
         assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == SCRIPT
+
+
+# Qwen3-Coder / Qwen3.5: XML calls in Hermes' tags; the template's example of the format picks the qwen3_coder parser.
+QWEN_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n<tool_call><function=f><|im_end|>\\n' }}{% endif %}" + PLAIN_TEMPLATE
+)
+QWEN_SCRIPT = ("Adding.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2.5\n"
+               "</parameter>\n<parameter=why>\nok\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+QWEN_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "number"}, "why": {"type": "string"}}}}}]  # fmt: skip
+
+
+def test_qwen3_coder_calls_are_tool_calls_typed_by_their_schema_whole_and_streamed(tiny_model_path, tmp_path):
+    live = scripted_server(tiny_model_path, tmp_path, QWEN_TEMPLATE, QWEN_SCRIPT)
+    try:
+        client = live.client()
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=QWEN_TOOLS, max_tokens=150)
+        message = r.choices[0].message
+        [call] = message.tool_calls
+        assert message.content == "Adding." and r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {
+            "a": 1,
+            "b": 2.5,
+            "why": "ok",
+        }
+        stream = client.chat.completions.create(model="tiny", messages=ASK, tools=QWEN_TOOLS, max_tokens=150,
+                                                stream=True)  # fmt: skip
+        content, arguments, names = "", "", []
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for piece in delta.tool_calls or []:
+                names += [piece.function.name] if piece.function.name else []
+                arguments += piece.function.arguments or ""
+        assert (content, names, arguments) == ("Adding.", ["add"], call.function.arguments)
+    finally:
+        live.stop()

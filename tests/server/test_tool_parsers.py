@@ -466,7 +466,7 @@ def test_choose_tool_parser_other_templates():
     llama_3_2 = '{%- if message.role == "ipython" %}Respond in the format {"name": function name, "parameters": ...}'
     assert choose_tool_parser(llama_3_2) == "llama3_json"
     qwen3_coder = "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
-    assert choose_tool_parser(qwen3_coder) is None
+    assert choose_tool_parser(qwen3_coder) == "qwen3_coder"
 
 
 def test_get_tool_parser_unknown_name_says_which_exist():
@@ -497,11 +497,101 @@ def test_results_serialize_in_openai_shape():
     assert DeltaMessage(content="x").to_openai() == {"content": "x"}
 
 
+# --- qwen3_coder ---------------------------------------------------------------------------------------------------
+
+TYPED = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"}, "whole": {"type": "number"},
+    "metric": {"type": "boolean"}, "filter": {"type": "object"}, "tags": {"type": "array"}, "note": {"type": "string"},
+    "count": {"type": "integer"}}}  # fmt: skip
+QWEN = get_tool_parser("qwen3_coder").for_tools([
+    {"type": "function", "function": {"name": "forecast", "parameters": TYPED}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+])  # fmt: skip
+
+
+def qwen_call(name: str, **params: str) -> str:
+    """A call as Qwen3-Coder's chat template writes one."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+FORECAST = qwen_call("forecast", city="Paris", days="3")
+FORECAST_CALL = ("forecast", '{"city": "Paris", "days": 3}')
+QWEN_CASES = {
+    "single call": (FORECAST, None, [FORECAST_CALL]),
+    "typed values": (qwen_call("forecast", ratio="0.25", whole="2.0", metric="True", filter='{"a": [1, {"b": null}]}',
+                               tags='["x", "y"]', note="null", count="many", extra="7"), None,
+                     [("forecast", '{"ratio": 0.25, "whole": 2, "metric": true, "filter": {"a": [1, {"b": null}]}, '
+                                   '"tags": ["x", "y"], "note": null, "count": "many", "extra": "7"}')]),
+    "parallel calls, content before": (f"Checking.\n\n{FORECAST}\n{qwen_call('now')}", "Checking.",
+                                       [FORECAST_CALL, ("now", "{}")]),
+    "multi-line value with markup": (qwen_call("forecast", note="line 1\n<b>2</b> </param>\n\nline 3"), None,
+                                     [("forecast", '{"note": "line 1\\n<b>2</b> </param>\\n\\nline 3"}')]),
+    "unknown function: text values": (qwen_call("other", n="1"), None, [("other", '{"n": "1"}')]),
+    "closing tag missing at the end": (FORECAST[: -len("</tool_call>")], None, [FORECAST_CALL]),
+    "closing tag cut off at the end": (FORECAST[:-4], None, [FORECAST_CALL]),
+    "content after a call": (f"{FORECAST}\nDone.", "Done.", [FORECAST_CALL]),
+    "non-ASCII": (qwen_call("forecast", city="Zürich 👋"), None, [("forecast", '{"city": "Zürich 👋"}')]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", QWEN_CASES)
+def test_qwen3_coder_parses_canned_outputs(case):
+    text, content, calls = QWEN_CASES[case]
+    assert summary(QWEN.parse(text)) == (content, calls)
+
+
+@pytest.mark.parametrize("case", QWEN_CASES)
+def test_qwen3_coder_stream_split_anywhere_equals_parse(case):
+    assert_streams_like_parse(QWEN, QWEN_CASES[case][0])
+
+
+QWEN_MALFORMED = {
+    "JSON in the tags (Hermes')": f"<tool_call>\n{WEATHER}\n</tool_call>",
+    "no function": "<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>",
+    "empty name": "<tool_call>\n<function=>\n</function>\n</tool_call>",
+    "cut off in the name": "Sure.\n<tool_call>\n<function=fore",
+    "a tag mentioned in prose": "Wrap each call in a <tool_call> tag.",
+}
+
+
+@pytest.mark.parametrize("case", QWEN_MALFORMED)
+def test_qwen3_coder_malformed_call_is_returned_as_content(case):
+    text = QWEN_MALFORMED[case]
+    assert summary(QWEN.parse(text)) == (text, [])
+    for pieces in splits(text):
+        assert accumulate(stream(QWEN, pieces)) == (text, []), pieces
+
+
+BROKEN_AFTER_NAME = [FORECAST[:70], qwen_call("forecast", city="a", days="1").replace("<parameter=days", "<param=days")]
+
+
+@pytest.mark.parametrize("text", BROKEN_AFTER_NAME)
+def test_qwen3_coder_call_broken_after_its_name_streams_its_text_as_content(text):
+    assert summary(QWEN.parse(text)) == (text, [])
+    for pieces in splits(text):
+        content, calls = accumulate(stream(QWEN, pieces))
+        assert content == text and [name for name, _ in calls] == ["forecast"]
+
+
+def test_qwen3_coder_streams_each_parameter_when_it_closes():
+    streaming = QWEN.streaming_parser()
+    [header] = [d.to_openai() for d in streaming.feed("<tool_call>\n<function=forecast>\n<parameter=city>\nPar")]
+    call = header["tool_calls"][0]
+    assert (call["index"], call["function"]) == (0, {"name": "forecast", "arguments": ""})
+    deltas = [d.to_openai() for d in streaming.feed("is\n</parameter>\n")]
+    assert deltas == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"'}}]}]
+    deltas = [d.to_openai() for d in streaming.feed("<parameter=days>\n3\n</parameter>\n</function>")]
+    assert deltas == [{"tool_calls": [{"index": 0, "function": {"arguments": ', "days": 3}'}}]}]
+
+
 FRAGMENTS = [
     *("<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>", "<|py", "{", "}", "[", "]", '"', "\\"),
     *("\\u", "d83d", "\\ude00", ":", ",", ";", " ", "\n", '"name"', '"arguments"', '"parameters"', '"type"', '"f"'),
     *("1", "-", ".", "e", "true", "nul", "é", "😀", "x", "Hello", '{"name": "f", "arguments": {"a": 1}}'),
     *('{"name": "g", "parameters": {"s": "}{\\""}}', '<tool_call>\n{"name": "h", "arguments": {}}\n</tool_call>'),
+    *("<function=forecast>", "<function=", "<parameter=days>", "<parameter=", "</parameter>", "</function>", ">"),
+    *("</param", "3", "<tool_call>\n<function=now>\n</function>\n</tool_call>"),
 ]
 
 
@@ -514,7 +604,7 @@ def test_random_texts_stream_like_parse_unless_a_sent_call_broke(seed):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12)))
         cuts = sorted(rng.sample(range(1, len(text)), min(3, len(text) - 1))) if len(text) > 1 else []
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        for parser in (HERMES, LLAMA):
+        for parser in (HERMES, LLAMA, QWEN):
             expected, streamed = summary(parser.parse(text)), accumulate(stream(parser, pieces))
             if expected[1] or not streamed[1]:
                 assert streamed == expected, (parser.name, pieces)

@@ -18,10 +18,12 @@ from infero.server.tool_parsers.base import (
 )
 from infero.server.tool_parsers.hermes import HermesToolParser
 from infero.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from infero.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    Qwen3CoderToolParser.name: Qwen3CoderToolParser,
 }
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Llama3JsonToolParser",
     "MalformedToolCall",
     "ParsedToolCalls",
+    "Qwen3CoderToolParser",
     "StreamingToolParser",
     "ToolCall",
     "ToolParser",
@@ -54,8 +57,8 @@ def choose_tool_parser(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     if "<tool_call>" in chat_template:
-        # Qwen3-Coder wraps XML (<function=name><parameter=...>) in the same tags: not JSON, not ours.
-        return None if "<function=" in chat_template else HermesToolParser.name
+        # Qwen3-Coder, Qwen3-Next and Qwen3.5 wrap XML (<function=name><parameter=...>) in Hermes' tags
+        return Qwen3CoderToolParser.name if "<function=" in chat_template else HermesToolParser.name
     if "<|python_tag|>" in chat_template:
         return Llama3JsonToolParser.name
     if '"parameters"' in chat_template and "ipython" in chat_template:  # Llama 3.2's template has no python_tag

@@ -125,6 +125,10 @@ class ToolParser(ABC):
     def streaming_parser(self) -> "StreamingToolParser":
         """A new parser for one streamed choice."""
 
+    def for_tools(self, tools: list[dict] | None) -> "ToolParser":
+        """The parser for a request offering `tools` (a format that reads arguments by their schemas needs them)."""
+        return self
+
 
 class MalformedToolCall(ValueError):
     """The text of a tool call is not a call; parsers catch it and keep the text as content."""
