@@ -630,7 +630,9 @@ def _forced_tool_calls(req: protocol.ChatCompletionRequest, params: SamplingPara
     if params.structured is not None:
         field = req.constraint_field
         raise bad_request(f"{field} cannot be combined with a forced tool_choice", field)
-    return dataclasses.replace(params, structured=spec), OutputParsers(None, parser, False)
+    return dataclasses.replace(params, structured=spec), OutputParsers(
+        None, parser, False, req.parallel_tool_calls is False
+    )
 
 
 def _output_parsers(state: ServerState, req: protocol.ChatCompletionRequest, prompt: str) -> OutputParsers | None:
@@ -642,7 +644,7 @@ def _output_parsers(state: ServerState, req: protocol.ChatCompletionRequest, pro
     if reasoning is None and tools is None:
         return None
     starts = reasoning is not None and reasoning.prompt_opens_reasoning(prompt)
-    return OutputParsers(reasoning, tools, starts)
+    return OutputParsers(reasoning, tools, starts, req.parallel_tool_calls is False)
 
 
 # ---- non-streaming responses ----------------------------------------------------------------------------------

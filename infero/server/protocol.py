@@ -267,7 +267,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatPromptFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; the tool parser decides how many calls it finds
+    parallel_tool_calls: bool | None = None  # false: only a choice's first tool call is answered
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents (RAG)
     echo: bool = False  # vLLM's chat echo: refused (not built)

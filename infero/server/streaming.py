@@ -226,6 +226,7 @@ class OutputParsers:
     reasoning: Any = None  # infero.server.reasoning.ThinkReasoningParser
     tools: Any = None  # infero.server.tool_parsers.ToolParser
     starts_in_reasoning: bool = False  # the prompt opened the reasoning
+    single_call: bool = False  # parallel_tool_calls false: the first call only, the later ones dropped
 
     def message(self, text: str) -> dict[str, Any]:
         """A finished choice's "content", and "reasoning_content" / "tool_calls" when there are any."""
@@ -238,6 +239,8 @@ class OutputParsers:
                 message["reasoning_content"] = parsed.reasoning_content
         if self.tools is not None and content:
             message.update(self.tools.parse(content).to_openai())
+            if self.single_call and "tool_calls" in message:
+                message["tool_calls"] = message["tool_calls"][:1]
         else:
             message["content"] = content
         return message
@@ -254,6 +257,7 @@ class ChoiceStream:
             parsers.starts_in_reasoning
         )  # fmt: skip
         self._tools = None if parsers.tools is None else parsers.tools.streaming_parser()
+        self._single_call = parsers.single_call
 
     @property
     def called_tools(self) -> bool:
@@ -278,6 +282,9 @@ class ChoiceStream:
         messages = self._tools.feed(content) if content else []
         if final:
             messages += self._tools.finish()
+        if self._single_call:
+            for m in messages:
+                m.tool_calls = [call for call in m.tool_calls if call.index == 0]
         return deltas + [d for d in (m.to_openai() for m in messages) if d]
 
 

@@ -156,3 +156,28 @@ def test_qwen3_coder_calls_are_tool_calls_typed_by_their_schema_whole_and_stream
         assert (content, names, arguments) == ("Adding.", ["add"], call.function.arguments)
     finally:
         live.stop()
+
+
+TWO_CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>')  # fmt: skip
+
+
+def test_parallel_tool_calls_false_answers_a_choices_first_call_only(tiny_model_path, tmp_path):
+    live = scripted_server(tiny_model_path, tmp_path, TEMPLATE, TWO_CALLS)
+    try:
+        client = live.client()
+
+        def calls(**extra) -> tuple[list[str], list[str]]:
+            r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=125, **extra)
+            whole = [c.function.arguments for c in r.choices[0].message.tool_calls]
+            streamed: dict[int, str] = {}
+            for chunk in client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=125,
+                                                        stream=True, **extra):  # fmt: skip
+                for piece in chunk.choices[0].delta.tool_calls or []:
+                    streamed[piece.index] = streamed.get(piece.index, "") + (piece.function.arguments or "")
+            return whole, list(streamed.values())
+
+        assert calls() == (['{"a": 1}', '{"a": 2}'], ['{"a": 1}', '{"a": 2}'])
+        assert calls(parallel_tool_calls=False) == (['{"a": 1}'], ['{"a": 1}'])
+    finally:
+        live.stop()
