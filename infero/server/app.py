@@ -95,6 +95,11 @@ class ServerSettings:
     docs: bool = True  # /docs and /openapi.json (--disable-fastapi-docs turns them off)
     aliases: tuple[str, ...] = ()  # more names requests may use (vllm serve's --served-model-name A B ...)
     log_requests: bool = False  # a log line as each request arrives and ends (--enable-log-requests)
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's (vLLM's flag of that name)
+
+    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's chat template variables: the server's defaults with the request's own laid over them."""
+        return {**(self.default_chat_template_kwargs or {}), **(requested or {})}
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -347,7 +352,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [m.to_template() for m in req.messages]
         prompt_ids, prompt_text = await asyncio.to_thread(
-            _encode_chat, state, messages, tools, req.chat_template_kwargs or {}, req.generation_prompt, False,
+            _encode_chat, state, messages, tools, settings.template_kwargs(req.chat_template_kwargs),
+            req.generation_prompt, False,
             req.continue_final_message, req.documents, _prompt_tokens_kept(engine, req.truncate_prompt_tokens),
         )  # fmt: skip
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
@@ -413,7 +419,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = [m.to_template() for m in req.messages]
             special = bool(req.add_special_tokens)
-            kwargs = req.chat_template_kwargs or {}
+            kwargs = settings.template_kwargs(req.chat_template_kwargs)
             ids, _ = await asyncio.to_thread(_encode_chat, state, messages, tools, kwargs, req.generation_prompt,
                                              special, req.continue_final_message)  # fmt: skip
         else:

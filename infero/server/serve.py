@@ -184,6 +184,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "61%% of its prefill: docs/kernels.md) (default: off) "
                              f"[env {BATCH_INVARIANT_ENV}=on|off]")  # fmt: skip
     flag("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    flag("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
+         help='template variables of every request, under its own chat_template_kwargs, e.g. \'{"enable_thinking": '
+              "false}' (as vllm serve's)")  # fmt: skip
     flag("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
          help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (default: the format its chat "
               "template teaches, if any)")  # fmt: skip
@@ -292,6 +295,11 @@ def notes(args: argparse.Namespace) -> list[str]:
         )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise InferoError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    from infero.server.app import RESERVED_TEMPLATE_KWARGS
+
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(args.default_chat_template_kwargs or {}))
+    if reserved:
+        raise InferoError(f"--default-chat-template-kwargs may not set {', '.join(reserved)}")
     said = []
     if args.tokenizer:
         said.append(f"--tokenizer {args.tokenizer} is not used: infero reads the tokenizer the GGUF file holds")
@@ -365,7 +373,8 @@ def main(args: argparse.Namespace) -> int:
                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs, cors=cors,
                               docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]),
-                              log_requests=args.enable_log_requests)  # fmt: skip
+                              log_requests=args.enable_log_requests,
+                              default_chat_template_kwargs=args.default_chat_template_kwargs)  # fmt: skip
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0

@@ -325,3 +325,25 @@ def test_documents_reach_a_template_that_cites_them(fresh_server, tmp_path, tiny
     with_docs = live.http().post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     r = live.http().post("/tokenize", json={"prompt": "[a: one][b: two]hello", "add_special_tokens": False})
     assert with_docs == r.json()["count"]
+
+
+def test_default_chat_template_kwargs_lie_under_each_requests_own(fresh_server, tmp_path, tiny_model_path):
+    """vllm serve's --default-chat-template-kwargs: every request's template variables, which its own override."""
+    template = tmp_path / "vars.jinja"
+    template.write_text("{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    load = lambda: LLM(tiny_model_path, device="cpu", engine_config=TINY_ENGINE, chat_template=template)  # noqa: E731
+    live = fresh_server(load=load, default_chat_template_kwargs={"greeting": "hello world "})
+    http = live.http()
+
+    def rendered(**kwargs) -> list[int]:
+        return http.post("/tokenize", json={"messages": HELLO, "add_generation_prompt": False, **kwargs}).json()[
+            "tokens"
+        ]
+
+    def text(value: str) -> list[int]:
+        return http.post("/tokenize", json={"prompt": value, "add_special_tokens": False}).json()["tokens"]
+
+    assert rendered() == text("hello world hello")
+    assert rendered(chat_template_kwargs={"greeting": "the "}) == text("the hello")
+    chat = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == len(text("hello world hello"))

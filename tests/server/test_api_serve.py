@@ -137,6 +137,10 @@ def test_the_http_surfaces_flags():
             parse(["--allowed-origins", bad])
     with pytest.raises(InferoError, match="needs both"):
         notes(parse(["--ssl-keyfile", "key.pem"]))
+    args = parse(["--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False} and notes(args) == []
+    with pytest.raises(InferoError, match="may not set messages"):
+        notes(parse(["--default-chat-template-kwargs", '{"messages": []}']))
 
 
 def test_generation_config_flags_and_what_the_server_says_of_the_defaults():
