@@ -528,6 +528,10 @@ QWEN_CASES = {
     "multi-line value with markup": (qwen_call("forecast", note="line 1\n<b>2</b> </param>\n\nline 3"), None,
                                      [("forecast", '{"note": "line 1\\n<b>2</b> </param>\\n\\nline 3"}')]),
     "unknown function: text values": (qwen_call("other", n="1"), None, [("other", '{"n": "1"}')]),
+    "values that are not their type stay text": (qwen_call("forecast", days="3.5", ratio="inf", filter="[NaN]",
+                                                           metric="yes"), None,
+                                                 [("forecast", '{"days": "3.5", "ratio": "inf", "filter": "[NaN]", '
+                                                               '"metric": "yes"}')]),
     "closing tag missing at the end": (FORECAST[: -len("</tool_call>")], None, [FORECAST_CALL]),
     "closing tag cut off at the end": (FORECAST[:-4], None, [FORECAST_CALL]),
     "content after a call": (f"{FORECAST}\nDone.", "Done.", [FORECAST_CALL]),

@@ -101,10 +101,14 @@ def convert(value: str, schema: Any) -> Any:
         return value.lower() == "true" if value.lower() in ("true", "false") else value
     if kind in ("object", "array", "dict", "list"):
         try:
-            return json.loads(value)
-        except json.JSONDecodeError:
+            return json.loads(value, parse_constant=_not_json)
+        except ValueError:  # JSONDecodeError is one
             return value
     return value
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 # Where the stream is.
