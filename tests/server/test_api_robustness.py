@@ -111,7 +111,10 @@ FUZZ_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
                "n", "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "logit_bias", "logprobs", "top_logprobs", "ignore_eos", "min_tokens", "chat_template_kwargs",
                "response_format", "tools", "tool_choice", "stream", "stream_options", "prompt", "echo", "suffix",
-               "tokens", "add_special_tokens", "add_generation_prompt"]  # fmt: skip
+               "tokens", "add_special_tokens", "add_generation_prompt", "continue_final_message", "documents",
+               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "include_stop_str_in_output", "truncate_prompt_tokens", "parallel_tool_calls", "input", "instructions",
+               "max_output_tokens", "text", "reasoning", "previous_response_id"]  # fmt: skip
 
 
 FUZZ_BASES = {
@@ -119,6 +122,7 @@ FUZZ_BASES = {
     "/v1/completions": {"prompt": "hi"},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 3},
 }
 
 
@@ -126,7 +130,7 @@ def test_fields_with_random_values_never_make_a_500(server):
     rng = random.Random(0)
     http = server.http()
     statuses = set()
-    for _ in range(300):
+    for _ in range(400):
         path = rng.choice(list(FUZZ_BASES))
         body = {"model": "tiny", "max_tokens": 3, **FUZZ_BASES[path]}
         for _ in range(rng.randint(1, 3)):
