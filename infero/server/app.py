@@ -336,7 +336,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             chat = protocol.ChatCompletionRequest.model_validate(responses.to_chat(req))
         except pydantic.ValidationError as e:
             raise from_validation_error(e) from None
-        gen, ctx = await start_chat(chat, protocol.new_id("resp"))
+        gen, ctx = await start_chat(chat, responses.new_id())
         if req.stream:
             return SSEResponse(responses.stream(req, gen, ctx), on_close=gen.close)
         try:

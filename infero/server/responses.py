@@ -9,6 +9,7 @@ the Responses events (response.created ... response.output_text.delta ... respon
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -165,6 +166,11 @@ def _response_format(format_: dict[str, Any]) -> dict[str, Any]:
 # ---- answers ----------------------------------------------------------------------------------------------------
 
 
+def new_id() -> str:
+    """A response id as OpenAI writes them: "resp_" and hex digits."""
+    return f"resp_{uuid.uuid4().hex}"
+
+
 def response(req: ResponsesRequest, response_id: str, created: int, model: str, output: list[dict],
              status: str, usage: dict | None) -> dict[str, Any]:  # fmt: skip
     """The Response object, in OpenAI's shape."""
@@ -260,7 +266,8 @@ class _Events:
         events = self.close()
         index = len(self.output)
         prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        self.open = {"kind": kind, "id": f"{prefix}_{self.response_id}_{index}", "text": "", **call}
+        item_id = f"{prefix}_{self.response_id.removeprefix('resp_')}_{index}"
+        self.open = {"kind": kind, "id": item_id, "text": "", **call}
         events.append(self.emit("response.output_item.added", output_index=index, item=self._item("in_progress")))
         if kind != "function_call":
             events.append(self.emit("response.content_part.added", item_id=self.open["id"], output_index=index,

@@ -1,5 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API) through the official OpenAI SDK, against the tiny model served live."""
 
+import re
+
 import openai
 import pytest
 from live_server import TINY_ENGINE
@@ -20,6 +22,7 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(server):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=7,
                                           **common)  # fmt: skip
     assert r.object == "response" and r.output_text == chat.choices[0].message.content
+    assert re.fullmatch("resp_[0-9a-f]{32}", r.id) and re.fullmatch("msg_[0-9a-f]{32}_0", r.output[0].id)
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 7
     assert r.usage.output_tokens_details.reasoning_tokens == 0
