@@ -319,12 +319,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         state.require_ready()
         req = await _parse(request, protocol.ChatCompletionRequest, settings.max_body_bytes)
         gen, ctx = await start_chat(req, protocol.new_id("chatcmpl"))
-        if req.stream:
-            return SSEResponse(chat_stream(gen, ctx), on_close=gen.close)
-        try:
-            return JSONResponse(await _until_disconnect(request, _collect_chat(gen, ctx)))
-        finally:
-            gen.close()
+        return await _answer(request, gen, req.stream, lambda: chat_stream(gen, ctx), lambda: _collect_chat(gen, ctx))
 
     @router.post("/v1/responses", **openapi.route_docs(responses.ResponsesRequest, openapi.ResponseObject, POST_ERRORS,
                  stream=True))  # fmt: skip
@@ -337,12 +332,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         except pydantic.ValidationError as e:
             raise from_validation_error(e) from None
         gen, ctx = await start_chat(chat, responses.new_id())
-        if req.stream:
-            return SSEResponse(responses.stream(req, gen, ctx), on_close=gen.close)
-        try:
-            return JSONResponse(await _until_disconnect(request, responses.collect(req, gen, ctx)))
-        finally:
-            gen.close()
+        return await _answer(request, gen, req.stream, lambda: responses.stream(req, gen, ctx),
+                             lambda: responses.collect(req, gen, ctx))  # fmt: skip
 
     async def start_chat(req: protocol.ChatCompletionRequest, response_id: str):
         """A chat request's generation, started, and the context its answer is written with."""
@@ -402,12 +393,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
                          req.cache_salt, settings.log_requests)  # fmt: skip
-        if req.stream:
-            return SSEResponse(completion_stream(gen, ctx), on_close=gen.close)
-        try:
-            return JSONResponse(await _until_disconnect(request, _collect_completion(gen, ctx)))
-        finally:
-            gen.close()
+        return await _answer(request, gen, req.stream, lambda: completion_stream(gen, ctx),
+                             lambda: _collect_completion(gen, ctx))  # fmt: skip
 
     @router.post("/tokenize", **openapi.route_docs(protocol.TokenizeRequest, openapi.TokenizeResponse, POST_ERRORS))
     async def tokenize(request: Request) -> JSONResponse:
@@ -654,6 +641,17 @@ def _output_parsers(state: ServerState, req: protocol.ChatCompletionRequest, pro
 
 
 # ---- non-streaming responses ----------------------------------------------------------------------------------
+
+
+async def _answer(request: Request, gen: Generation, stream: bool, events, answer) -> Response:
+    """The generation as server-sent `events()`, or as the JSON `answer()` collects; its engine requests end with
+    the stream, or once the answer is collected or the client has gone."""
+    if stream:
+        return SSEResponse(events(), on_close=gen.close)
+    try:
+        return JSONResponse(await _until_disconnect(request, answer()))
+    finally:
+        gen.close()
 
 
 async def _until_disconnect(request: Request, work) -> dict:

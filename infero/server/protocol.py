@@ -223,8 +223,7 @@ class _SamplingFields(_Model):
                   ("guided_choice", self.guided_choice, StructuredOutput.choice),
                   ("guided_grammar", self.guided_grammar, StructuredOutput.grammar)]  # fmt: skip
         if self.response_format is not None and self.response_format.type != "text":
-            fields.insert(0, ("response_format", self.response_format.model_dump(by_alias=True, exclude_none=True),
-                              StructuredOutput.from_response_format))  # fmt: skip
+            fields.insert(0, ("response_format", self.response_format, _from_response_format))
         return [field for field in fields if field[1] is not None]
 
     @property
@@ -242,6 +241,10 @@ class _SamplingFields(_Model):
             except StructuredOutputError as e:
                 raise bad_request(f"{name}: {e}", name.split(".")[0]) from e
         return found
+
+
+def _from_response_format(response_format: ResponseFormat) -> StructuredOutput | None:
+    return StructuredOutput.from_response_format(response_format.model_dump(by_alias=True, exclude_none=True))
 
 
 class _ChatPromptFields(_Model):

@@ -147,6 +147,7 @@ class StreamingToolParser(ABC):
         self._reader: _CallReader | None = None
         self._header_sent = False
         self._passthrough = False  # after a malformed call, everything is content
+        self._skip_space = False  # whitespace right after a call is not content
         self.num_tool_calls = 0  # calls whose first delta went out; the next call's index
 
     def feed(self, delta_text: str) -> list[DeltaMessage]:
@@ -185,6 +186,20 @@ class StreamingToolParser(ABC):
     def _content(self, text: str) -> None:
         if text:
             self._out.content(text)
+
+    def _text_char(self, char: str, start: "TagScanner") -> bool:
+        """A character of the content between calls (whitespace right after a call dropped); True when it completes
+        the `start` tag, which then begins the call's raw text."""
+        if self._skip_space:
+            if char.isspace():
+                return False
+            self._skip_space = False
+        released, matched = start.feed(char)
+        self._content(released)
+        if matched is None:
+            return False
+        self._raw = [matched]
+        return True
 
     def _begin_call(self) -> None:
         self._reader = _CallReader(self._allowed_keys)

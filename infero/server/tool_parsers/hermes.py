@@ -70,19 +70,11 @@ class HermesStreamingParser(StreamingToolParser):
         self._state = _TEXT
         self._start = TagScanner(START)
         self._end_partial = ""  # the part of END read so far after a call's JSON
-        self._skip_space = False  # whitespace right after a call is not content
 
     def _step(self, char: str) -> None:
         state = self._state
         if state == _TEXT:
-            if self._skip_space:
-                if char.isspace():
-                    return
-                self._skip_space = False
-            released, matched = self._start.feed(char)
-            self._content(released)
-            if matched is not None:
-                self._raw = [matched]
+            if self._text_char(char, self._start):
                 self._state = _CALL_START
             return
         self._raw.append(char)

@@ -126,7 +126,6 @@ class Qwen3CoderStreamingParser(StreamingToolParser):
         self._function = ""
         self._value: list[str] = []  # the parameter value's characters so far
         self._params: dict[str, Any] = {}
-        self._skip_space = False  # whitespace right after a call is not content
 
     @property
     def failed(self) -> bool:
@@ -135,14 +134,7 @@ class Qwen3CoderStreamingParser(StreamingToolParser):
     def _step(self, char: str) -> None:
         state = self._state
         if state == _TEXT:
-            if self._skip_space:
-                if char.isspace():
-                    return
-                self._skip_space = False
-            released, matched = self._start.feed(char)
-            self._content(released)
-            if matched is not None:
-                self._raw = [matched]
+            if self._text_char(char, self._start):
                 self._state, self._tag = _CALL, ""
             return
         self._raw.append(char)
