@@ -291,8 +291,9 @@ class Engine:
                 continue  # already known (a recompute after preemption) or past the prompt
             lp = raw_logprobs(row)
             token = req.prompt_ids[target]
+            rank = int(np.count_nonzero(lp >= lp[token]))
             req.prompt_logprobs.append(
-                TokenLogprob(token, float(lp[token]), top_logprobs(lp, req.params.prompt_logprobs))
+                TokenLogprob(token, float(lp[token]), top_logprobs(lp, req.params.prompt_logprobs), rank)
             )
 
     def _fork(self, req: Request) -> list[Request]:

@@ -20,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N alternatives, most likely first
+    rank: int | None = None  # a prompt token's: how many tokens are at least as likely (1: the most likely)
 
 
 @dataclass(eq=False)  # identity: the scheduler's list membership tests must not compare token lists

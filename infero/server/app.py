@@ -339,6 +339,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         """A chat request's generation, started, and the context its answer is written with."""
         protocol.check_model(req.model, settings.model_names)
         _check_logprobs(settings, req.num_logprobs, "top_logprobs")
+        _check_logprobs(settings, req.prompt_logprobs, "prompt_logprobs")
         engine = state.require_ready()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [m.to_template() for m in req.messages]
@@ -350,13 +351,13 @@ def _api_routes(state: ServerState) -> APIRouter:
         max_tokens = _max_tokens(engine, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         params = protocol.sampling_params(
             req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.num_logprobs,
-            defaults=state.llm.generation_defaults,
+            prompt_logprobs=req.prompt_logprobs, defaults=state.llm.generation_defaults,
         )  # fmt: skip
         params, parsers = _forced_tool_calls(req, params) or (params, _output_parsers(state, req, prompt_text))
         await _validate(engine, prompt_ids, params, "messages", req.constraint_field)
         ctx = ChatStreamContext(
             response_id, protocol.now(), settings.served_model_name, state.fingerprint,
-            engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers,
+            engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers, req.prompt_logprobs,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
                          settings.log_requests)  # fmt: skip
@@ -369,6 +370,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         req = await _parse(request, protocol.CompletionRequest, settings.max_body_bytes)
         protocol.check_model(req.model, settings.model_names)
         _check_logprobs(settings, req.logprobs, "logprobs")
+        _check_logprobs(settings, req.prompt_logprobs, "prompt_logprobs")
         engine = state.require_ready()
         prompts = _prompt_list(req.prompt)
         state.check_admissible(len(prompts))  # before the work of encoding them
@@ -379,7 +381,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         rooms = [_max_tokens(engine, ids, requested or None, "prompt") for ids in prompts]
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens or min(rooms)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        # echo's legacy logprobs and vLLM's prompt_logprobs read one list, as wide as the wider asks
+        asked = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+        prompt_logprobs = max(asked) if asked else None
         params = protocol.sampling_params(
             req, vocab_size=_vocab_size(engine), max_tokens=max_tokens, logprobs=req.logprobs,
             prompt_logprobs=prompt_logprobs, defaults=state.llm.generation_defaults,
@@ -389,7 +393,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         ctx = CompletionStreamContext(
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs is not None, req.include_usage, req.continuous_usage,
-            texts if req.echo else None, score_only,
+            texts if req.echo else None, score_only, req.logprobs, req.prompt_logprobs,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
                          req.cache_salt, settings.log_requests)  # fmt: skip
@@ -555,8 +559,9 @@ def _vocab_size(engine: AsyncEngine) -> int:
 
 
 def _check_logprobs(settings: ServerSettings, count: int | None, param: str) -> None:
-    if count is not None and count > settings.max_logprobs:
-        raise bad_request(f"{param}: requested {count} logprobs a token, more than this server's --max-logprobs "
+    if count is not None and not 0 <= count <= settings.max_logprobs:
+        asked = "the whole vocabulary's logprobs (-1)" if count < 0 else f"{count} logprobs a token"
+        raise bad_request(f"{param}: requested {asked}, more than this server's --max-logprobs "
                           f"{settings.max_logprobs}", param)  # fmt: skip
 
 
@@ -681,8 +686,10 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
     logprobs: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
+    prompt_entries = None
     async with aclosing(gen.outputs()) as outputs:
         async for index, _, out in outputs:
+            prompt_entries = prompt_entries or out.prompt_logprobs
             texts[index].append(out.new_text)
             logprobs[index] += out.logprobs or []
             if out.finished:
@@ -697,9 +704,12 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
         if ctx.logprobs:
             choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i])}
         choices.append(choice)
-    return {"id": ctx.response_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-            "system_fingerprint": ctx.fingerprint, "choices": choices,
-            "usage": gen.usage(gen.num_generated)}  # fmt: skip
+    response = {"id": ctx.response_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+                "system_fingerprint": ctx.fingerprint, "choices": choices,
+                "usage": gen.usage(gen.num_generated)}  # fmt: skip
+    if ctx.prompt_logprobs is not None:  # vLLM's: one list for the conversation's prompt, beside the choices
+        response["prompt_logprobs"] = protocol.prompt_logprobs(ctx.tokenizer, prompt_entries or [], ctx.prompt_logprobs)
+    return response
 
 
 async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> dict:
@@ -716,8 +726,11 @@ async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> 
                         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
         last = pieces[i][-1] if pieces[i] else {}
         text = "".join(piece["text"] for piece in pieces[i])
-        choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": last.get("finish_reason"),
-                        "stop_reason": last.get("stop_reason")})  # fmt: skip
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": last.get("finish_reason"),
+                  "stop_reason": last.get("stop_reason")}  # fmt: skip
+        if ctx.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = next((p["prompt_logprobs"] for p in pieces[i] if "prompt_logprobs" in p), None)
+        choices.append(choice)
     completion_tokens = 0 if ctx.score_only else gen.num_generated
     return {"id": ctx.response_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": ctx.fingerprint, "choices": choices,

@@ -85,6 +85,14 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token, or of one of its alternatives, keyed by token id."""
+
+    logprob: float
+    rank: int  # 1: the most likely token at that position
+    decoded_token: str
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
@@ -103,6 +111,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when the request asks
 
 
 class ResponseUsage(BaseModel):
@@ -136,6 +145,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when the request asks
 
 
 class CompletionResponse(BaseModel):

@@ -183,7 +183,8 @@ class _SamplingFields(_Model):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
-    prompt_logprobs: int | None = None
+    # vLLM's: each prompt token's logprob and rank with the top-N alternatives (-1 asks for the whole vocabulary)
+    prompt_logprobs: int | None = Field(None, ge=-1)
     # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
@@ -194,12 +195,13 @@ class _SamplingFields(_Model):
             "allowed_token_ids": "restrict the output with structured_outputs (a regex, choice or grammar) instead",
             "bad_words": "word bans are not built",
             "logits_processors": "infero runs no custom logits processors",
-            "prompt_logprobs": "the prompt's logprobs come from /v1/completions with echo: true and logprobs",
         }
         for name, why in unbuilt.items():
             value = getattr(self, name)
-            if value is not None and value is not False:  # 0 asks for something (prompt_logprobs 0: the tokens')
+            if value is not None and value is not False:
                 raise ValueError(f"{name} is not supported: {why}")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: they would precede every token
+            raise ValueError("prompt_logprobs is not available when streaming")
         return self
 
     @property
@@ -481,6 +483,22 @@ def completion_logprobs(
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
+
+
+def prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob | None], n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt: null for its first token (nothing predicts it), then per token a map
+    from token id to its logprob, rank and text: the prompt's token and the n most likely, ranked 1..n."""
+    result: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = [(entry.token_id, entry.logprob, entry.rank)]
+        ranked += [(token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(entry.top[:n], 1)]
+        result.append({str(token_id): {"logprob": _finite(logprob), "rank": rank,
+                                       "decoded_token": token_text(tokenizer, token_id)[0]}
+                       for token_id, logprob, rank in ranked})  # fmt: skip
+    return result
 
 
 def _finite(logprob: float) -> float:

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -309,6 +309,7 @@ class StreamContext:
 @dataclass
 class ChatStreamContext(StreamContext):
     parsers: OutputParsers | None = None  # None: the text is all content
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the answer carries them, N alternatives each
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
 
@@ -370,6 +371,8 @@ def chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) -
 class CompletionStreamContext(StreamContext):
     echo_texts: list[str] | None  # per prompt, when echo is set
     score_only: bool  # echo with max_tokens 0: the one generated token is dropped
+    num_logprobs: int | None = None  # the legacy logprobs' alternatives a token
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each choice carries them, N alternatives each
     offsets: dict[int, int] = field(default_factory=dict)
 
 
@@ -404,8 +407,8 @@ def completion_piece(
     if first and ctx.echo_texts is not None:
         text = ctx.echo_texts[p]
         token_ids = list(gen.prompts[p])
-        prompt_entries = out.prompt_logprobs
-        entries = list(prompt_entries) if prompt_entries else [None] * len(token_ids)
+        n = ctx.num_logprobs or 0  # the list may be wider, for prompt_logprobs
+        entries = [e and replace(e, top=e.top[:n]) for e in out.prompt_logprobs or [None] * len(token_ids)]
     if not ctx.score_only:
         text += out.new_text
         token_ids += out.new_token_ids
@@ -418,8 +421,12 @@ def completion_piece(
     finish = None
     if out.finished:
         finish = "length" if ctx.score_only else out.finish_reason
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-            "stop_reason": out.stop_reason if out.finished else None}  # fmt: skip
+    piece = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+             "stop_reason": out.stop_reason if out.finished else None}  # fmt: skip
+    if first and ctx.prompt_logprobs is not None:
+        piece["prompt_logprobs"] = protocol.prompt_logprobs(ctx.tokenizer, out.prompt_logprobs or [],
+                                                            ctx.prompt_logprobs)  # fmt: skip
+    return piece
 
 
 def _pad(entries: list[TokenLogprob | None], token_ids: list[int]) -> list[TokenLogprob | None]:

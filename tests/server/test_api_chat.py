@@ -78,6 +78,26 @@ def test_logprobs_come_in_the_chat_shape(server):
     assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == r.choices[0].message.content
 
 
+def test_prompt_logprobs_of_a_conversation_are_those_of_its_rendered_prompt(server):
+    """vLLM's prompt_logprobs on chat: one list beside the choices, as /v1/completions scores the same token ids."""
+    http = server.http()
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2,
+                                                   "prompt_logprobs": 2})  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    ids = http.post("/tokenize", json={"model": "tiny", "messages": HELLO}).json()["tokens"]
+    completion = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                    "prompt_logprobs": 2})  # fmt: skip
+    got, expected = chat.json()["prompt_logprobs"], completion.json()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) == chat.json()["usage"]["prompt_tokens"] and got[0] is None
+    for a, b in zip(got[1:], expected[1:], strict=True):
+        assert {k: (v["rank"], v["decoded_token"]) for k, v in a.items()} == (
+            {k: (v["rank"], v["decoded_token"]) for k, v in b.items()}
+        )
+        assert [v["logprob"] for v in a.values()] == pytest.approx([v["logprob"] for v in b.values()], abs=1e-5)
+    assert "prompt_logprobs" not in http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO,
+                                                                            "max_tokens": 2}).json()  # fmt: skip
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(server):
     client = server.client()
 
@@ -299,8 +319,6 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt_as_vl
      ("/v1/chat/completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
      ("/v1/completions", {"bad_words": ["hello"]}, "bad_words"),
      ("/v1/chat/completions", {"logits_processors": ["x.Y"]}, "logits_processors"),
-     ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-     ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
      ("/v1/chat/completions", {"echo": True}, "echo")],
 )  # fmt: skip
 def test_vllms_fields_for_what_infero_does_not_do_are_refused_not_ignored(server, route, extra, param):

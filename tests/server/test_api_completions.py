@@ -52,6 +52,65 @@ def test_prompt_logprobs_agree_with_the_logprobs_of_generated_tokens(server, tin
     assert got == pytest.approx([lp.logprob for lp in generated.logprobs], abs=tolerance)
 
 
+def test_vllms_prompt_logprobs_rank_each_prompt_token_as_the_sampler_ranks_it(server, tiny_llm):
+    """vLLM's prompt_logprobs: a greedy token at rank 1, the sampler's second choice at rank 2, each with the
+    logprob it was sampled with, and the top-N ranked 1..N."""
+    prompt_ids = tiny_llm.tokenizer.encode("hello the")
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
+    [greedy] = tiny_llm.generate([prompt_ids], params)
+    second, second_logprob = greedy.logprobs[-1].top[1]
+    scored_ids = prompt_ids + greedy.completion_ids[:-1] + [second]
+    r = server.http().post("/v1/completions", json={"model": "tiny", "prompt": scored_ids, "max_tokens": 1,
+                                                    "prompt_logprobs": 3})  # fmt: skip
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(scored_ids) and entries[0] is None
+    tolerance = 1e-4 if TEST_DEVICE == "cpu" else 2e-3
+    for position, expected in zip(range(len(prompt_ids), len(scored_ids) - 1), greedy.logprobs, strict=False):
+        token = entries[position][str(scored_ids[position])]
+        assert token["rank"] == 1 and token["logprob"] == pytest.approx(expected.logprob, abs=tolerance)
+    last = entries[-1][str(second)]
+    assert last["rank"] == 2 and last["logprob"] == pytest.approx(second_logprob, abs=tolerance)
+    assert last["decoded_token"] == tiny_llm.tokenizer.decode([second])
+    for entry in entries[1:]:
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked][:3] == [1, 2, 3] and 3 <= len(entry) <= 4
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+    server.wait_idle()
+
+
+def test_prompt_logprobs_beside_echo_keep_each_its_own_width(server):
+    body = {"model": "tiny", "prompt": "hello the world", "max_tokens": 2, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 4, "n": 2, "seed": 3}  # fmt: skip
+    r = server.http().post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]  # one prompt, n choices
+    prompt_len = r.json()["usage"]["prompt_tokens"]
+    assert len(choices[0]["prompt_logprobs"]) == prompt_len
+    assert all(4 <= len(e) <= 5 for e in choices[0]["prompt_logprobs"][1:])
+    assert all(len(top) == 1 for top in choices[0]["logprobs"]["top_logprobs"][1:])
+    plain = server.http().post("/v1/completions", json={**body, "prompt_logprobs": None})
+    assert "prompt_logprobs" not in plain.json()["choices"][0]
+    echoed = plain.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert echoed[:prompt_len] == choices[0]["logprobs"]["token_logprobs"][:prompt_len]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [({"prompt_logprobs": 1, "stream": True}, "not available when streaming"),
+     ({"prompt_logprobs": -1}, "whole vocabulary's logprobs (-1)"),
+     ({"prompt_logprobs": 21}, "--max-logprobs 20")],
+)  # fmt: skip
+def test_prompt_logprobs_out_of_reach_are_a_400_that_says_why(server, extra, message):
+    for route, body in (
+        ("/v1/completions", {"prompt": "hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = server.http().post(route, json={"model": "tiny", "max_tokens": 2, **body, **extra})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_a_list_of_prompts_gives_choices_prompt_major(server):
     r = server.client().completions.create(
         model="tiny", prompt=["hello", "the world"], n=2, max_tokens=3, echo=True, seed=9,
