@@ -358,6 +358,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         ctx = ChatStreamContext(
             response_id, protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers, req.prompt_logprobs,
+            req.return_token_ids,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
                          settings.log_requests)  # fmt: skip
@@ -393,7 +394,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         ctx = CompletionStreamContext(
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs is not None, req.include_usage, req.continuous_usage,
-            texts if req.echo else None, score_only, req.logprobs, req.prompt_logprobs,
+            texts if req.echo else None, score_only, req.logprobs, req.prompt_logprobs, req.return_token_ids,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
                          req.cache_salt, settings.log_requests)  # fmt: skip
@@ -683,6 +684,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
     n = gen.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
@@ -691,6 +693,7 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
         async for index, _, out in outputs:
             prompt_entries = prompt_entries or out.prompt_logprobs
             texts[index].append(out.new_text)
+            token_ids[index] += out.new_token_ids
             logprobs[index] += out.logprobs or []
             if out.finished:
                 finish[index], stop_reasons[index] = out.finish_reason, out.stop_reason
@@ -703,10 +706,14 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
                   "stop_reason": stop_reasons[i]}  # fmt: skip
         if ctx.logprobs:
             choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i])}
+        if ctx.return_token_ids:
+            choice["token_ids"] = token_ids[i]
         choices.append(choice)
     response = {"id": ctx.response_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
                 "system_fingerprint": ctx.fingerprint, "choices": choices,
                 "usage": gen.usage(gen.num_generated)}  # fmt: skip
+    if ctx.return_token_ids:
+        response["prompt_token_ids"] = list(gen.prompts[0])
     if ctx.prompt_logprobs is not None:  # vLLM's: one list for the conversation's prompt, beside the choices
         response["prompt_logprobs"] = protocol.prompt_logprobs(ctx.tokenizer, prompt_entries or [], ctx.prompt_logprobs)
     return response
@@ -730,6 +737,10 @@ async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> 
                   "stop_reason": last.get("stop_reason")}  # fmt: skip
         if ctx.prompt_logprobs is not None:
             choice["prompt_logprobs"] = next((p["prompt_logprobs"] for p in pieces[i] if "prompt_logprobs" in p), None)
+        if ctx.return_token_ids:
+            choice["prompt_token_ids"] = next((p["prompt_token_ids"] for p in pieces[i] if "prompt_token_ids" in p),
+                                              None)  # fmt: skip
+            choice["token_ids"] = [t for piece in pieces[i] for t in piece["token_ids"]]
         choices.append(choice)
     completion_tokens = 0 if ctx.score_only else gen.num_generated
     return {"id": ctx.response_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,

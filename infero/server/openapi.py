@@ -99,6 +99,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the tokens generated
 
 
 class ChatCompletionResponse(BaseModel):
@@ -112,6 +113,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when the request asks
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ResponseUsage(BaseModel):
@@ -146,6 +148,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when the request asks
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the tokens generated
 
 
 class CompletionResponse(BaseModel):

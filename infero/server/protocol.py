@@ -177,6 +177,7 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
+    return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and the output's token ids
 
     # vLLM's fields for what infero does not do: refused, so that no request gets an answer it did not ask for
     use_beam_search: bool = False

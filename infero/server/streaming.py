@@ -310,6 +310,7 @@ class StreamContext:
 class ChatStreamContext(StreamContext):
     parsers: OutputParsers | None = None  # None: the text is all content
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the answer carries them, N alternatives each
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids beside the choices, each choice's token_ids
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
 
@@ -317,16 +318,17 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
     base = {"id": ctx.response_id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": ctx.fingerprint}  # fmt: skip
 
-    def chunk(choice: dict) -> bytes:
-        data = {**base, "choices": [choice]}
+    def chunk(choice: dict, **extra) -> bytes:
+        data = {**base, "choices": [choice], **extra}
         if ctx.include_usage:
             data["usage"] = gen.usage(gen.num_generated) if ctx.continuous_usage else None
         return sse(data)
 
     try:
+        prompt = {"prompt_token_ids": list(gen.prompts[0])} if ctx.return_token_ids else {}
         for i in range(gen.num_choices):
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None, "stop_reason": None})  # fmt: skip
+                         "finish_reason": None, "stop_reason": None}, **prompt)  # fmt: skip
         async with aclosing(gen.outputs()) as outputs:
             async for index, _, out in outputs:
                 for choice in chat_choice_deltas(index, out, ctx):
@@ -352,12 +354,16 @@ def chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) -
     logprobs = None
     if ctx.logprobs and out.logprobs:
         logprobs = {"content": protocol.chat_logprobs(ctx.tokenizer, out.logprobs)}
-    if not deltas and (logprobs is not None or out.finished):
+    token_ids = ctx.return_token_ids and out.new_token_ids
+    if not deltas and (logprobs is not None or out.finished or token_ids):
         deltas = [{}]
     choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
                for d in deltas]  # fmt: skip
     if choices:
         choices[0]["logprobs"] = logprobs
+        if ctx.return_token_ids:  # every token on the first delta of its output, as logprobs
+            for i, choice in enumerate(choices):
+                choice["token_ids"] = list(out.new_token_ids) if i == 0 else []
         if out.finished:
             choices[-1]["finish_reason"] = "tool_calls" if called_tools else out.finish_reason
             choices[-1]["stop_reason"] = out.stop_reason
@@ -373,6 +379,7 @@ class CompletionStreamContext(StreamContext):
     score_only: bool  # echo with max_tokens 0: the one generated token is dropped
     num_logprobs: int | None = None  # the legacy logprobs' alternatives a token
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each choice carries them, N alternatives each
+    return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids (first piece) and token_ids
     offsets: dict[int, int] = field(default_factory=dict)
 
 
@@ -423,6 +430,10 @@ def completion_piece(
         finish = "length" if ctx.score_only else out.finish_reason
     piece = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
              "stop_reason": out.stop_reason if out.finished else None}  # fmt: skip
+    if ctx.return_token_ids:
+        piece["token_ids"] = [] if ctx.score_only else list(out.new_token_ids)
+        if first:
+            piece["prompt_token_ids"] = list(gen.prompts[p])
     if first and ctx.prompt_logprobs is not None:
         piece["prompt_logprobs"] = protocol.prompt_logprobs(ctx.tokenizer, out.prompt_logprobs or [],
                                                             ctx.prompt_logprobs)  # fmt: skip

@@ -98,6 +98,30 @@ def test_prompt_logprobs_of_a_conversation_are_those_of_its_rendered_prompt(serv
                                                                             "max_tokens": 2}).json()  # fmt: skip
 
 
+def test_return_token_ids_give_the_prompt_and_each_choices_tokens_streamed_or_not(server, tiny_llm):
+    """vLLM's return_token_ids: prompt_token_ids beside the choices (in streams on the role chunks), each choice's
+    token_ids in order, decoding to its text."""
+    http = server.http()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 7, "n": 2, "seed": 5, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    full = http.post("/v1/chat/completions", json=body).json()
+    assert (
+        full["prompt_token_ids"] == http.post("/tokenize", json={"model": "tiny", "messages": HELLO}).json()["tokens"]
+    )
+    for choice in full["choices"]:
+        assert len(choice["token_ids"]) == 7
+        assert choice["message"]["content"] == tiny_llm.tokenizer.decode(choice["token_ids"])
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={**body, "stream": True})
+              .text.splitlines() if line.startswith("data: {")]  # fmt: skip
+    roles = [c for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert len(roles) == 2 and all(c["prompt_token_ids"] == full["prompt_token_ids"] for c in roles)
+    for i, choice in enumerate(full["choices"]):
+        streamed = [t for c in chunks if c["choices"][0]["index"] == i for t in c["choices"][0].get("token_ids", [])]
+        assert streamed == choice["token_ids"]  # a seeded request repeats, streamed or not
+    plain = http.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(server):
     client = server.client()
 

@@ -146,6 +146,28 @@ def test_streaming_completion_matches_non_streaming(server):
     assert chunks[-1].usage == full.usage and chunks[-1].choices == []
 
 
+def test_return_token_ids_give_each_choice_its_prompt_and_output_tokens_streamed_or_not(server, tiny_llm):
+    """vLLM's return_token_ids: the ids the engine read and sampled, which decode to the choice's text."""
+    body = {"model": "tiny", "prompt": ["hello", "the world"], "max_tokens": 6, "temperature": 0, "echo": True,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    full = server.http().post("/v1/completions", json=body).json()
+    for choice, prompt in zip(full["choices"], body["prompt"], strict=True):
+        assert choice["prompt_token_ids"] == tiny_llm.tokenizer.encode(prompt)
+        assert len(choice["token_ids"]) == 6
+        assert choice["text"] == prompt + tiny_llm.tokenizer.decode(choice["token_ids"])
+    chunks = [json.loads(line[6:]) for line in server.http().post(
+        "/v1/completions", json={**body, "stream": True}).text.splitlines() if line.startswith("data: {")]  # fmt: skip
+    for i, choice in enumerate(full["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    scored = server.http().post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert [c["token_ids"] for c in scored["choices"]] == [[], []]  # max_tokens 0 generates nothing
+    assert "token_ids" not in server.http().post("/v1/completions", json={**body, "return_token_ids": False}).json()[
+        "choices"][0]  # fmt: skip
+
+
 def test_seeds_repeat_and_stop_token_ids_stop(server, tiny_llm):
     client = server.client()
     a = client.completions.create(model="tiny", prompt="hello", max_tokens=8, seed=42, temperature=1.0)
