@@ -96,6 +96,11 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()  # more names requests may use (vllm serve's --served-model-name A B ...)
     log_requests: bool = False  # a log line as each request arrives and ends (--enable-log-requests)
     default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's (vLLM's flag of that name)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+
+    def tokens_as_ids(self, req: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> bool:
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
         """A request's chat template variables: the server's defaults with the request's own laid over them."""
@@ -358,7 +363,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         ctx = ChatStreamContext(
             response_id, protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers, req.prompt_logprobs,
-            req.return_token_ids,
+            req.return_token_ids, settings.tokens_as_ids(req),
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
                          settings.log_requests)  # fmt: skip
@@ -395,6 +400,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             protocol.new_id("cmpl"), protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs is not None, req.include_usage, req.continuous_usage,
             texts if req.echo else None, score_only, req.logprobs, req.prompt_logprobs, req.return_token_ids,
+            settings.tokens_as_ids(req),
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
                          req.cache_salt, settings.log_requests)  # fmt: skip
@@ -705,7 +711,7 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
                   "finish_reason": "tool_calls" if message.get("tool_calls") else finish[i],
                   "stop_reason": stop_reasons[i]}  # fmt: skip
         if ctx.logprobs:
-            choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i])}
+            choice["logprobs"] = {"content": protocol.chat_logprobs(ctx.tokenizer, logprobs[i], ctx.tokens_as_ids)}
         if ctx.return_token_ids:
             choice["token_ids"] = token_ids[i]
         choices.append(choice)

@@ -178,6 +178,9 @@ class _SamplingFields(_Model):
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
     return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and the output's token ids
+    # vLLM's: logprobs name each token "token_id:N" (a token that is half a character stays identifiable);
+    # None: the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
 
     # vLLM's fields for what infero does not do: refused, so that no request gets an answer it did not ask for
     use_beam_search: bool = False
@@ -451,28 +454,33 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return text, text.encode("utf-8")
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """`choices[i].logprobs.content` of a chat completion: one entry per generated token."""
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:
+    """`choices[i].logprobs.content` of a chat completion: one entry per generated token (`as_ids`: each token
+    named "token_id:N", vLLM's return_tokens_as_token_ids)."""
     content = []
     for entry in entries:
         text, data = token_text(tokenizer, entry.token_id)
+        text = f"token_id:{entry.token_id}" if as_ids else text
         top = []
         for token_id, logprob in entry.top:
             top_text, top_data = token_text(tokenizer, token_id)
+            top_text = f"token_id:{token_id}" if as_ids else top_text
             top.append({"token": top_text, "logprob": _finite(logprob), "bytes": list(top_data)})
         content.append({"token": text, "logprob": _finite(entry.logprob), "bytes": list(data), "top_logprobs": top})
     return content
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, entries: list[TokenLogprob | None], token_ids: list[int], offset: int
+    tokenizer: Tokenizer, entries: list[TokenLogprob | None], token_ids: list[int], offset: int, as_ids: bool = False
 ) -> dict[str, list]:
     """The legacy `logprobs` of a completion choice for `token_ids` (an entry of None, the first prompt token's,
-    gives null); `offset` is where the first token's text starts in the choice's text."""
+    gives null); `offset` is where the first token's text starts in the choice's text; `as_ids`: each token named
+    "token_id:N" (the offsets still count the text)."""
+    name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: token_text(tokenizer, t)[0])
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, entry in zip(token_ids, entries, strict=True):
         text, _ = token_text(tokenizer, token_id)
-        tokens.append(text)
+        tokens.append(name(token_id))
         text_offset.append(offset)
         offset += len(text)
         if entry is None:
@@ -480,7 +488,7 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         token_logprobs.append(_finite(entry.logprob))
-        top = {token_text(tokenizer, t)[0]: _finite(lp) for t, lp in entry.top}
+        top = {name(t): _finite(lp) for t, lp in entry.top}
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip

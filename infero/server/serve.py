@@ -240,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                         help="taken as vllm serve takes them; infero logs neither requests (unless "
                              "--enable-log-requests) nor stats")  # fmt: skip
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs name each token "token_id:N" (a request\'s return_tokens_as_token_ids says '
+                             "otherwise for itself), as vllm serve's")  # fmt: skip
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="as vllm serve's: a log line as each request arrives (its prompts' lengths and "
                              "parameters, never its text) and as it ends")  # fmt: skip
@@ -374,7 +377,8 @@ def main(args: argparse.Namespace) -> int:
                               reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs, cors=cors,
                               docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]),
                               log_requests=args.enable_log_requests,
-                              default_chat_template_kwargs=args.default_chat_template_kwargs)  # fmt: skip
+                              default_chat_template_kwargs=args.default_chat_template_kwargs,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0

@@ -311,6 +311,7 @@ class ChatStreamContext(StreamContext):
     parsers: OutputParsers | None = None  # None: the text is all content
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the answer carries them, N alternatives each
     return_token_ids: bool = False  # vLLM's: prompt_token_ids beside the choices, each choice's token_ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
 
@@ -353,7 +354,7 @@ def chat_choice_deltas(index: int, out: RequestOutput, ctx: ChatStreamContext) -
         called_tools = stream.called_tools
     logprobs = None
     if ctx.logprobs and out.logprobs:
-        logprobs = {"content": protocol.chat_logprobs(ctx.tokenizer, out.logprobs)}
+        logprobs = {"content": protocol.chat_logprobs(ctx.tokenizer, out.logprobs, ctx.tokens_as_ids)}
     token_ids = ctx.return_token_ids and out.new_token_ids
     if not deltas and (logprobs is not None or out.finished or token_ids):
         deltas = [{}]
@@ -380,6 +381,7 @@ class CompletionStreamContext(StreamContext):
     num_logprobs: int | None = None  # the legacy logprobs' alternatives a token
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each choice carries them, N alternatives each
     return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids (first piece) and token_ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     offsets: dict[int, int] = field(default_factory=dict)
 
 
@@ -423,8 +425,14 @@ def completion_piece(
     logprobs = None
     if ctx.logprobs:
         logprobs = protocol.completion_logprobs(ctx.tokenizer, _pad(entries, token_ids), token_ids,
-                                                ctx.offsets.get(index, 0))  # fmt: skip
-    ctx.offsets[index] = ctx.offsets.get(index, 0) + sum(len(t) for t in (logprobs or {}).get("tokens", []))
+                                                ctx.offsets.get(index, 0), ctx.tokens_as_ids)  # fmt: skip
+        ctx.offsets[index] = (
+            logprobs["text_offset"][-1] + len(protocol.token_text(ctx.tokenizer, token_ids[-1])[0])
+            if token_ids
+            else ctx.offsets.get(index, 0)
+        )
+    else:
+        ctx.offsets.setdefault(index, 0)
     finish = None
     if out.finished:
         finish = "length" if ctx.score_only else out.finish_reason

@@ -122,6 +122,17 @@ def test_return_token_ids_give_the_prompt_and_each_choices_tokens_streamed_or_no
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
+def test_return_tokens_as_token_ids_name_chat_logprob_tokens_by_id(server):
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    plain = server.http().post("/v1/chat/completions", json=body).json()["choices"][0]
+    named = server.http().post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    content = named["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{i}" for i in named["choices"][0]["token_ids"]]
+    assert [e["bytes"] for e in content] == [e["bytes"] for e in plain["logprobs"]["content"]]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(server):
     client = server.client()
 

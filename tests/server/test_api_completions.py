@@ -168,6 +168,27 @@ def test_return_token_ids_give_each_choice_its_prompt_and_output_tokens_streamed
         "choices"][0]  # fmt: skip
 
 
+def test_return_tokens_as_token_ids_name_each_logprob_token_by_its_id(server, fresh_server):
+    """vLLM's return_tokens_as_token_ids (per request, or --return-tokens-as-token-ids for all): tokens "token_id:N",
+    the rest of the logprobs as they were."""
+    body = {"model": "tiny", "prompt": "hello the", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    plain = server.http().post("/v1/completions", json=body).json()["choices"][0]
+    named = (
+        server.http().post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    )
+    ids = named["prompt_token_ids"] + named["token_ids"]
+    assert named["logprobs"]["tokens"] == [f"token_id:{i}" for i in ids]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top in named["logprobs"]["top_logprobs"][1:]:
+        assert all(key.startswith("token_id:") and int(key[9:]) >= 0 for key in top)
+    live = fresh_server(return_tokens_as_token_ids=True)
+    assert live.http().post("/v1/completions", json=body).json()["choices"][0]["logprobs"] == named["logprobs"]
+    off = live.http().post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+    assert off["choices"][0]["logprobs"] == plain["logprobs"]
+
+
 def test_seeds_repeat_and_stop_token_ids_stop(server, tiny_llm):
     client = server.client()
     a = client.completions.create(model="tiny", prompt="hello", max_tokens=8, seed=42, temperature=1.0)

@@ -141,6 +141,8 @@ def test_the_http_surfaces_flags():
     assert args.default_chat_template_kwargs == {"enable_thinking": False} and notes(args) == []
     with pytest.raises(InferoError, match="may not set messages"):
         notes(parse(["--default-chat-template-kwargs", '{"messages": []}']))
+    assert parse(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    assert not parse([]).return_tokens_as_token_ids
 
 
 def test_generation_config_flags_and_what_the_server_says_of_the_defaults():
