@@ -22,7 +22,7 @@ from infero.engine import generation_defaults
 from infero.engine.engine import Engine, EngineConfig
 from infero.engine.request import RequestOutput, TokenLogprob
 from infero.engine.sampling import SamplingParams
-from infero.errors import ChatTemplateError, PromptTooLongError
+from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
 from infero.models import load_model
 from infero.progress import Progress
 from infero.tokenizer import Tokenizer
@@ -186,20 +186,27 @@ class LLM:
             self.engine.abort(request_id)
 
     def generate(
-        self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: str | list[int] | list,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
     ) -> list[Completion]:
         """Generate for every prompt in one batch; results prompt-major (each prompt's n choices in order); without
-        `params`, the model's generation defaults."""
+        `params`, the model's generation defaults; `priority`: each prompt's, under EngineConfig's priority
+        scheduling policy (lower first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
+        priorities = priority if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InferoError(f"priority has {len(priorities)} values for {len(prompts)} prompts")
         results: dict[tuple[str, int], Completion] = {}
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
+            for prompt, p, rank in zip(prompts, params_list, priorities, strict=True):
                 rid = uuid.uuid4().hex
                 prompt_ids = self._ids(prompt)
-                self.engine.add_request(rid, prompt_ids, p)
+                self.engine.add_request(rid, prompt_ids, p, priority=rank)
                 ids.append(rid)
                 for j in range(p.n):
                     results[rid, j] = Completion(prompt_ids, logprobs=[] if p.logprobs is not None else None)

@@ -35,6 +35,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model.config
+        self.scheduling_policy = engine.config.scheduling_policy
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -49,24 +50,29 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="infero-engine", daemon=True)
         self._thread.start()
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_ids, params)
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        self.engine.validate(prompt_ids, params, priority)
 
     def stats(self) -> EngineStats:
         return self._stats
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Each step's outputs for the request's n choices; closing the iterator early aborts the request."""
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down")
         if request_id in self._streams:
             raise InferoError(f"request id {request_id!r} is already running")
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt_ids, params, cache_salt))
+        self._send(("add", request_id, prompt_ids, params, cache_salt, priority))
         running = params.n
         try:
             while running:
@@ -126,9 +132,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params, cache_salt = command
+                _, request_id, prompt_ids, params, cache_salt, priority = command
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params, cache_salt)
+                    self.engine.add_request(request_id, prompt_ids, params, cache_salt, priority)
                 except InferoError as e:
                     self._loop.call_soon_threadsafe(self._deliver_error, request_id, e)
             else:

@@ -54,6 +54,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # queue step k + 1 before reading step k's tokens; None: where it pays
     cpu_threads: int | None = None  # CPU backend: BLAS threads; None: $INFERO_CPU_THREADS, else 1
     enable_prefix_caching: bool = True  # reuse the KV blocks of earlier requests' identical prompt prefixes
+    scheduling_policy: str = "fcfs"  # or "priority": requests' priority, then arrival (vLLM's --scheduling-policy)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Engine:
         self.cache = backend.allocate_kv_cache(mc, num_blocks, config.block_size, num_state_slots)
         self.max_model_len = min(limit, num_blocks * config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.states,
-                                   model.prefill_alignment)  # fmt: skip
+                                   model.prefill_alignment, config.scheduling_policy)  # fmt: skip
         self._seqs: dict[tuple[str, int], _Sequence] = {}
         self._choices: dict[str, int] = {}  # request id -> choices still running
         self._arrivals = itertools.count()
@@ -127,8 +128,11 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise the user's error for a request that cannot run; reads only constants (thread-safe)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InferoError(f"priority {priority} asks for priority scheduling, which is off: start the engine "
+                              "with --scheduling-policy priority")  # fmt: skip
         if not prompt_ids:
             raise InferoError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -145,13 +149,20 @@ class Engine:
             self.grammars.compile_grammar(params.structured)  # an invalid schema or regex fails here, not in a step
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; only requests with the same `cache_salt` share prefix cache blocks."""
+        """Queue a request; only requests with the same `cache_salt` share prefix cache blocks; `priority` orders
+        requests under the priority policy (lower first)."""
         if request_id in self._choices:
             raise InferoError(f"request id {request_id!r} is already running")
-        self.validate(prompt_ids, params)
-        req = Request(request_id, list(prompt_ids), params, next(self._arrivals), cache_salt=cache_salt)
+        self.validate(prompt_ids, params, priority)
+        req = Request(request_id, list(prompt_ids), params, next(self._arrivals), cache_salt=cache_salt,
+                      priority=priority)  # fmt: skip
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._track(req)
@@ -310,7 +321,8 @@ class Engine:
                 req.params if req.params.seed is None else dataclasses.replace(req.params, seed=req.params.seed + j)
             )
             child = Request(req.request_id, req.prompt_ids, params, next(self._arrivals), index=j,
-                            cache_salt=req.cache_salt, block_hashes=list(req.block_hashes))  # fmt: skip
+                            priority=req.priority, cache_salt=req.cache_salt,
+                            block_hashes=list(req.block_hashes))  # fmt: skip
             child.prompt_logprobs, child.num_cached_tokens = req.prompt_logprobs, req.num_cached_tokens
             room = len(self.scheduler.running) < self.config.max_num_seqs
             if room and (not partial or self.pool.num_free > 0) and self.scheduler.take_state(child):
@@ -327,7 +339,7 @@ class Engine:
                 seqs.append(child)
             else:  # no room among the running sequences (max_num_seqs: the step buffers and graphs are sized for it),
                 # no block to copy the prompt's tail into, or no state slot: the sibling recomputes its prompt later
-                self.scheduler.waiting.append(child)
+                self.scheduler.add(child)
             self._track(child)
         self._choices[req.request_id] = n
         return seqs

@@ -30,6 +30,7 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order; the newest running request is preempted first
     index: int = 0  # which of the request's n choices this sequence is
+    priority: int = 0  # under the priority policy, lower runs first and is preempted last (vLLM's)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)

@@ -13,6 +13,10 @@ running request not yet scheduled in the step is preempted: its blocks (and stat
 recomputed later from its tokens, never left with a corrupt cache. A prompt chunk that leaves some of the prompt
 for later steps ends at a multiple of the model's prefill_alignment (a hybrid's 64-position delta-rule chunks).
 
+Under the priority policy (vLLM's `--scheduling-policy priority`) the order is (priority, arrival) instead: the
+waiting requests are admitted in it, running requests are scheduled in it, and the one that comes last in it is
+preempted first; a preempted request waits at its place in it.
+
 With prefix caching (kv_cache.py) a request is admitted with the longest run of cached full blocks that
 begins its tokens, and computes from there; never all of them, since its last token must run to give logits.
 Blocks full of computed tokens are registered at the next step that sees them (or when the request ends or is
@@ -22,12 +26,15 @@ prompt position's logits and looks nothing up.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
 from infero.engine.kv_cache import BlockPool, block_hashes
 from infero.engine.request import Request, Status
 from infero.engine.state_pool import StatePool
+
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,12 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         states: StatePool | None = None,  # a hybrid model's recurrent-state slots; None: the model has none
         prefill_alignment: int = 1,  # a prompt chunk that leaves some of the prompt ends at a multiple of this
+        policy: str = "fcfs",  # or "priority": by (Request.priority, arrival)
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.pool, self.max_num_seqs, self.max_num_batched_tokens = pool, max_num_seqs, max_num_batched_tokens
-        self.states, self.prefill_alignment = states, prefill_alignment
+        self.states, self.prefill_alignment, self.by_priority = states, prefill_alignment, policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -59,7 +69,10 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found there
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_priority_order)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,13 +80,14 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        running = sorted(self.running, key=_priority_order) if self.by_priority else self.running
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         # Prompt tokens this step: what the decodes leave of the budget, but never less than a quarter of it, so that
         # as many streams as the budget holds cannot keep a new prompt from starting until one of them ends (nor
         # less than one aligned chunk, which a prompt may need to move at all).
         floor = max(-(-self.max_num_batched_tokens // 4), self.prefill_alignment)
         budget = max(self.max_num_batched_tokens - len(decodes), floor)
-        for req in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
+        for req in decodes + [r for r in running if r.num_tokens - r.num_computed_tokens > 1]:
             if req not in self.running:  # preempted below to make room for an older request
                 continue
             self._register_computed(req)
@@ -158,9 +172,11 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, scheduled: set[int]) -> bool:
         """Blocks for n more tokens of a running request, preempting the newest requests not yet scheduled this
-        step (the request itself last); False when it was preempted."""
+        step (the request itself last; under the priority policy the last in its order); False when it was
+        preempted."""
         while not self._grow(req, n):
-            victim = [r for r in self.running if id(r) not in scheduled][-1]
+            candidates = [r for r in self.running if id(r) not in scheduled]
+            victim = max(candidates, key=_priority_order) if self.by_priority else candidates[-1]
             self._preempt(victim)
             if victim is req:
                 return False
@@ -183,7 +199,10 @@ class Scheduler:
         self.release_state(req)  # its recompute starts at position 0, in whichever slot it gets then
         req.blocks, req.num_computed_tokens, req.status = [], 0, Status.WAITING
         req.num_registered_blocks = 0
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self.add(req)
+        else:
+            self.waiting.appendleft(req)
 
     def _looks_up(self, req: Request) -> bool:
         return self.pool.enable_caching and req.params.prompt_logprobs is None
@@ -216,3 +235,7 @@ class Scheduler:
         for i in range(req.num_registered_blocks, min(full, len(hashes))):
             self.pool.register(req.blocks[i], hashes[i])
         req.num_registered_blocks = min(full, len(hashes))
+
+
+def _priority_order(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival

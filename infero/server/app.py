@@ -346,6 +346,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         _check_logprobs(settings, req.num_logprobs, "top_logprobs")
         _check_logprobs(settings, req.prompt_logprobs, "prompt_logprobs")
         engine = state.require_ready()
+        _check_priority(engine, req.priority)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [m.to_template() for m in req.messages]
         prompt_ids, prompt_text = await asyncio.to_thread(
@@ -366,7 +367,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             req.return_token_ids, settings.tokens_as_ids(req),
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
-                         settings.log_requests)  # fmt: skip
+                         settings.log_requests, req.priority)  # fmt: skip
         return gen, ctx
 
     @router.post("/v1/completions", **openapi.route_docs(protocol.CompletionRequest, openapi.CompletionResponse,
@@ -378,6 +379,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         _check_logprobs(settings, req.logprobs, "logprobs")
         _check_logprobs(settings, req.prompt_logprobs, "prompt_logprobs")
         engine = state.require_ready()
+        _check_priority(engine, req.priority)
         prompts = _prompt_list(req.prompt)
         state.check_admissible(len(prompts))  # before the work of encoding them
         keep = _prompt_tokens_kept(engine, req.truncate_prompt_tokens)
@@ -403,7 +405,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             settings.tokens_as_ids(req),
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, prompts, params, state.admit(len(prompts)),
-                         req.cache_salt, settings.log_requests)  # fmt: skip
+                         req.cache_salt, settings.log_requests, req.priority)  # fmt: skip
         return await _answer(request, gen, req.stream, lambda: completion_stream(gen, ctx),
                              lambda: _collect_completion(gen, ctx))  # fmt: skip
 
@@ -570,6 +572,12 @@ def _check_logprobs(settings: ServerSettings, count: int | None, param: str) -> 
         asked = "the whole vocabulary's logprobs (-1)" if count < 0 else f"{count} logprobs a token"
         raise bad_request(f"{param}: requested {asked}, more than this server's --max-logprobs "
                           f"{settings.max_logprobs}", param)  # fmt: skip
+
+
+def _check_priority(engine: AsyncEngine, priority: int) -> None:
+    if priority != 0 and engine.scheduling_policy != "priority":
+        raise bad_request(f"priority {priority} needs priority scheduling: start the server with --scheduling-policy "
+                          "priority (it schedules by arrival alone)", "priority")  # fmt: skip
 
 
 def _check_token_ids(engine: AsyncEngine, ids: list[int], param: str) -> None:

@@ -178,6 +178,7 @@ class _SamplingFields(_Model):
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
     return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and the output's token ids
+    priority: int = 0  # vLLM's: under --scheduling-policy priority, lower runs first and is preempted last
     # vLLM's: logprobs name each token "token_id:N" (a token that is half a character stays identifiable);
     # None: the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None

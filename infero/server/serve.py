@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def flag(name: str, default=None, aliases: tuple[str, ...] = (), **kwargs) -> None:
         env = "INFERO_" + name.lstrip("-").upper().replace("-", "_")
         kwargs["help"] = f"{kwargs.get('help', '')} [env {env}]".strip()
+        if "choices" in kwargs:  # argparse checks choices on arguments only, not on a default from the environment
+            kwargs["type"] = _one_of(kwargs["choices"], env, kwargs.get("type", str))
         # argparse runs `type` on a string default, so a bad environment value fails like a bad flag
         parser.add_argument(name, *aliases, default=os.environ.get(env, default), **kwargs)
 
@@ -240,6 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                         help="taken as vllm serve takes them; infero logs neither requests (unless "
                              "--enable-log-requests) nor stats")  # fmt: skip
+    flag("--scheduling-policy", "fcfs", choices=("fcfs", "priority"),
+         help="the order requests run in: fcfs (by arrival) or priority (by each request's priority, lower first, "
+              "then arrival; the last in that order is preempted first), as vllm serve's (default: fcfs)")  # fmt: skip
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name each token "token_id:N" (a request\'s return_tokens_as_token_ids says '
                              "otherwise for itself), as vllm serve's")  # fmt: skip
@@ -334,6 +339,16 @@ def served_name(path: Path) -> str:
     return re.sub(r"-\d{5}-of-\d{5}$", "", path.stem)
 
 
+def _one_of(choices, env: str, convert):
+    def checked(text: str):
+        value = convert(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(map(str, choices))} (flag or {env})")
+        return value
+
+    return checked
+
+
 def engine_config(args: argparse.Namespace):
     from infero.engine.engine import EngineConfig
 
@@ -347,6 +362,7 @@ def engine_config(args: argparse.Namespace):
         "cpu_threads": args.cpu_threads,
         "enable_prefix_caching": _switch(args.enable_prefix_caching, PREFIX_CACHING_ENV),
         "seed": args.seed,
+        "scheduling_policy": args.scheduling_policy,
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if v is not None and k in known})

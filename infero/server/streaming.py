@@ -81,10 +81,13 @@ class Generation:
     """
 
     def __init__(self, engine, metrics: Metrics, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 release: Callable[[], None], cache_salt: str | None = None, log_requests: bool = False):  # fmt: skip
-        """log_requests: a log line when the request arrives and one when it ends (--enable-log-requests)."""
+                 release: Callable[[], None], cache_salt: str | None = None, log_requests: bool = False,
+                 priority: int = 0):  # fmt: skip
+        """log_requests: a log line when the request arrives and one when it ends (--enable-log-requests);
+        priority: vLLM's, under the priority scheduling policy."""
         self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
         self.release, self.cache_salt, self.log_requests = release, cache_salt, log_requests
+        self.priority = priority
         if log_requests:
             lengths = ", ".join(str(len(p)) for p in prompts)
             log.info("received request %s: prompt tokens %s, %s", request_id, lengths, _describe(params))
@@ -109,7 +112,7 @@ class Generation:
         """(choice index, prompt index, output) for every output, until every choice has finished."""
         n = self.params.n
         streams = [
-            self.engine.generate(f"{self.request_id}-{i}", ids, self.params, self.cache_salt)
+            self.engine.generate(f"{self.request_id}-{i}", ids, self.params, self.cache_salt, self.priority)
             for i, ids in enumerate(self.prompts)
         ]
         try:

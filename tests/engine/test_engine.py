@@ -4,7 +4,7 @@ import pytest
 
 from infero import LLM, SamplingParams
 from infero.engine.engine import EngineConfig
-from infero.errors import PromptTooLongError
+from infero.errors import InferoError, PromptTooLongError
 
 PROMPTS = ["hello world", "the and tion", "12 12 hello", "world world world the"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -231,3 +231,26 @@ def test_invalid_schema_is_rejected_when_the_request_arrives(llm):
     with pytest.raises(InferoError):
         llm.engine.add_request("bad", [5, 6], SamplingParams(structured=StructuredOutput.regex("(unclosed")))
     assert not llm.engine.has_unfinished()
+
+
+def test_priority_scheduling_runs_the_most_urgent_first_with_the_same_tokens(tiny_model_path, llm):
+    """vLLM's priority policy: with one sequence at a time, requests finish in (priority, arrival) order; each
+    request's tokens are what it gets alone. Under fcfs a priority is refused, never silently ignored."""
+    expected = [o.completion_ids for o in llm.generate(PROMPTS, GREEDY)]
+    ranked = LLM(tiny_model_path, engine_config=EngineConfig(max_num_seqs=1, scheduling_policy="priority"))
+    engine, finished = ranked.engine, []
+    for i, (prompt, priority) in enumerate(zip(PROMPTS, [3, -2, 3, 0], strict=True)):
+        engine.add_request(f"r{i}", ranked.encode(prompt), GREEDY, priority=priority)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.append(out.request_id)
+    assert finished == ["r1", "r3", "r0", "r2"]
+    assert [tokens[f"r{i}"] for i in range(4)] == expected
+    assert [o.completion_ids for o in ranked.generate(PROMPTS, GREEDY, priority=[1, 0, 0, 2])] == expected
+    with pytest.raises(InferoError, match="scheduling-policy priority"):
+        llm.generate(PROMPTS[:1], GREEDY, priority=[1])
+    with pytest.raises(InferoError, match="2 values for 1 prompts"):
+        ranked.generate(PROMPTS[:1], GREEDY, priority=[1, 2])

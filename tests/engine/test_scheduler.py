@@ -1,5 +1,7 @@
 """The token-budget scheduler: decodes first, chunked prefill, admission by free blocks, preemption."""
 
+import pytest
+
 from infero.engine.kv_cache import BlockPool
 from infero.engine.request import Request, Status
 from infero.engine.sampling import SamplingParams
@@ -164,3 +166,45 @@ def test_a_waiting_prompt_is_not_admitted_with_less_than_a_chunk_left():
     advance(chunks)
     chunks = s.schedule()
     assert [(c.request, c.num_tokens) for c in chunks] == [(first, 1), (second, 64)]
+
+
+def prioritized(i, prompt_len, priority):
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(), arrival=i, priority=priority)
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=1000, policy="priority")
+    low, high, mid, high_later = (
+        prioritized(0, 5, 5),
+        prioritized(1, 5, -1),
+        prioritized(2, 5, 0),
+        prioritized(3, 5, -1),
+    )
+    for r in (low, high, mid, high_later):
+        s.add(r)
+    assert [c.request for c in s.schedule()] == [high, high_later]
+    fcfs = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=1000)
+    for r in (prioritized(0, 5, 5), prioritized(1, 5, -1)):
+        fcfs.add(r)
+    assert [c.request.priority for c in fcfs.schedule()] == [5, -1]  # fcfs: arrival alone
+
+
+def test_priority_policy_preempts_the_least_urgent_and_requeues_it_in_order():
+    s = Scheduler(BlockPool(3, 4, enable_caching=False), max_num_seqs=4, max_num_batched_tokens=100, policy="priority")
+    urgent_late, lax_early = prioritized(1, 4, 0), prioritized(0, 4, 9)
+    s.add(lax_early)
+    s.add(urgent_late)
+    advance(s.schedule())  # 1 block each; both need a second to decode, and one block is left
+    advance(s.schedule())  # fcfs would preempt the newest (urgent_late); priority preempts lax_early
+    assert urgent_late.status is Status.RUNNING and len(urgent_late.blocks) == 2
+    assert lax_early.status is Status.WAITING and lax_early.num_computed_tokens == 0
+    waiting_first = prioritized(2, 4, 1)
+    s.add(waiting_first)
+    assert list(s.waiting) == [waiting_first, lax_early]  # the preempted request waits at its place in the order
+    s.finish(urgent_late, "stop")
+    assert [c.request for c in s.schedule()] == [waiting_first, lax_early]
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Scheduler(BlockPool(4, 4), policy="lifo")

@@ -1,6 +1,11 @@
 """GET /v1/models, /health, /metrics; POST /tokenize and /detokenize."""
 
+import dataclasses
 import re
+import threading
+import time
+
+from live_server import TINY_ENGINE
 
 from infero.server.app import CorsSettings
 from infero.server.metrics import Histogram
@@ -135,3 +140,34 @@ def test_enable_log_requests_logs_each_request_as_it_arrives_and_ends_without_it
     assert lines[0].startswith(f"received request {rid}: prompt tokens ") and "temperature=0" in lines[0]
     assert lines[1] == f"finished request {rid}: 3 tokens generated"
     assert not any("secret" in rec.getMessage() for rec in caplog.records)
+
+
+def test_priority_needs_the_priority_policy_and_orders_requests_under_it(server, fresh_server):
+    """vLLM's `priority`: a 400 that names the flag under fcfs (never silently ignored); under --scheduling-policy
+    priority, with one sequence at a time, the urgent request queued behind a long one runs before the lax ones."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "priority": 1}
+    r = server.http().post("/v1/completions", json=body)
+    assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "priority"
+    assert server.http().post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    live = fresh_server(engine_config=dataclasses.replace(TINY_ENGINE, max_num_seqs=1, scheduling_policy="priority"),
+                        step_delay=0.01)  # fmt: skip
+    finished = []
+
+    def send(name: str, priority: int, max_tokens: int) -> None:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "priority": priority, "ignore_eos": True}
+        r = live.http().post("/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        finished.append(name)
+
+    first = threading.Thread(target=send, args=("first", 0, 150))  # ~1.5 s of steps
+    first.start()
+    time.sleep(0.2)  # the first runs; the others queue behind it
+    others = [threading.Thread(target=send, args=(name, priority, 2)) for name, priority in
+              (("lax", 5), ("lax2", 5), ("urgent", -5))]  # fmt: skip
+    for t in others:
+        t.start()
+        time.sleep(0.05)
+    for t in [first, *others]:
+        t.join()
+    assert finished == ["first", "urgent", "lax", "lax2"]

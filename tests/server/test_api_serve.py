@@ -143,6 +143,21 @@ def test_the_http_surfaces_flags():
         notes(parse(["--default-chat-template-kwargs", '{"messages": []}']))
     assert parse(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
     assert not parse([]).return_tokens_as_token_ids
+    assert engine_config(parse(["--scheduling-policy", "priority"])).scheduling_policy == "priority"
+    assert engine_config(parse([])).scheduling_policy == "fcfs"
+
+
+def test_an_environment_value_outside_a_flags_choices_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("INFERO_SCHEDULING_POLICY", "lifo")
+    with pytest.raises(SystemExit):
+        parse([])
+    assert "'lifo' is not one of fcfs, priority (flag or INFERO_SCHEDULING_POLICY)" in capsys.readouterr().err
+    monkeypatch.setenv("INFERO_ASYNC_SCHEDULING", "sometimes")  # was a KeyError traceback
+    monkeypatch.delenv("INFERO_SCHEDULING_POLICY")
+    with pytest.raises(SystemExit):
+        parse([])
+    monkeypatch.setenv("INFERO_ASYNC_SCHEDULING", "off")
+    assert engine_config(parse([])).async_scheduling is False
 
 
 def test_generation_config_flags_and_what_the_server_says_of_the_defaults():
