@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,6 +213,10 @@ class Engine:
         if not chunks:
             return None
         steps = [self._sequence_step(c) for c in chunks]
+        now = time.monotonic()
+        for c in chunks:
+            if c.request.first_scheduled is None:
+                c.request.first_scheduled = now
         logits = self.backend.forward(self.model, build_batch(steps, self.pool.block_size), self.cache, feed)
         rows, sampling, offset = [], [], 0
         for chunk, step in zip(chunks, steps, strict=True):
@@ -324,6 +329,7 @@ class Engine:
                             priority=req.priority, cache_salt=req.cache_salt,
                             block_hashes=list(req.block_hashes))  # fmt: skip
             child.prompt_logprobs, child.num_cached_tokens = req.prompt_logprobs, req.num_cached_tokens
+            child.first_scheduled = req.first_scheduled
             room = len(self.scheduler.running) < self.config.max_num_seqs
             if room and (not partial or self.pool.num_free > 0) and self.scheduler.take_state(child):
                 child.blocks = self.pool.share(req.blocks[:full])
@@ -408,6 +414,7 @@ class Engine:
             num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens or 0,
             stop_reason=stop_reason,
+            first_scheduled=req.first_scheduled,
         )
 
     def _fail(self, req: Request, error: InferoError) -> RequestOutput:

@@ -31,6 +31,7 @@ class Request:
     arrival: int  # admission order; the newest running request is preempted first
     index: int = 0  # which of the request's n choices this sequence is
     priority: int = 0  # under the priority policy, lower runs first and is preempted last (vLLM's)
+    first_scheduled: float | None = None  # time.monotonic() of the first step that computed any of it
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
@@ -81,3 +82,4 @@ class RequestOutput:
     error: InferoError | None = None  # finish_reason "error": why this choice failed (the others go on)
     num_cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
     stop_reason: str | int | None = None  # finish_reason "stop": the stop string or stop token id (None: end of text)
+    first_scheduled: float | None = None  # time.monotonic() when the request first ran: its queue time ends there

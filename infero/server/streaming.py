@@ -93,7 +93,7 @@ class Generation:
             log.info("received request %s: prompt tokens %s, %s", request_id, lengths, _describe(params))
         self.num_generated = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache, counted at each prompt's first output
-        self._timers = [metrics.track() for _ in prompts]
+        self._timers = [metrics.track(len(p), params.n, params.max_tokens) for p in prompts]
         self._started = [False] * len(prompts)
         self._closed = False
 

@@ -5,6 +5,7 @@ import re
 import threading
 import time
 
+import pytest
 from live_server import TINY_ENGINE
 
 from infero.server.app import CorsSettings
@@ -80,6 +81,31 @@ def test_metrics_parse_and_count_what_was_served(server):
     assert after[itl] - before[itl] == 8
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
         assert f"infero:{gauge}{label}" in after
+
+
+def test_request_phase_metrics_split_each_choices_latency_as_vllm_does(fresh_server, tiny_llm):
+    """vLLM's request_queue / prefill / decode / inference time histograms and the token and parameter ones: a
+    choice's time to first token is its queue time plus its prefill, its end-to-end latency the queue time plus its
+    inference, its inference the prefill plus its decode."""
+    live = fresh_server()
+    prompt = "hello world and the"
+    live.http().post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 5, "n": 2,
+                                             "ignore_eos": True})  # fmt: skip
+    m = parse_metrics(live.http().get("/metrics").text)
+
+    def hist(name: str) -> tuple[float, float]:
+        return m[f'infero:{name}_count{{model_name="tiny"}}'], m[f'infero:{name}_sum{{model_name="tiny"}}']
+
+    (nq, queue), (np_, prefill), (nd, decode), (ni, inference) = (
+        hist(f"request_{phase}_time_seconds") for phase in ("queue", "prefill", "decode", "inference")
+    )
+    assert (nq, np_, nd, ni) == (1, 2, 2, 2) and queue >= 0 and decode > 0
+    assert hist("time_to_first_token_seconds")[1] == pytest.approx(2 * queue + prefill, abs=1e-6)
+    assert hist("e2e_request_latency_seconds")[1] == pytest.approx(2 * queue + inference, abs=1e-6)
+    assert inference == pytest.approx(prefill + decode, abs=1e-6)
+    assert hist("request_prompt_tokens") == (1, len(tiny_llm.tokenizer.encode(prompt)))
+    assert hist("request_generation_tokens") == (2, 10)
+    assert hist("request_params_n") == (1, 2) and hist("request_params_max_tokens") == (1, 5)
 
 
 def test_histogram_buckets_are_cumulative_in_the_text():
