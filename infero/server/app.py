@@ -35,11 +35,12 @@ from starlette.requests import ClientDisconnect
 
 import infero
 from infero.engine.async_engine import AsyncEngine
+from infero.engine.engine import EngineStats
 from infero.engine.sampling import MAX_LOGPROBS, SamplingParams
 from infero.engine.structured import StructuredOutputError
 from infero.errors import ChatTemplateError, InferoError, PromptTooLongError
 from infero.server import metrics as metrics_module
-from infero.server import openapi, protocol, responses
+from infero.server import openapi, protocol, responses, stats_log
 from infero.server.errors import APIError, bad_request, from_validation_error, install_error_handlers, unavailable
 from infero.server.reasoning import choose_reasoning_parser, get_reasoning_parser
 from infero.server.streaming import (
@@ -97,6 +98,7 @@ class ServerSettings:
     log_requests: bool = False  # a log line as each request arrives and ends (--enable-log-requests)
     default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's (vLLM's flag of that name)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+    log_stats_interval: float | None = stats_log.LOG_INTERVAL_S  # the periodic stats line; None: none
 
     def tokens_as_ids(self, req: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> bool:
         asked = req.return_tokens_as_token_ids
@@ -127,6 +129,9 @@ class ServerState:
         self.fingerprint = "fp_infero"
         self.reasoning_parser: Any = None  # from the chat template, when the model is loaded
         self.tool_parser: Any = None
+
+    def engine_stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
 
     def begin_shutdown(self) -> None:
         """From now on new requests get 503; running ones go on until the engine's shutdown."""
@@ -194,10 +199,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(_load(state, load, on_ready, on_load_error))
+        stats = None
+        if settings.log_stats_interval is not None:
+            stats = asyncio.create_task(stats_log.log_stats(state.engine_stats, settings.log_stats_interval))
         try:
             yield
         finally:
             state.begin_shutdown()
+            if stats is not None:
+                stats.cancel()
             if not loading.done():
                 loading.cancel()
             if state.engine is not None:

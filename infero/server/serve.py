@@ -239,9 +239,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="taken as vllm serve takes it: infero's uvicorn keeps no access log")  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="taken as vllm serve takes it; a GGUF file holds no code")  # fmt: skip
-    parser.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
-                        help="taken as vllm serve takes them; infero logs neither requests (unless "
-                             "--enable-log-requests) nor stats")  # fmt: skip
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="taken as vllm serve takes it; infero logs no requests unless --enable-log-requests",
+    )
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, queue, KV cache use, prefix cache hits every 10 s "
+                             "while serving), as vllm serve's")  # fmt: skip
     flag("--scheduling-policy", "fcfs", choices=("fcfs", "priority"),
          help="the order requests run in: fcfs (by arrival) or priority (by each request's priority, lower first, "
               "then arrival; the last in that order is preempted first), as vllm serve's (default: fcfs)")  # fmt: skip
@@ -376,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
     from infero.errors import ModelFileError
     from infero.llm import LLM
     from infero.server.app import CorsSettings, ServerSettings, create_app
+    from infero.server.stats_log import LOG_INTERVAL_S
 
     model = args.model_file or args.model
     path = Path(model) if model else default_model_path()
@@ -394,7 +400,8 @@ def main(args: argparse.Namespace) -> int:
                               docs=not args.disable_fastapi_docs, aliases=tuple(names[1:]),
                               log_requests=args.enable_log_requests,
                               default_chat_template_kwargs=args.default_chat_template_kwargs,
-                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                              log_stats_interval=None if args.disable_log_stats else LOG_INTERVAL_S)  # fmt: skip
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # where it answers; a proxy adds --root-path
     exit_code = 0

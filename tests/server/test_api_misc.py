@@ -1,6 +1,7 @@
 """GET /v1/models, /health, /metrics; POST /tokenize and /detokenize."""
 
 import dataclasses
+import logging
 import re
 import threading
 import time
@@ -8,8 +9,10 @@ import time
 import pytest
 from live_server import TINY_ENGINE
 
+from infero.engine.engine import EngineStats
 from infero.server.app import CorsSettings
 from infero.server.metrics import Histogram
+from infero.server.stats_log import StatsLine
 
 HELLO = [{"role": "user", "content": "hello"}]
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
@@ -166,6 +169,38 @@ def test_enable_log_requests_logs_each_request_as_it_arrives_and_ends_without_it
     assert lines[0].startswith(f"received request {rid}: prompt tokens ") and "temperature=0" in lines[0]
     assert lines[1] == f"finished request {rid}: 3 tokens generated"
     assert not any("secret" in rec.getMessage() for rec in caplog.records)
+
+
+def test_the_periodic_stats_line_reports_what_was_served_and_goes_quiet_when_idle(fresh_server, caplog):
+    """vllm serve's stats line: throughput over the interval, the queue, KV and prefix cache use; at INFO while
+    (and just after) tokens flow, then DEBUG."""
+    live = fresh_server(log_stats_interval=0.3)
+    with caplog.at_level("DEBUG", logger="infero.server"):
+        live.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 20,
+                                                 "ignore_eos": True})  # fmt: skip
+        time.sleep(1.5)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    busy = [text for level, text in lines if level == "INFO"]
+    assert busy and re.search(r"Avg generation throughput: [1-9][0-9.]* tokens/s", busy[0]), lines
+    assert "Running: " in busy[0] and "Waiting: 0 reqs" in busy[0] and "KV cache usage: " in busy[0]
+    assert "Prefix cache hit rate: " in busy[0]
+    assert lines[-1][0] == "DEBUG" and "Avg generation throughput: 0.0 tokens/s" in lines[-1][1]
+
+
+def test_stats_lines_count_the_interval_between_two_looks():
+    def stats(prompt, generation, queries, hits, running=0, preemptions=0):
+        return EngineStats(num_running=running, num_waiting=0, kv_usage=0.25, num_preemptions=preemptions,
+                           kv_capacity_tokens=1024, prompt_tokens_total=prompt, generation_tokens_total=generation,
+                           prefix_cache_queries=queries, prefix_cache_hits=hits, kv_blocks_referenced=0,
+                           kv_blocks_cached=0, prefix_caching=True, num_state_slots=0, state_slots_used=0)  # fmt: skip
+
+    tracker = StatsLine(stats(100, 50, 100, 0), now=0.0)
+    level, text = tracker.line(stats(300, 250, 300, 150, running=2, preemptions=1), now=10.0)
+    assert level == logging.INFO
+    assert text == ("Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 2 reqs, "
+                    "Waiting: 0 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 75.0%, Preemptions: 1")  # fmt: skip
+    assert tracker.line(stats(300, 250, 300, 150, preemptions=1), now=20.0)[0] == logging.INFO  # just after
+    assert tracker.line(stats(300, 250, 300, 150, preemptions=1), now=30.0)[0] == logging.DEBUG
 
 
 def test_priority_needs_the_priority_policy_and_orders_requests_under_it(server, fresh_server):
