@@ -374,7 +374,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         ctx = ChatStreamContext(
             response_id, protocol.now(), settings.served_model_name, state.fingerprint,
             engine.tokenizer, req.logprobs, req.include_usage, req.continuous_usage, parsers, req.prompt_logprobs,
-            req.return_token_ids, settings.tokens_as_ids(req),
+            req.return_token_ids, settings.tokens_as_ids(req), req.echoed,
         )  # fmt: skip
         gen = Generation(engine, state.metrics, ctx.response_id, [prompt_ids], params, state.admit(1), req.cache_salt,
                          settings.log_requests, req.priority)  # fmt: skip
@@ -725,6 +725,8 @@ async def _collect_chat(gen: Generation, ctx: ChatStreamContext) -> dict:
     for i in range(n):
         text = "".join(texts[i])
         message = {"role": "assistant", **(ctx.parsers.message(text) if ctx.parsers else {"content": text})}
+        if ctx.echo:
+            message["content"] = ctx.echo + (message.get("content") or "")
         choice = {"index": i, "message": message, "logprobs": None,
                   "finish_reason": "tool_calls" if message.get("tool_calls") else finish[i],
                   "stop_reason": stop_reasons[i]}  # fmt: skip

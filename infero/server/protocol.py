@@ -280,12 +280,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatPromptFields):
     parallel_tool_calls: bool | None = None  # false: only a choice's first tool call is answered
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents (RAG)
-    echo: bool = False  # vLLM's chat echo: refused (not built)
+    echo: bool = False  # vLLM's: the answer's content begins with the last message's, when the model continues it
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported on chat completions; /v1/completions echoes its prompts")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and self.tool_choice != "auto":
@@ -300,6 +298,17 @@ class ChatCompletionRequest(_SamplingFields, _ChatPromptFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echoed(self) -> str:
+        """vLLM's echo: the text the answer repeats first, that of the last message when the model goes on in its
+        role (no generation prompt after it; with one, only an assistant message, whose role the answer shares)."""
+        last = self.messages[-1]
+        if not self.echo or (self.generation_prompt and last.role != "assistant"):
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(part.text for part in last.content if part.text is not None)
+        return last.content or ""
 
 
 class CompletionRequest(_SamplingFields):

@@ -315,6 +315,7 @@ class ChatStreamContext(StreamContext):
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the answer carries them, N alternatives each
     return_token_ids: bool = False  # vLLM's: prompt_token_ids beside the choices, each choice's token_ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    echo: str = ""  # vLLM's chat echo: the text every choice's content begins with
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
 
@@ -333,6 +334,9 @@ async def chat_stream(gen: Generation, ctx: ChatStreamContext) -> AsyncIterator[
         for i in range(gen.num_choices):
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None, "stop_reason": None}, **prompt)  # fmt: skip
+        for i in range(gen.num_choices if ctx.echo else 0):
+            yield chunk({"index": i, "delta": {"content": ctx.echo}, "logprobs": None, "finish_reason": None,
+                         "stop_reason": None})  # fmt: skip
         async with aclosing(gen.outputs()) as outputs:
             async for index, _, out in outputs:
                 for choice in chat_choice_deltas(index, out, ctx):

@@ -133,6 +133,30 @@ def test_return_tokens_as_token_ids_name_chat_logprob_tokens_by_id(server):
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
 
 
+def test_echo_repeats_the_message_the_model_continues_streamed_or_not(server):
+    """vLLM's chat echo: with continue_final_message the answer's content begins with the last message's; after a
+    user message with a generation prompt there is nothing to repeat."""
+    http = server.http()
+    partial = [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "The answer"},
+                                                          {"type": "text", "text": "is"}]}]  # fmt: skip
+    body = {"model": "tiny", "messages": partial, "continue_final_message": True, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "n": 2}  # fmt: skip
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    assert [c["message"]["content"] for c in echoed["choices"]] == ["The answer\nis" + plain] * 2
+    assert echoed["usage"]["completion_tokens"] == 12  # the echoed text is the prompt's, not generated
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={**body, "echo": True,
+              "stream": True}).text.splitlines() if line.startswith("data: {")]  # fmt: skip
+    for i in (0, 1):
+        deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(deltas) == "The answer\nis" + plain
+    after_user = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 4,
+                                                         "temperature": 0, "echo": True}).json()  # fmt: skip
+    alone = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 4,
+                                                    "temperature": 0}).json()  # fmt: skip
+    assert after_user["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(server):
     client = server.client()
 
@@ -353,8 +377,7 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt_as_vl
     [("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
      ("/v1/chat/completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
      ("/v1/completions", {"bad_words": ["hello"]}, "bad_words"),
-     ("/v1/chat/completions", {"logits_processors": ["x.Y"]}, "logits_processors"),
-     ("/v1/chat/completions", {"echo": True}, "echo")],
+     ("/v1/chat/completions", {"logits_processors": ["x.Y"]}, "logits_processors")],
 )  # fmt: skip
 def test_vllms_fields_for_what_infero_does_not_do_are_refused_not_ignored(server, route, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **extra}
