@@ -242,7 +242,8 @@ def apply_penalties(z: np.ndarray, params: SamplingParams, prompt_ids, output_id
         seen[np.asarray(prompt_ids, dtype=np.int64)] = True
         seen[output] = True
         r = params.repetition_penalty
-        z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
+        with np.errstate(over="ignore"):  # a huge penalty takes a negative logit to -inf: what it asks for
+            z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
     if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and output.size:
         counts = np.bincount(output, minlength=vocab_size)
         z -= params.frequency_penalty * counts

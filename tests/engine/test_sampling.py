@@ -2,6 +2,7 @@
 
 import math
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -362,6 +363,14 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = np.array([2.0, -2.0, 2.0, -2.0, 0.0])
     got = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1], output_ids=[4, 4])
     assert got.tolist() == [1.0, -4.0, 2.0, -2.0, 0.0]
+
+
+def test_a_huge_repetition_penalty_sends_negative_logits_to_minus_infinity_without_a_warning():
+    logits = np.array([2.0, -2.0, 1.0], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow warning here reached the server's log for a hostile request
+        got = apply_penalties(logits, SamplingParams(repetition_penalty=1e308), prompt_ids=[0, 1], output_ids=[])
+    assert got[1] == -np.inf and 0 <= float(got[0]) < 1e-30 and got[2] == 1.0
 
 
 def test_sampler_applies_bias_bans_and_penalties_before_choosing():
