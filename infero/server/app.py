@@ -208,6 +208,7 @@ def create_app(
             state.begin_shutdown()
             if stats is not None:
                 stats.cancel()
+                await asyncio.gather(stats, return_exceptions=True)  # ended before the loop is
             if not loading.done():
                 loading.cancel()
             if state.engine is not None:
