@@ -35,7 +35,6 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model.config
-        self.scheduling_policy = engine.config.scheduling_policy
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -52,6 +51,9 @@ class AsyncEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         self.engine.validate(prompt_ids, params, priority)
+
+    def check_priority(self, priority: int) -> None:
+        self.engine.check_priority(priority)
 
     def stats(self) -> EngineStats:
         return self._stats

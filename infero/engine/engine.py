@@ -131,9 +131,7 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise the user's error for a request that cannot run; reads only constants (thread-safe)."""
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise InferoError(f"priority {priority} asks for priority scheduling, which is off: start the engine "
-                              "with --scheduling-policy priority")  # fmt: skip
+        self.check_priority(priority)
         if not prompt_ids:
             raise InferoError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -148,6 +146,12 @@ class Engine:
             raise InferoError(f"n={params.n} exceeds the engine's --max-num-seqs ({self.config.max_num_seqs})")
         if params.structured is not None:
             self.grammars.compile_grammar(params.structured)  # an invalid schema or regex fails here, not in a step
+
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 asks for the priority policy; under fcfs it would be ignored, so it is refused."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InferoError(f"priority {priority} needs priority scheduling, which is off: run with "
+                              "--scheduling-policy priority (requests are scheduled by arrival alone)")  # fmt: skip
 
     def add_request(
         self,

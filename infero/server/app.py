@@ -586,9 +586,10 @@ def _check_logprobs(settings: ServerSettings, count: int | None, param: str) -> 
 
 
 def _check_priority(engine: AsyncEngine, priority: int) -> None:
-    if priority != 0 and engine.scheduling_policy != "priority":
-        raise bad_request(f"priority {priority} needs priority scheduling: start the server with --scheduling-policy "
-                          "priority (it schedules by arrival alone)", "priority")  # fmt: skip
+    try:
+        engine.check_priority(priority)
+    except InferoError as e:
+        raise bad_request(str(e), "priority") from e
 
 
 def _check_token_ids(engine: AsyncEngine, ids: list[int], param: str) -> None:
@@ -762,11 +763,11 @@ async def _collect_completion(gen: Generation, ctx: CompletionStreamContext) -> 
         text = "".join(piece["text"] for piece in pieces[i])
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": last.get("finish_reason"),
                   "stop_reason": last.get("stop_reason")}  # fmt: skip
+        first = pieces[i][0] if pieces[i] else {}  # a choice's prompt's lists come with its first piece
         if ctx.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = next((p["prompt_logprobs"] for p in pieces[i] if "prompt_logprobs" in p), None)
+            choice["prompt_logprobs"] = first.get("prompt_logprobs")
         if ctx.return_token_ids:
-            choice["prompt_token_ids"] = next((p["prompt_token_ids"] for p in pieces[i] if "prompt_token_ids" in p),
-                                              None)  # fmt: skip
+            choice["prompt_token_ids"] = first.get("prompt_token_ids")
             choice["token_ids"] = [t for piece in pieces[i] for t in piece["token_ids"]]
         choices.append(choice)
     completion_tokens = 0 if ctx.score_only else gen.num_generated

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from infero.backends import DEVICES
 from infero.engine.sampling import MAX_LOGPROBS
+from infero.engine.scheduler import POLICIES
 from infero.server.reasoning import REASONING_PARSERS
 from infero.server.tool_parsers import TOOL_PARSERS
 
@@ -230,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="taken as vllm serve takes it, and not used: a preempted sequence's KV cache is computed again, "
               "not swapped to host memory")  # fmt: skip
     flag("--max-logprobs", "20", type=_int_at_least(0, MAX_LOGPROBS), metavar="N",
-         help=f"the most alternatives a request may ask for a token (logprobs, top_logprobs), "
+         help=f"the most alternatives a request may ask for a token (logprobs, top_logprobs, prompt_logprobs), "
               f"at most {MAX_LOGPROBS} (default: 20)")  # fmt: skip
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="taken as vllm serve takes it: usage.prompt_tokens_details.cached_tokens is always "
@@ -247,7 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, queue, KV cache use, prefix cache hits every 10 s "
                              "while serving), as vllm serve's")  # fmt: skip
-    flag("--scheduling-policy", "fcfs", choices=("fcfs", "priority"),
+    flag("--scheduling-policy", "fcfs", choices=POLICIES,
          help="the order requests run in: fcfs (by arrival) or priority (by each request's priority, lower first, "
               "then arrival; the last in that order is preempted first), as vllm serve's (default: fcfs)")  # fmt: skip
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
