@@ -52,7 +52,7 @@ def main() -> None:
     down = experts_tensor(GGMLType.Q6_K, args.experts, HIDDEN, FFN, rng)
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) / args.experts
     cuda_ops = CudaOps(SimpleNamespace(workspace=Workspace(1 << 30), stream=stream, weights_arena=None))
-    variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants.split(",")]
+    variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants.split(",") if spec]
     mma_groups = [int(v) for v in args.mma.split(",") if v]
     switches = [(moe, "GROUP_TOKENS"), (moe, "GROUP_RPW"), (moe, "MMA_GROUP"), (ops, "MOE_GROUPED_MIN_TOKENS"),
                 (ops, "MOE_MMA_MIN_TOKENS"), (moe, "PAIR_RPW"), (moe, "COMBINE_RPW"),
