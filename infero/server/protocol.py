@@ -464,17 +464,21 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return text, text.encode("utf-8")
 
 
+def logprob_token(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> tuple[str, bytes]:
+    """token_text, its text named "token_id:N" where `as_ids` (vLLM's return_tokens_as_token_ids)."""
+    text, data = token_text(tokenizer, token_id)
+    return (f"token_id:{token_id}" if as_ids else text), data
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:
     """`choices[i].logprobs.content` of a chat completion: one entry per generated token (`as_ids`: each token
     named "token_id:N", vLLM's return_tokens_as_token_ids)."""
     content = []
     for entry in entries:
-        text, data = token_text(tokenizer, entry.token_id)
-        text = f"token_id:{entry.token_id}" if as_ids else text
+        text, data = logprob_token(tokenizer, entry.token_id, as_ids)
         top = []
         for token_id, logprob in entry.top:
-            top_text, top_data = token_text(tokenizer, token_id)
-            top_text = f"token_id:{token_id}" if as_ids else top_text
+            top_text, top_data = logprob_token(tokenizer, token_id, as_ids)
             top.append({"token": top_text, "logprob": _finite(logprob), "bytes": list(top_data)})
         content.append({"token": text, "logprob": _finite(entry.logprob), "bytes": list(data), "top_logprobs": top})
     return content
@@ -486,11 +490,10 @@ def completion_logprobs(
     """The legacy `logprobs` of a completion choice for `token_ids` (an entry of None, the first prompt token's,
     gives null); `offset` is where the first token's text starts in the choice's text; `as_ids`: each token named
     "token_id:N" (the offsets still count the text)."""
-    name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: token_text(tokenizer, t)[0])
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, entry in zip(token_ids, entries, strict=True):
         text, _ = token_text(tokenizer, token_id)
-        tokens.append(name(token_id))
+        tokens.append(logprob_token(tokenizer, token_id, as_ids)[0] if as_ids else text)
         text_offset.append(offset)
         offset += len(text)
         if entry is None:
@@ -498,7 +501,7 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         token_logprobs.append(_finite(entry.logprob))
-        top = {name(t): _finite(lp) for t, lp in entry.top}
+        top = {logprob_token(tokenizer, t, as_ids)[0]: _finite(lp) for t, lp in entry.top}
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
